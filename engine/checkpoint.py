@@ -1,0 +1,194 @@
+"""Writes small Hugging Face checkpoint directories: config.json, safetensors weights and a
+trained tokenizer.
+
+Tests build their models with this (nothing is downloaded), and the built-in demo model is
+written by it on first use. Everything is deterministic for a given seed: the same call
+writes byte-identical weights and the same tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|eos|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_WORDS = (
+    "the a an of to in and is was for on that with as by at from it this be are or his her "
+    "model token cache page prefill decode router node request stream serve batch layer head "
+    "river mountain city light shadow window garden music paper letter story market winter "
+    "quick brown fox jumps over lazy dog while seven bright stars slowly turn around north "
+    "café naïve résumé straße über 東京 北京 数据 模型 日本語 한국어 Ωmega πr² €100 ✓ 🚀 🙂 "
+    "0 1 2 3 4 5 6 7 8 9 10 42 100 2024 , . ; : ! ? ( ) - \" '"
+).split()
+
+
+def training_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-text covering ASCII, accented Latin, CJK and emoji."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_lines):
+        n = rng.randint(4, 24)
+        lines.append(" ".join(rng.choice(_WORDS) for _ in range(n)))
+    return lines
+
+
+def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int = 0) -> None:
+    """Train a byte-level BPE tokenizer on the built-in corpus and save it as a
+    `PreTrainedTokenizerFast` (tokenizer.json + tokenizer_config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(training_corpus(seed=seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+
+def _config(family: str, vocab_size: int, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    if family == "llama":
+        cls = LlamaConfig
+    elif family == "llama3":
+        cls = LlamaConfig
+        common.update(
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        )
+    elif family == "mistral":
+        cls = MistralConfig
+        common.update(sliding_window=None)
+    elif family == "qwen2":
+        cls = Qwen2Config
+        common.update(tie_word_embeddings=True)
+    elif family == "qwen3":
+        cls = Qwen3Config
+        common.update(head_dim=24, tie_word_embeddings=True)
+    else:
+        raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+    common.update(overrides)
+    return cls(**common)
+
+
+def write_checkpoint(
+    out_dir: str | os.PathLike,
+    family: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 512,
+    max_shard_size: str | None = None,
+    **config_overrides,
+) -> Path:
+    """Write a randomly initialised checkpoint of `family` into `out_dir` and return it.
+
+    `config_overrides` go into the transformers config (hidden_size, num_hidden_layers,
+    num_key_value_heads, head_dim, ...). `max_shard_size` (e.g. "200KB") splits the weights
+    over several safetensors files with an index, as large checkpoints are.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, vocab_size=vocab_size, seed=seed)
+    config = _config(family, vocab_size, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    kwargs = {"safe_serialization": True}
+    if max_shard_size:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(str(out), **kwargs)
+    return out
+
+
+DEMO_MODEL_VERSION = "demo-llama-v1"
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pdserve"
+    )
+    return Path(root)
+
+
+def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The built-in demo model: a small Llama checkpoint written once into the cache.
+
+    Written into a temporary directory and renamed into place, so concurrent first starts
+    (router, prefill and decode at once) never see half a checkpoint.
+    """
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    target = root / DEMO_MODEL_VERSION
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{DEMO_MODEL_VERSION}.{os.getpid()}.tmp"
+    write_checkpoint(
+        tmp,
+        family="llama",
+        seed=1234,
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        initializer_range=0.05,
+    )
+    (tmp / "pdserve_demo.json").write_text(json.dumps({"version": DEMO_MODEL_VERSION}))
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        # Another process won the race; its copy is identical.
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
