@@ -1,0 +1,79 @@
+"""Reservation leases: a parked reservation lives until StartGeneration, Abort or expiry.
+
+Invariants: every reservation in the table has exactly one pending expiry timer; `take`
+and `drop` remove the entry and cancel its timer, so a reservation is released exactly
+once, by whichever comes first. Lease ids are random, so a call carrying a stale lease id
+(of an expired or replaced reservation with the same request id) is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+
+class LeaseError(Exception):
+    """No live reservation matches; `missing` tells unknown id from wrong lease."""
+
+    def __init__(self, message: str, missing: bool) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+@dataclass
+class Lease:
+    request_id: str
+    lease_id: str
+    prompt_len: int
+    prefix_matched_length: int
+    kv_window_end: int
+    expires_at: float
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class LeaseTable:
+    def __init__(self, on_expire: Callable[[Lease], Awaitable[None]]) -> None:
+        self._leases: dict[str, Lease] = {}
+        self._on_expire = on_expire
+        self._expiring: set[asyncio.Task] = set()
+        self.expired_total = 0
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._leases
+
+    def grant(self, request_id: str, duration_s: float, **info) -> Lease:
+        lease = Lease(request_id, uuid.uuid4().hex, expires_at=time.monotonic() + duration_s, **info)
+        lease.timer = asyncio.get_running_loop().call_later(duration_s, self._expire, lease)
+        self._leases[request_id] = lease
+        return lease
+
+    def take(self, request_id: str, lease_id: str) -> Lease:
+        lease = self._leases.get(request_id)
+        if lease is None:
+            raise LeaseError(f"no reservation for request {request_id!r} "
+                             "(never made, already started, aborted or expired)", missing=True)
+        if lease.lease_id != lease_id:
+            raise LeaseError(f"lease {lease_id!r} does not match the reservation of request "
+                             f"{request_id!r}", missing=False)
+        return self.drop(request_id)
+
+    def drop(self, request_id: str) -> Lease | None:
+        lease = self._leases.pop(request_id, None)
+        if lease is not None and lease.timer is not None:
+            lease.timer.cancel()
+        return lease
+
+    def _expire(self, lease: Lease) -> None:
+        if self._leases.get(lease.request_id) is not lease:
+            return
+        del self._leases[lease.request_id]
+        self.expired_total += 1
+        task = asyncio.ensure_future(self._on_expire(lease))
+        self._expiring.add(task)
+        task.add_done_callback(self._expiring.discard)

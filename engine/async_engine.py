@@ -1,0 +1,170 @@
+"""`AsyncEngine`: the Engine loop in its own thread, driven from asyncio without blocking.
+
+Invariants:
+- Only the engine thread touches the Engine. Everything else reaches it through the
+  command queue (`run`), executed between steps.
+- The thread sleeps on a condition variable while there is nothing to do (no commands,
+  no unfinished sequences), so an idle server uses no CPU.
+- Every stream ends: with the finished output, with an "abort" output when the request is
+  aborted, or with the exception that broke the engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+
+from .config import EngineConfig, SamplingParams
+from .engine import Engine
+from .outputs import CompletionOutput, RequestOutput
+
+# When sequences wait but a step could schedule nothing (all pages pinned by parked or
+# prefilled requests), poll at this interval instead of spinning.
+_BLOCKED_POLL_S = 0.01
+
+
+class AsyncEngine:
+    def __init__(self, config_or_engine: EngineConfig | Engine):
+        self.engine = config_or_engine if isinstance(config_or_engine, Engine) else Engine(config_or_engine)
+        self._cond = threading.Condition()
+        self._commands: deque = deque()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side ------------------------------------------------------------------
+    async def run(self, fn, *args):
+        """`fn(engine, *args)` on the engine thread, between steps; its result or exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._submit(fn, args, loop, future)
+        return await future
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False):
+        """Deltas of a new request, ending with its finished output."""
+        def add(engine):
+            engine.add_request(request_id, prompt_ids, params, prefill_only=prefill_only)
+
+        async for out in self._stream(request_id, add):
+            yield out
+
+    async def start_generation(self, request_id: str):
+        """Deltas of a parked request (see `Engine.start_generation`), ending with its
+        finished output."""
+        async for out in self._stream(request_id, lambda engine: engine.start_generation(request_id)):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.run(self._abort_on_thread, request_id)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    async def _stream(self, request_id: str, start):
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already streaming")
+        self._streams[request_id] = (loop, queue)
+        finished = False
+        try:
+            await self.run(start)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                # The consumer went away (client disconnect, cancellation): free the request.
+                self._submit(lambda engine: engine.abort(request_id), (), None, None)
+
+    def _submit(self, fn, args, loop, future) -> None:
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("AsyncEngine is shut down")
+            self._commands.append((fn, args, loop, future))
+            self._cond.notify()
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _abort_on_thread(self, engine: Engine, request_id: str) -> bool:
+        request = engine.requests.get(request_id)
+        found = engine.abort(request_id)
+        if request is not None and not request.prefill_only:
+            self._deliver([engine.output_of(request)])
+        elif request is not None:
+            outs = [CompletionOutput(0, [], "", finish_reason="abort")]
+            self._deliver([RequestOutput(request_id, outs, True, len(request.prompt_token_ids), 0)])
+        return found
+
+    def _loop(self) -> None:
+        engine = self.engine
+        idle_wait = None
+        while True:
+            with self._cond:
+                while not self._stopped and not self._commands and not engine.has_unfinished():
+                    self._cond.wait()
+                if not self._stopped and not self._commands and idle_wait:
+                    self._cond.wait(idle_wait)
+                if self._stopped:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, args, loop, future in commands:
+                try:
+                    result, error = fn(engine, *args), None
+                except Exception as e:  # goes back to the caller, the loop keeps serving
+                    result, error = None, e
+                if future is not None:
+                    loop.call_soon_threadsafe(_settle, future, result, error)
+            idle_wait = None
+            if engine.has_unfinished():
+                try:
+                    outputs = engine.step()
+                except Exception as e:
+                    self._fail_all(e)
+                    continue
+                self._deliver(outputs)
+                if not engine.last_step_scheduled and engine.has_unfinished():
+                    idle_wait = _BLOCKED_POLL_S
+        self._fail_all(RuntimeError("AsyncEngine is shut down"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                loop, queue = stream
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, (loop, queue) in list(self._streams.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                pass
+            loop.call_soon_threadsafe(queue.put_nowait, error)
+        with self._cond:
+            pending = list(self._commands)
+            self._commands.clear()
+        for _, _, loop, future in pending:
+            if future is not None:
+                loop.call_soon_threadsafe(_settle, future, None, error)
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,138 @@
+"""Paged attention and KV writes in plain torch (the CPU path).
+
+Signatures are shared with `triton_ops`: k_cache / v_cache are one layer's
+`[num_slots, num_kv_heads, head_dim]` views of the KV cache, a slot is
+`page * page_size + offset`.
+
+For speed the work is split in two: `plan_attention` turns a step's page tables into gather
+indices and masks once per step (plain Python lists in, a few small tensors out), and
+`attend` runs every layer from that plan. Decodes (one query each) are grouped by context
+length so each group is one page gather and one SDPA call; query heads that share a KV head
+act as that KV head's query rows, so GQA needs no repeated K/V. Prefill chunks run one
+sequence at a time, causal over the new tokens and full over the cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+# A decode group grows while its padded size stays within this factor of its real size.
+_PADDING_SLACK = 1.3
+
+
+@dataclass
+class DecodeGroup:
+    rows: slice  # query rows, contiguous
+    pages: torch.Tensor  # int64 [B, P], padded with page 0
+    mask: torch.Tensor | None  # bool [B, 1, 1, P * page_size], None when nothing is padded
+
+
+@dataclass
+class PrefillSeq:
+    rows: slice
+    pages: torch.Tensor  # int64 [P]
+    context_len: int
+    mask: torch.Tensor | None  # bool [n, context_len]; None: plain causal (no cached prefix)
+
+
+@dataclass
+class AttentionPlan:
+    page_size: int
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def plan_attention(
+    query_lens: list[int], seq_lens: list[int], page_lists: list[list[int]], page_size: int, device="cpu"
+) -> AttentionPlan:
+    """Plan for sequences whose queries are consecutive rows, in the given order. Runs of
+    consecutive decodes (query_len 1) are grouped; callers that sort decodes by
+    `seq_len` get the tightest groups."""
+    plan = AttentionPlan(page_size)
+    row = 0
+    b = 0
+    while b < len(query_lens):
+        if query_lens[b] != 1:
+            n, ctx = query_lens[b], seq_lens[b]
+            num_pages = -(-ctx // page_size)
+            pages = torch.tensor(page_lists[b][:num_pages], dtype=torch.int64, device=device)
+            mask = None
+            if ctx != n:
+                q_pos = torch.arange(ctx - n, ctx, device=device).unsqueeze(1)
+                mask = torch.arange(ctx, device=device).unsqueeze(0) <= q_pos
+            plan.prefills.append(PrefillSeq(slice(row, row + n), pages, ctx, mask))
+            row += n
+            b += 1
+            continue
+        start = b
+        total = 0
+        while b < len(query_lens) and query_lens[b] == 1:
+            longest = max(seq_lens[start:b + 1])
+            total += seq_lens[b]
+            if b > start and (b + 1 - start) * longest > _PADDING_SLACK * total + page_size:
+                break
+            b += 1
+        plan.decode_groups.append(_decode_group(row, seq_lens[start:b], page_lists[start:b], page_size, device))
+        row += b - start
+    return plan
+
+
+def _decode_group(row, lens, page_lists, page_size, device) -> DecodeGroup:
+    num_pages = -(-max(lens) // page_size)
+    padded = [pl[: -(-n // page_size)] + [0] * (num_pages - -(-n // page_size)) for pl, n in zip(page_lists, lens)]
+    pages = torch.tensor(padded, dtype=torch.int64, device=device)
+    mask = None
+    if any(n != num_pages * page_size for n in lens):
+        lens_t = torch.tensor(lens, device=device).view(-1, 1, 1, 1)
+        mask = torch.arange(num_pages * page_size, device=device).view(1, 1, 1, -1) < lens_t
+    return DecodeGroup(slice(row, row + len(lens)), pages, mask)
+
+
+def store_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
+    """Write k/v [T, Hkv, D] into the slots `slot_mapping` (int64 [T])."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """out [T, H, D] for q [T, H, D] under `plan`."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    page_size = plan.page_size
+    k_pages = k_cache.view(-1, page_size, num_kv_heads, head_dim)
+    v_pages = v_cache.view(-1, page_size, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    for g in plan.decode_groups:
+        b, p = g.pages.shape
+        flat = g.pages.view(-1)
+        k = k_pages.index_select(0, flat).view(b, p * page_size, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_pages.index_select(0, flat).view(b, p * page_size, num_kv_heads, head_dim).transpose(1, 2)
+        # The `group` query heads of one KV head are that head's queries: [B, Hkv, G, D].
+        qg = q[g.rows].view(b, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
+        out[g.rows] = o.reshape(b, num_heads, head_dim)
+    for s in plan.prefills:
+        ctx = s.context_len
+        k = k_pages.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+        v = v_pages.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+        qs = q[s.rows].transpose(0, 1)  # [H, n, D]
+        o = F.scaled_dot_product_attention(
+            qs.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+            attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=group > 1,
+        )
+        out[s.rows] = o[0].transpose(0, 1)
+    return out
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size: int, scale: float):
+    """Attention of q [T, H, D] over the paged cache, see the module docstring and the
+    contract: sequence b's queries are rows query_start_loc[b]:query_start_loc[b+1], the
+    last positions of a context of seq_lens[b] tokens."""
+    starts = query_start_loc.tolist()
+    query_lens = [e - s for s, e in zip(starts[:-1], starts[1:])]
+    plan = plan_attention(query_lens, seq_lens.tolist(), block_tables.tolist(), page_size, q.device)
+    return attend(q, k_cache, v_cache, plan, scale)

@@ -1,0 +1,190 @@
+"""Paged attention and KV writes as Triton kernels (the GPU path).
+
+Same signatures as `torch_ops`: k_cache / v_cache are one layer's
+`[num_slots, num_kv_heads, head_dim]` views, a slot is `page * page_size + offset`.
+
+Invariants:
+- Importing this module never imports triton: CPU-only installs keep working, and the
+  kernels are jitted on first use, so `TRITON_INTERPRET=1` (the CPU interpreter the tests
+  use) only has to be set before the first call, not before the import.
+- One program of `paged_attention` owns a block of one sequence's queries for all the query
+  heads of one KV head (GQA of any ratio: each K/V tile is loaded once for the whole group).
+  It walks the context in tiles with an online softmax, full over the cached prefix and
+  causal over the new tokens. Decode is the case of one query.
+- Any head_dim up to 256 (padded to a power of two inside the kernel, masked) and any page
+  size, including 1 and non-powers of two: each key position finds its page by division.
+- fp32 inputs use IEEE fp32 dot products (no TF32), so fp32 results match the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+triton = None
+tl = None  # triton.language; bound by _load() so the kernels' globals see it
+
+MAX_HEAD_DIM = 256
+
+
+def _store_kv_kernel(
+    K, V, KCache, VCache, SlotMapping,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kct, stride_kch, stride_vct, stride_vch,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(SlotMapping + t).to(tl.int64)
+    if slot >= 0:  # a negative slot marks a padding token: nothing to write
+        d = tl.arange(0, HEAD_DIM_PAD)
+        mask = d < HEAD_DIM
+        k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=mask)
+        v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(KCache + slot * stride_kct + h * stride_kch + d, k.to(KCache.dtype.element_ty), mask=mask)
+        tl.store(VCache + slot * stride_vct + h * stride_vch + d, v.to(VCache.dtype.element_ty), mask=mask)
+
+
+def _paged_attention_kernel(
+    Q, KCache, VCache, Out, BlockTables, QueryStartLoc, SeqLens,
+    scale_log2e, page_size,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_bt,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_Q_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    q_start = tl.load(QueryStartLoc + b)
+    num_new = tl.load(QueryStartLoc + b + 1) - q_start
+    seq_len = tl.load(SeqLens + b)
+    if m_block * BLOCK_M < num_new:
+        # Rows are (query, head-in-group) pairs: BLOCK_M queries x GROUP_PAD heads.
+        rows = tl.arange(0, BLOCK_M * GROUP_PAD)
+        m = m_block * BLOCK_M + rows // GROUP_PAD
+        head = kv_head * NUM_Q_PER_KV + rows % GROUP_PAD
+        row_ok = (m < num_new) & (rows % GROUP_PAD < NUM_Q_PER_KV)
+        d = tl.arange(0, HEAD_DIM_PAD)
+        d_ok = d < HEAD_DIM
+        q_rows = (q_start + m).to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q_pos = seq_len - num_new + m  # absolute position of each row's query
+
+        m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        # The block's last query sees positions up to its own: nothing after it is loaded.
+        kv_end = tl.minimum(seq_len, seq_len - num_new + (m_block + 1) * BLOCK_M)
+        for start in range(0, kv_end, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            pos_ok = pos < kv_end
+            page = tl.load(BlockTables + b * stride_bt + pos // page_size, mask=pos_ok, other=0)
+            slot = page.to(tl.int64) * page_size + pos % page_size
+            kv_mask = pos_ok[:, None] & d_ok[None, :]
+            k = tl.load(KCache + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                        mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale_log2e
+            visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Rows that have seen nothing yet (padding rows) keep a finite reference point.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_ref[:, None])
+            alpha = tl.exp2(m_i - m_ref)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(VCache + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                        mask=kv_mask, other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+_jitted: dict[tuple[str, bool], object] = {}
+
+
+def _load(name: str):
+    """The jitted kernel `name`, jitted anew if TRITON_INTERPRET changed since."""
+    global triton, tl
+    if triton is None:
+        import triton as _triton
+        import triton.language as _tl
+
+        triton, tl = _triton, _tl
+    interpret = triton.knobs.runtime.interpret
+    key = (name, bool(interpret))
+    if key not in _jitted:
+        _jitted[key] = triton.jit(globals()[name])
+    return _jitted[key]
+
+
+def _pow2_at_least(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def store_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
+    """Write k/v [T, Hkv, D] into the slots `slot_mapping` (int64 [T]; negative = skip)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    kernel = _load("_store_kv_kernel")
+    kernel[(num_tokens, num_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2_at_least(head_dim),
+    )
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size: int, scale: float):
+    """Attention of q [T, H, D] over the paged cache: sequence b's queries are rows
+    query_start_loc[b]:query_start_loc[b+1], the last positions of a context of
+    seq_lens[b] tokens (causal over them, full over the cached prefix)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported by the Triton kernel")
+    out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    group_pad = _pow2_at_least(group)
+    max_new = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    # tl.dot needs at least 16 rows; decodes fill them with the group's heads, prefills
+    # take bigger query blocks to reuse each K/V tile more.
+    rows = 16 if max_new == 1 else 64
+    block_m = max(1, rows // group_pad)
+    head_dim_pad = _pow2_at_least(head_dim, 16)
+    block_n = 64 if head_dim_pad <= 128 else 32
+    grid = (num_seqs, num_kv_heads, _cdiv(max_new, block_m))
+    kernel = _load("_paged_attention_kernel")
+    kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        scale * 1.4426950408889634, page_size,  # log2(e): the kernel uses exp2
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        NUM_Q_PER_KV=group, GROUP_PAD=group_pad,
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+    )
+    return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

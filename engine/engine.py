@@ -1,0 +1,279 @@
+"""The step-driven engine: requests in, one scheduler iteration per `step()`, deltas out.
+
+Single-threaded: call every method from one thread (`AsyncEngine` owns that thread in
+servers). Ways a request enters, each with its preconditions checked in one place:
+- `add_request`: an ordinary request, prefilled and decoded here.
+- `add_request(prefill_only=True)` (prefill node): computes the prompt's KV, never samples,
+  finishes with "prefilled" and keeps its pages pinned until `release`; `slots_of` says
+  where each position's KV lives so a role can send it.
+- `prepare_receive` then `start_generation` (decode node): reserve slots for KV computed
+  elsewhere, park the request, then generate once the KV has arrived.
+Invariants: `abort` and `release` return every page a request holds; an idle engine has
+`num_free_pages() == num_total_pages()`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .completion import append_token
+from .config import EngineConfig, SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .model import LlamaModel, ModelRunner
+from .model.weights import load_config, load_state_dict, load_tokenizer
+from .outputs import CompletionOutput, RequestOutput, Reservation
+from .page_pool import OutOfPages, PagePool
+from .prefix_cache import PrefixCache, extend_page_keys
+from .sampler import SamplingRow, sample
+from .scheduler import Scheduler
+from .sequence import Request, Sequence, Status
+
+
+class UnknownRequest(ValueError):
+    """A request id the engine does not hold (in the state the call needs)."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)  # never pinned: cores are shared
+        self.config = config
+        self.model_config = load_config(config.model_dir)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        dtype = getattr(torch, config.dtype)
+        c = self.model_config
+        self.max_model_len = min(config.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+        self.vocab_size = c.vocab_size
+        state = load_state_dict(config.model_dir, dtype, config.device)
+        self.model = LlamaModel(c, state, dtype, self.max_model_len, config.device)
+        self.page_size = config.page_size
+        m = self.model
+        bytes_per_page = m.num_layers * 2 * self.page_size * m.num_kv_heads * m.head_dim * dtype.itemsize
+        self.num_pages = config.num_pages or max(1, config.kv_cache_memory_bytes // bytes_per_page)
+        self.kv_cache = torch.zeros(
+            m.num_layers, 2, self.num_pages * self.page_size, m.num_kv_heads, m.head_dim, dtype=dtype, device=config.device
+        )
+        self.pool = PagePool(self.num_pages, self.page_size)
+        self.prefix_cache = PrefixCache(self.pool, config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(m, self.kv_cache, self.page_size, config.attention_backend, config.device)
+        self.eos_token_ids = _eos_token_ids(c, self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.layer_hook = None  # hook(layer_idx, [(request_id, begin, end), ...]) per layer
+        self._arrivals = 0
+        self.last_step_scheduled = 0  # sequences the last step ran (0: blocked or idle)
+
+    # ---- accounting -------------------------------------------------------------------
+    def num_free_pages(self) -> int:
+        return self.pool.num_free_pages()
+
+    def num_total_pages(self) -> int:
+        return self.pool.num_total_pages()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- entering requests -------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False) -> None:
+        request = self._new_request(request_id, prompt_token_ids, params, prefill_only)
+        self.requests[request_id] = request
+        # Samples after the first wait for its prefill, then find the prompt's full pages
+        # in the prefix cache instead of computing them again.
+        self.scheduler.add(request.seqs[0])
+
+    def prepare_receive(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_window_end: int) -> Reservation:
+        """Reserve slots for the KV of positions [matched, kv_window_end) and park the
+        request. `matched` comes from the prefix cache, using at most end-1 tokens, so at
+        least one position is always received. Raises OutOfPages when it cannot hold it."""
+        if not isinstance(kv_window_end, int) or not 0 <= kv_window_end < len(prompt_token_ids or []):
+            raise ValueError(f"kv_window_end must be in [0, {len(prompt_token_ids or [])}), got {kv_window_end!r}")
+        request = self._new_request(request_id, prompt_token_ids, params, False)
+        seq = request.seqs[0]
+        ps = self.page_size
+        max_pages = max(0, kv_window_end - 1) // ps
+        extend_page_keys(seq.page_keys, seq.token_ids, ps, max_pages)
+        seq.pages = self.prefix_cache.match(seq.page_keys[:max_pages])
+        matched = len(seq.pages) * ps
+        try:
+            seq.pages += self.pool.allocate(-(-kv_window_end // ps) - len(seq.pages))
+        except OutOfPages:
+            self.pool.release_all(seq.pages)
+            raise
+        seq.num_computed = matched
+        seq.num_published = matched // ps
+        seq.status = Status.PARKED
+        request.kv_window_end = kv_window_end
+        request.num_cached_tokens = matched
+        self.requests[request_id] = request
+        return Reservation(request_id, matched, kv_window_end, seq.slots(matched, kv_window_end, ps))
+
+    def start_generation(self, request_id: str) -> None:
+        """Un-park: positions [0, kv_window_end) hold received KV; compute the rest here."""
+        request = self.requests.get(request_id)
+        if request is None or request.seqs[0].status is not Status.PARKED:
+            raise UnknownRequest(f"no parked request {request_id!r}")
+        seq = request.seqs[0]
+        seq.num_computed = request.kv_window_end
+        self._publish(seq)
+        self.scheduler.add_running(seq)
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            self.scheduler.remove(seq)
+            self._free(seq)
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Unpin a finished prefill-only request's pages (its full pages stay cached)."""
+        request = self.requests.get(request_id)
+        if request is None or request.seqs[0].status is not Status.PREFILLED:
+            return False
+        return self.abort(request_id)
+
+    def slots_of(self, request_id: str) -> list[int]:
+        """Slot of every position [0, len(prompt)) of a prefilled (prefill-only) request."""
+        request = self.requests.get(request_id)
+        if request is None or request.seqs[0].status is not Status.PREFILLED:
+            raise UnknownRequest(f"no prefilled request {request_id!r}")
+        seq = request.seqs[0]
+        return seq.slots(0, seq.num_tokens, self.page_size)
+
+    def _new_request(self, request_id, prompt_token_ids, params, prefill_only) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt = list(prompt_token_ids or [])
+        if not prompt:
+            raise ValueError("prompt must not be empty, got 0 tokens")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+            bad = next(t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad!r}")
+        limit = self.max_model_len if prefill_only else self.max_model_len - 1
+        if len(prompt) > limit:
+            raise ValueError(f"prompt of {len(prompt)} tokens is longer than the model's context allows ({limit})")
+        if -(-len(prompt) // self.page_size) > self.num_pages:
+            raise ValueError(f"prompt of {len(prompt)} tokens needs more than the {self.num_pages} KV pages of this engine")
+        params.validate(self.vocab_size, self.max_model_len)
+        self._arrivals += 1
+        request = Request(request_id, prompt, params, prefill_only, self._arrivals)
+        for i in range(1 if prefill_only else params.n):
+            seq = Sequence(request, i, list(prompt), len(prompt))
+            if params.seed is not None:
+                seq.generator = torch.Generator().manual_seed(params.seed + i)
+            if not prefill_only:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, True, prompt)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            request.seqs.append(seq)
+        return request
+
+    # ---- one step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.last_step_scheduled = len(batch) + len(batch.too_long)
+        touched: dict[str, Request] = {}
+        for seq in batch.too_long:
+            self._finish(seq, "length")
+            touched[seq.request.request_id] = seq.request
+        if batch:
+            seqs, num_new = batch.seqs, batch.num_new_tokens
+            wants = [not s.request.prefill_only and s.num_computed + n == s.num_tokens for s, n in zip(seqs, num_new)]
+            logits = self.runner.run(seqs, num_new, wants, self._layer_hook_for(seqs, num_new))
+            for seq, n in zip(seqs, num_new):
+                seq.num_computed += n
+                self._publish(seq)
+            sampling = [s for s, w in zip(seqs, wants) if w]
+            if sampling:
+                self._sample(sampling, logits)
+            for seq in seqs:
+                request = seq.request
+                if request.prefill_only and seq.num_computed == seq.num_tokens:
+                    self.scheduler.remove(seq)
+                    seq.status = Status.PREFILLED
+                    seq.finish_reason = "prefilled"
+                if seq.new_token_ids or seq.is_finished:
+                    touched[request.request_id] = request
+        return [self.output_of(r) for r in touched.values()]
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        rows = []
+        for s in seqs:
+            p = s.request.params
+            rows.append(SamplingRow(p.temperature, p.top_k, p.top_p, p.min_p, s.generator, p.logprobs))
+        for seq, smp in zip(seqs, sample(logits, rows)):
+            append_token(seq, smp, self.eos_token_ids, self.max_model_len)
+            if seq.index == 0:
+                self._start_other_samples(seq.request)
+            if seq.is_finished:
+                self._finish(seq, seq.finish_reason)
+
+    def _layer_hook_for(self, seqs, num_new):
+        hook = self.layer_hook
+        if hook is None:
+            return None
+        ranges = [(s.request.request_id, s.num_computed, s.num_computed + n) for s, n in zip(seqs, num_new)]
+        return lambda layer_idx: hook(layer_idx, ranges)
+
+    def _publish(self, seq: Sequence) -> None:
+        """Full pages whose KV is computed become findable in the prefix cache."""
+        full = min(seq.num_computed // self.page_size, len(seq.pages))
+        if full <= seq.num_published:
+            return
+        extend_page_keys(seq.page_keys, seq.token_ids, self.page_size, full)
+        for p in range(seq.num_published, full):
+            self.prefix_cache.publish(seq.pages[p], seq.page_keys[p])
+        seq.num_published = full
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.status = Status.FINISHED
+        self.scheduler.remove(seq)
+        self._free(seq)
+        if seq.index == 0:
+            self._start_other_samples(seq.request)
+
+    def _start_other_samples(self, request: Request) -> None:
+        if not request.other_samples_started:
+            request.other_samples_started = True
+            for other in request.seqs[1:]:
+                self.scheduler.add(other)
+
+    def _free(self, seq: Sequence) -> None:
+        self.pool.release_all(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.num_published = 0
+
+    def output_of(self, request: Request) -> RequestOutput:
+        """The delta of `request` since its last output (it then counts as sent)."""
+        outs = []
+        for seq in request.seqs:
+            outs.append(
+                CompletionOutput(
+                    seq.index, list(seq.output_token_ids), seq.text, seq.new_token_ids, seq.new_text,
+                    seq.finish_reason, list(seq.logprobs) if seq.logprobs is not None else None,
+                )
+            )
+            seq.new_token_ids = []
+            seq.new_text = ""
+        finished = request.finished
+        if finished and not request.prefill_only:
+            self.requests.pop(request.request_id, None)
+        return RequestOutput(request.request_id, outs, finished, len(request.prompt_token_ids), request.num_cached_tokens)
+
+
+def _eos_token_ids(hf_config, tokenizer) -> set[int]:
+    ids = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,145 @@
+"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3) as plain tensor code
+over the paged KV cache.
+
+Tokens of all sequences in a step are one flat batch [T]: every linear layer is one
+matmul for the whole step, whatever mix of prefill chunks and decodes it holds. Per
+architecture differences are data, not classes: QKV biases (Qwen2, `attention_bias`),
+q/k RMS norm (Qwen3), tied embeddings, rope scaling. Weights are fused at load time
+(q|k|v and gate|up) so each layer runs four matmuls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .rope import RotaryTables, apply_rope
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class StepAttention:
+    """What one forward needs to reach the KV cache; built once per step by the runner."""
+
+    slot_mapping: torch.Tensor  # int64 [T]
+    store_kv: Callable  # (k_cache, v_cache, k, v, slot_mapping)
+    attend: Callable  # (q, k_cache, v_cache, scale) -> out
+    layer_hook: Callable | None = None  # (layer_idx) after the layer's K/V is written
+
+
+class LlamaModel:
+    def __init__(self, hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int, device="cpu"):
+        c = hf_config
+        self.config = c
+        self.hidden_size = c.hidden_size
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.num_layers = c.num_hidden_layers
+        self.eps = c.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.vocab_size = c.vocab_size
+        self.dtype = dtype
+        self.rope = RotaryTables(c, self.head_dim, max_positions, dtype, device)
+
+        def take(name):
+            return state.pop(name)
+
+        def maybe(name):
+            return state.pop(name, None)
+
+        def fuse(*tensors):
+            if all(t is None for t in tensors):
+                return None
+            return torch.cat(tensors, dim=0).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            q_b, k_b, v_b = maybe(a + "q_proj.bias"), maybe(a + "k_proj.bias"), maybe(a + "v_proj.bias")
+            if q_b is not None or k_b is not None or v_b is not None:
+                q_b = q_b if q_b is not None else torch.zeros(self.num_heads * self.head_dim, dtype=dtype)
+                k_b = k_b if k_b is not None else torch.zeros(self.num_kv_heads * self.head_dim, dtype=dtype)
+                v_b = v_b if v_b is not None else torch.zeros(self.num_kv_heads * self.head_dim, dtype=dtype)
+            g_b, u_b = maybe(m + "gate_proj.bias"), maybe(m + "up_proj.bias")
+            self.layers.append(
+                Layer(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=fuse(take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")),
+                    qkv_bias=fuse(q_b, k_b, v_b),
+                    q_norm=maybe(a + "q_norm.weight"),
+                    k_norm=maybe(a + "k_norm.weight"),
+                    o=take(a + "o_proj.weight"),
+                    o_bias=maybe(a + "o_proj.bias"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=fuse(take(m + "gate_proj.weight"), take(m + "up_proj.weight")),
+                    gate_up_bias=fuse(g_b, u_b) if g_b is not None else None,
+                    down=take(m + "down_proj.weight"),
+                    down_bias=maybe(m + "down_proj.bias"),
+                )
+            )
+        self.norm = take("model.norm.weight")
+        lm_head = maybe("lm_head.weight")
+        self.lm_head = self.embed if lm_head is None or getattr(c, "tie_word_embeddings", False) else lm_head
+        self.intermediate_size = self.layers[0].down.shape[1] if self.layers else 0
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, step: StepAttention) -> torch.Tensor:
+        """Final hidden states [T, hidden] of `input_ids` [T] at `positions` [T], writing
+        every layer's K/V into `kv_cache` [layers, 2, slots, Hkv, D] at step.slot_mapping."""
+        T = input_ids.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = H * D, Hkv * D
+        cos, sin = self.rope.lookup(positions)
+        x = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.input_norm)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_size].view(T, H, D)
+            k = qkv[:, q_size : q_size + kv_size].view(T, Hkv, D)
+            v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
+            if layer.q_norm is not None:
+                q = self._rms_norm(q, layer.q_norm)
+                k = self._rms_norm(k, layer.k_norm)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            step.store_kv(k_cache, v_cache, k, v, step.slot_mapping)
+            if step.layer_hook is not None:
+                step.layer_hook(i)
+            attn = step.attend(q, k_cache, v_cache, self.scale)
+            x = x + F.linear(attn.view(T, q_size), layer.o, layer.o_bias)
+            h = self._rms_norm(x, layer.post_norm)
+            gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)
+            inter = gate_up.shape[1] // 2
+            h = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            x = x + F.linear(h, layer.down, layer.down_bias)
+        return self._rms_norm(x, self.norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [S, vocab] of hidden states [S, hidden]."""
+        return F.linear(hidden, self.lm_head).float()

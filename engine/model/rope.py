@@ -1,0 +1,48 @@
+"""Rotary position embedding tables, computed once for every position up to the model's
+context length, with the same numerics as transformers (fp32 frequencies, rope scaling
+types such as Llama 3's from `transformers.modeling_rope_utils`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"rope_type {rope_type!r} is not supported")
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        return inv_freq.float(), float(attention_scaling)
+    base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    dim = int(head_dim * factor)
+    if dim != head_dim:
+        raise ValueError(f"partial rotary embeddings (rotary dim {dim} of head_dim {head_dim}) are not supported")
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (base**exponent), 1.0
+
+
+class RotaryTables:
+    """cos/sin halves [max_positions, head_dim / 2] so applying rope is four multiplies."""
+
+    def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype, device="cpu"):
+        inv_freq, scaling = inverse_frequencies(hf_config, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(positions, inv_freq)
+        self.cos = (freqs.cos() * scaling).to(dtype=dtype, device=device)
+        self.sin = (freqs.sin() * scaling).to(dtype=dtype, device=device)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D/2] for positions [T], broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated as transformers' `x * cos + rotate_half(x) * sin`."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

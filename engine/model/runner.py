@@ -1,0 +1,84 @@
+"""Turns one scheduled step into model inputs, runs the model, returns the logits rows that
+will be sampled.
+
+Rows are laid out decodes first (sorted by context length, so the torch path groups them
+into tightly padded batches), then prefill chunks; the caller never sees this order: logits
+come back in the order of the sequences it passed. Only rows that will be sampled go
+through the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import torch_ops
+from .llama import LlamaModel, StepAttention
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, page_size: int, attention_backend: str = "torch", device="cpu"):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.backend = attention_backend
+        if attention_backend == "triton":
+            from ..attention import triton_ops
+
+            self.ops = triton_ops
+        else:
+            self.ops = torch_ops
+
+    @torch.inference_mode()
+    def run(self, seqs, num_new: list[int], wants_logits: list[bool], layer_hook=None) -> torch.Tensor:
+        """Compute KV for positions [num_computed, num_computed + num_new) of each sequence
+        (pages must already cover them); logits [S, V] of the last new position of each
+        sequence with wants_logits, in the order given."""
+        ps = self.page_size
+        order = sorted(range(len(seqs)), key=lambda j: (num_new[j] != 1, seqs[j].num_computed + num_new[j]))
+        input_ids, positions, slots = [], [], []
+        query_lens, seq_lens, page_lists = [], [], []
+        last_row = [0] * len(seqs)
+        for j in order:
+            seq, n = seqs[j], num_new[j]
+            begin, end = seq.num_computed, seq.num_computed + n
+            pages = seq.pages
+            input_ids.extend(seq.token_ids[begin:end])
+            positions.extend(range(begin, end))
+            slots.extend(pages[p // ps] * ps + p % ps for p in range(begin, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            page_lists.append(pages)
+            last_row[j] = len(input_ids) - 1
+        dev = self.device
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        step = StepAttention(slot_t, self.ops.store_kv, self._attend_fn(query_lens, seq_lens, page_lists))
+        if layer_hook is not None:
+            step.layer_hook = layer_hook
+        hidden = self.model.forward(ids_t, pos_t, self.kv_cache, step)
+        rows = [last_row[j] for j in range(len(seqs)) if wants_logits[j]]
+        if not rows:
+            return torch.empty(0, self.model.vocab_size)
+        picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
+        return self.model.logits(picked).to("cpu")
+
+    def _attend_fn(self, query_lens, seq_lens, page_lists):
+        ps = self.page_size
+        if self.backend == "torch":
+            plan = torch_ops.plan_attention(query_lens, seq_lens, page_lists, ps, self.device)
+            return lambda q, k_cache, v_cache, scale: torch_ops.attend(q, k_cache, v_cache, plan, scale)
+        max_pages = max(-(-n // ps) for n in seq_lens)
+        block_tables = torch.zeros(len(seq_lens), max_pages, dtype=torch.int32)
+        for b, (pl, n) in enumerate(zip(page_lists, seq_lens)):
+            used = -(-n // ps)
+            block_tables[b, :used] = torch.tensor(pl[:used], dtype=torch.int32)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        dev = self.device
+        bt = block_tables.to(dev)
+        qsl = torch.tensor(starts, dtype=torch.int32, device=dev)
+        sl = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        return lambda q, k_cache, v_cache, scale: self.ops.paged_attention(q, k_cache, v_cache, bt, qsl, sl, ps, scale)

@@ -1,0 +1,197 @@
+"""Turns one step's logits into one token per row: greedy, temperature, top-k, top-p, min-p.
+
+Invariants:
+- A row's token depends only on its own logits, its own parameters and its own generator:
+  the same seed gives the same tokens whatever else is in the batch. Each seeded row draws
+  exactly one uniform per step from its own `torch.Generator` (inverse-CDF sampling).
+- Temperature below `GREEDY_EPS` means greedy (argmax of the raw logits). When every row is
+  greedy nothing but one argmax runs.
+- Filters apply in this order: temperature, top-k (exactly k tokens, ties cut by rank),
+  top-p (over the top-k survivors, renormalised), min-p (relative to the most likely
+  token, which is the same before and after renormalisation). The most likely token
+  always survives. Top-p without top-k needs a full sort of the vocabulary (as in vLLM);
+  top-k alone needs only a partial top-k.
+- Logprobs are the log-softmax of the *unmodified* logits (before temperature and the
+  filters), which is what vLLM reports by default ("raw logprobs"): they describe the
+  model, not the sampling policy, so they are comparable across sampling settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_EPS = 1e-5
+# Top-p tries this many most likely tokens before sorting the whole vocabulary.
+TOP_P_CANDIDATES = 256
+
+
+@dataclass
+class SamplingRow:
+    """Sampling parameters of one row of the logits (one sequence of one request)."""
+
+    temperature: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
+    generator: torch.Generator | None = None  # None: the global torch RNG
+    num_logprobs: int | None = None  # None: no logprobs; 0: only the chosen token's
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+@dataclass
+class Sample:
+    token_id: int
+    logprob: float | None = None  # of token_id, when num_logprobs is not None
+    top_logprobs: list[tuple[int, float]] | None = None  # most likely first
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
+    """Choose one token per row of `logits` [B, V] (float32) under `rows[b]`."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows")
+    logits = logits.float()
+    if all(r.is_greedy for r in rows):
+        token_ids = logits.argmax(dim=-1)
+    else:
+        token_ids = _sample_mixed(logits, rows)
+    return _with_logprobs(logits, token_ids, rows)
+
+
+def _sample_mixed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    token_ids = logits.argmax(dim=-1)
+    # Rows are grouped by how their candidates are found, so each group costs one batched
+    # op: all tokens (no top-k/top-p), a top-k (top-k set), or a full sort (top-p alone).
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        if not r.is_greedy:
+            groups.setdefault(_candidate_kind(r, logits.shape[-1]), []).append(i)
+    for kind, members in groups.items():
+        idx = torch.tensor(members, device=logits.device)
+        token_ids[idx] = _sample_group(logits[idx], [rows[i] for i in members], kind)
+    return token_ids
+
+
+def _candidate_kind(row: SamplingRow, vocab: int) -> str:
+    if 0 < row.top_k < vocab:
+        return "top_k"
+    return "sorted" if row.top_p < 1.0 else "all"
+
+
+def _sample_group(logits: torch.Tensor, rows: list[SamplingRow], kind: str) -> torch.Tensor:
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([r.temperature for r in rows], device=device)
+    scaled = logits / temperature.unsqueeze(1)
+
+    ids = None  # candidate position -> token id; None: position is the token id
+    if kind == "top_k":
+        top_k = torch.tensor([min(r.top_k, vocab) for r in rows], device=device)
+        scaled, ids = scaled.topk(int(top_k.max()), dim=-1)  # sorted, exactly k even on ties
+        rank = torch.arange(scaled.shape[-1], device=device)
+        scaled = scaled.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+        return _sample_candidates(scaled, ids, rows, scaled.logsumexp(dim=-1, keepdim=True))
+    if kind == "sorted":
+        return _sample_top_p_only(scaled, rows)
+    return _sample_candidates(scaled, None, rows, None)
+
+
+def _sample_top_p_only(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Top-p without top-k. A full sort of the vocabulary is slow on CPU, and the nucleus
+    of a trained model usually lies within its few hundred most likely tokens: try those
+    first and sort fully only the rows whose nucleus reaches past them. Which way a row
+    goes depends on that row alone, so seeded rows stay batch-independent."""
+    device, vocab = scaled.device, scaled.shape[-1]
+    log_total = scaled.logsumexp(dim=-1, keepdim=True)
+    top_p = torch.tensor([r.top_p for r in rows], device=device)
+    vals, ids = scaled.topk(min(vocab, TOP_P_CANDIDATES), dim=-1)
+    covered = (vals - log_total).exp().sum(dim=-1) >= top_p
+    out = torch.empty(len(rows), dtype=torch.long, device=device)
+    for mask, full_sort in ((covered, False), (~covered, True)):
+        sel = mask.nonzero().squeeze(1)
+        if len(sel) == 0:
+            continue
+        sub_rows = [rows[i] for i in sel.tolist()]
+        if full_sort:
+            v, i = scaled[sel].sort(dim=-1, descending=True, stable=True)
+        else:
+            v, i = vals[sel], ids[sel]
+        out[sel] = _sample_candidates(v, i, sub_rows, log_total[sel])
+    return out
+
+
+def _sample_candidates(
+    scaled: torch.Tensor, ids: torch.Tensor | None, rows: list[SamplingRow], log_total
+) -> torch.Tensor:
+    """Sample among candidate logits `scaled` (sorted descending when `ids` is given;
+    `ids` maps positions to token ids). `log_total` is the log-sum-exp over the whole
+    (top-k-filtered) vocabulary, so top-p sees true probabilities."""
+    device = scaled.device
+    if ids is not None:
+        top_p = torch.tensor([r.top_p for r in rows], device=device).unsqueeze(1)
+        probs = (scaled - log_total).exp()
+        # Mass of the tokens strictly before this one: a token stays while that is < top_p,
+        # so the most likely token always stays and the kept set is the smallest reaching
+        # top_p.
+        mass_before = probs.cumsum(dim=-1) - probs
+        scaled = scaled.masked_fill(mass_before >= top_p, float("-inf"))
+
+    # Unnormalised probabilities with the most likely token at exactly 1, so min-p is a
+    # plain threshold.
+    weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()
+    if any(r.min_p > 0.0 for r in rows):
+        min_p = torch.tensor([r.min_p for r in rows], device=device).unsqueeze(1)
+        weights = weights.masked_fill_(weights < min_p, 0.0)
+
+    pos = _inverse_cdf(weights, _uniforms(rows, device))
+    return pos if ids is None else ids.gather(1, pos.unsqueeze(1)).squeeze(1)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index i with probability weights[i] / sum(weights), per row, from one uniform each.
+
+    One uniform per row (not one per token) keeps both the cost and the generator's
+    consumption independent of the vocabulary. A zero-weight index is never returned:
+    searching right of u * total lands only where the cumulative sum strictly grows.
+    """
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    pos = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True).squeeze(1)
+    # u * total can round up to total; the last index with weight is the first reaching it.
+    last_with_weight = (cdf < total).sum(dim=-1)
+    return torch.minimum(pos, last_with_weight)
+
+
+def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    u = torch.empty(len(rows), device=device)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        u[torch.tensor(unseeded, device=device)] = torch.rand(len(unseeded), device=device)
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            u[i] = torch.rand((), generator=r.generator, device=r.generator.device)
+    return u
+
+
+def _with_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
+) -> list[Sample]:
+    chosen = token_ids.tolist()
+    samples = [Sample(token_id=t) for t in chosen]
+    wanted = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
+    if not wanted:
+        return samples
+    idx = torch.tensor(wanted, device=logits.device)
+    logprobs = torch.log_softmax(logits[idx], dim=-1)
+    chosen_lp = logprobs.gather(1, token_ids[idx].unsqueeze(1)).squeeze(1).tolist()
+    n_max = min(max(rows[i].num_logprobs for i in wanted), logits.shape[-1])
+    top_vals, top_ids = logprobs.topk(n_max, dim=-1)  # n_max == 0 gives empty lists
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    for j, i in enumerate(wanted):
+        n = rows[i].num_logprobs
+        samples[i].logprob = chosen_lp[j]
+        samples[i].top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n]))
+    return samples

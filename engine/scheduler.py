@@ -1,0 +1,159 @@
+"""The scheduler: which sequences run in the next step, and how many tokens each computes.
+
+Policy, in the order `schedule()` applies it:
+1. Running sequences first, oldest first. Each gets the rest of its uncomputed tokens (1
+   for a decode, a chunk for a prefill) within the step's token budget. When the pool
+   cannot hold its new tokens, a prefill chunk shrinks to what fits; if nothing fits, the
+   newest running sequence is preempted (its pages freed, its KV recomputed later) until
+   it does. The oldest sequence is never preempted for a newer one, so some sequence
+   always progresses: no deadlock.
+2. Then waiting sequences, first come first served, while budget, sequence slots and pages
+   last. A newly admitted sequence first takes what the prefix cache has of its prompt.
+A sequence that cannot fit in the whole pool even alone finishes with "length".
+Invariants: every scheduled sequence holds pages for all positions it computes this step;
+the tokens scheduled in one step never exceed `max_num_batched_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .page_pool import PagePool
+from .prefix_cache import PrefixCache, extend_page_keys
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    # Sequences that can never fit in the pool; the engine finishes them with "length".
+    too_long: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, cache: PrefixCache, max_num_batched_tokens: int, max_num_seqs: int):
+        self.pool = pool
+        self.cache = cache
+        self.page_size = pool.page_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds pages with computed KV (start_generation)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._fit_running(seq, min(seq.num_tokens - seq.num_computed, budget), i, batch)
+            if num_new == 0:
+                break  # seq itself was preempted or is too long; it was the last one
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.pages:
+                self._match_prefix(seq)
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            if self._pages_needed(seq, num_new) > self.pool.num_free_pages():
+                if not self.running and not batch.seqs and self._never_fits(seq, num_new):
+                    self.waiting.popleft()
+                    self._free(seq)
+                    batch.too_long.append(seq)
+                    continue
+                self._free(seq)  # give matched pages back; try again next step
+                break
+            self.waiting.popleft()
+            self._grow(seq, num_new)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _fit_running(self, seq: Sequence, num_new: int, index: int, batch: ScheduledBatch) -> int:
+        """Pages for `num_new` tokens of running[index], shrinking a prefill chunk or
+        preempting newer sequences as needed; 0 if seq itself had to go."""
+        while True:
+            free = self.pool.num_free_pages()
+            if self._pages_needed(seq, num_new) <= free:
+                self._grow(seq, num_new)
+                return num_new
+            fitting = (len(seq.pages) + free) * self.page_size - seq.num_computed
+            if fitting >= 1 and num_new > 1:
+                num_new = min(num_new, fitting)
+                continue
+            victim = self.running.pop()
+            if victim is seq and index == 0 and self._never_fits(seq, num_new):
+                self._free(victim)
+                batch.too_long.append(victim)  # the engine finishes it with "length"
+                return 0
+            self.preempt(victim)
+            if victim is seq:
+                return 0
+
+    def _never_fits(self, seq: Sequence, num_new: int) -> bool:
+        end = seq.num_computed + num_new
+        return -(-end // self.page_size) > self.pool.num_total_pages()
+
+    def _pages_needed(self, seq: Sequence, num_new: int) -> int:
+        end = seq.num_computed + num_new
+        return max(0, -(-end // self.page_size) - len(seq.pages))
+
+    def _grow(self, seq: Sequence, num_new: int) -> None:
+        need = self._pages_needed(seq, num_new)
+        if need:
+            seq.pages.extend(self.pool.allocate(need))
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        # At least one token is always computed: its logits give the next token.
+        max_pages = (seq.num_tokens - 1) // self.page_size
+        extend_page_keys(seq.page_keys, seq.token_ids, self.page_size, max_pages)
+        seq.pages = self.cache.match(seq.page_keys[:max_pages])
+        seq.num_computed = len(seq.pages) * self.page_size
+        seq.num_published = len(seq.pages)
+        if seq.request.num_cached_tokens == 0 and seq.index == 0:
+            seq.request.num_cached_tokens = seq.num_computed
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free seq's pages and queue it to recompute its KV first among the waiting."""
+        self.num_preemptions += 1
+        self._free(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.pool.release_all(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.num_published = 0
+
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out of the queues (finished or aborted); its pages stay with it."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

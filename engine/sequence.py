@@ -1,0 +1,89 @@
+"""One sequence (one of a request's `n` samples) and the request that groups them.
+
+A sequence's tokens are its prompt followed by its output. Invariants:
+- `num_computed` tokens have their KV in the cache, in `pages` (position i lives in slot
+  `pages[i // page_size] * page_size + i % page_size`); the pages cover at least
+  `num_computed` positions.
+- `num_published` full pages of `pages` are in the prefix cache (a prefix of `pages`).
+- Preemption drops the pages and sets `num_computed` to 0; the tokens stay, so the KV is
+  recomputed later and the output continues exactly where it was.
+- `text` is the output text streamed so far; `pending_text` is decoded but held back
+  because a stop string could still begin inside it (it is never retracted once sent).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued for prefill (new or preempted)
+    RUNNING = "running"  # scheduled every step
+    PARKED = "parked"  # prepare_receive: pages reserved, KV arriving from a prefill node
+    PREFILLED = "prefilled"  # prefill_only finished: pages pinned until release
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: "Request"
+    index: int  # sample index within the request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    status: Status = Status.WAITING
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_published: int = 0
+    page_keys: list[int] = field(default_factory=list)  # chained keys of full pages
+    generator: torch.Generator | None = None
+    detokenizer: object = None
+    text: str = ""
+    pending_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    logprobs: list | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def slot(self, position: int, page_size: int) -> int:
+        return self.pages[position // page_size] * page_size + position % page_size
+
+    def slots(self, begin: int, end: int, page_size: int) -> list[int]:
+        return [self.slot(i, page_size) for i in range(begin, end)]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefill_only: bool = False
+    arrival: int = 0
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (first admission)
+    kv_window_end: int | None = None  # set by prepare_receive
+    other_samples_started: bool = False  # samples 1..n-1 queued (after sample 0's prefill)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,329 @@
+"""TransferAgent: one NIXL agent (UCX backend) per worker, moving KV with WRITE.
+
+Invariants:
+- The whole KV pool is registered once, at construction, and stays registered until
+  ``close()``; transfers only name addresses inside it (NIXL rejects anything else).
+- A remote agent is loaded once per distinct metadata blob and reused; new metadata under
+  a known name (the peer restarted) replaces the stale entry instead of failing.
+- ``write`` returns only when every byte has landed remotely, and the notification it
+  carries is delivered after the data (NIXL sends it once the writes are flushed). It
+  raises ``TransferError`` on failure or timeout and never waits past its deadline.
+- No busy spinning. nixl's Python wrapper (``nixl_agent``) hard-codes the UCX progress
+  thread's poll delay (``pthrDelay``) to 0, which spins a core even when idle, so the agent
+  is built on ``nixl._bindings`` directly. By default NIXL's progress thread is off: a
+  Python thread polls every ``poll_interval_s`` (wire-up, notifications, target-side
+  work) and ``write`` drives the copy itself. Measured here, NIXL's thread made the many
+  small puts of a fragmented window fight it for UCX's worker spinlock (~45% of samples
+  in ``pthread_spin_lock``). ``progress_thread=True`` keeps NIXL's thread, with a
+  non-zero ``pthrDelay`` so it sleeps in ``poll()`` between events.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .plan import TransferPlan
+
+
+class TransferError(RuntimeError):
+    """A KV transfer failed, timed out, or named an unknown peer."""
+
+
+def _bindings() -> Any:
+    import nixl  # imported lazily: it loads UCX and is not needed to plan or validate
+
+    return nixl._bindings
+
+
+def _memory_regions(memory: Any) -> tuple[list[tuple[int, int, int]], str]:
+    """(addr, nbytes, device id) regions and memory kind ("DRAM"/"VRAM") of ``memory``."""
+    if hasattr(memory, "data_ptr") and hasattr(memory, "element_size"):
+        if not memory.is_contiguous():
+            raise ValueError("the KV pool tensor must be contiguous to be registered as one region")
+        dev = memory.device
+        kind = "DRAM" if dev.type == "cpu" else "VRAM"
+        dev_id = 0 if dev.index is None else int(dev.index)
+        return [(int(memory.data_ptr()), memory.numel() * memory.element_size(), dev_id)], kind
+    regions = []
+    for r in memory:
+        addr, nbytes = int(r[0]), int(r[1])
+        if nbytes <= 0:
+            raise ValueError(f"region at 0x{addr:x} has non-positive size {nbytes}")
+        regions.append((addr, nbytes, 0))
+    if not regions:
+        raise ValueError("at least one memory region is required")
+    return regions, "DRAM"
+
+
+def _agent_name(metadata: bytes) -> str | None:
+    """The agent name inside NIXL metadata (``nixlSerDes|Agent`` + u64 length + name)."""
+    head = b"nixlSerDes|Agent"
+    if not metadata.startswith(head) or len(metadata) < len(head) + 8:
+        return None
+    n = int.from_bytes(metadata[len(head) : len(head) + 8], "little")
+    raw = metadata[len(head) + 8 : len(head) + 8 + n]
+    return raw.decode(errors="replace") if len(raw) == n else None
+
+
+class TransferAgent:
+    """A worker's NIXL agent over its KV pool (a tensor, or ``[(addr, nbytes), ...]``)."""
+
+    def __init__(
+        self,
+        name: str,
+        memory: Any,
+        *,
+        progress_thread: bool = False,
+        progress_delay_us: int = 2000,
+        poll_interval_s: float = 0.005,
+        backend_params: dict[str, str] | None = None,
+    ) -> None:
+        if progress_delay_us <= 0:
+            raise ValueError("progress_delay_us must be positive (0 makes UCX's thread spin)")
+        if poll_interval_s <= 0:
+            raise ValueError("poll_interval_s must be positive")
+        b = _bindings()
+        self._b = b
+        self.name = name
+        self._lock = threading.Lock()  # guards the notification buffer and remote cache
+        self._notifs: deque[tuple[str, bytes]] = deque(maxlen=65536)
+        self._remotes: dict[str, str] = {}  # remote name -> digest of its loaded metadata
+        self._closed = False
+
+        cfg = b.nixlAgentConfig()
+        cfg.useProgThread = progress_thread
+        cfg.useListenThread = False  # metadata travels over our own gRPC, not NIXL's socket
+        cfg.pthrDelay = int(progress_delay_us)
+        # write() and wait_notification() may run on different threads of one worker
+        cfg.syncMode = b.NIXL_THREAD_SYNC_STRICT
+        self._agent = b.nixlAgent(name, cfg)
+        if "UCX" not in self._agent.getAvailPlugins():
+            raise TransferError("the NIXL UCX plugin is not available")
+        self._backend = self._agent.createBackend("UCX", dict(backend_params or {}))
+
+        regions, kind = _memory_regions(memory)
+        self._mem = b.DRAM_SEG if kind == "DRAM" else b.VRAM_SEG
+        self._reg = b.nixlRegDList(self._mem, [(a, n, d, "") for a, n, d in regions])
+        self._agent.registerMem(self._reg, [self._backend])
+        self._dev_id = regions[0][2]
+        self._keep = memory  # the registered memory must outlive the registration
+
+        self._progress_thread = progress_thread
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        if not progress_thread:
+            self._poller = threading.Thread(
+                target=self._poll_loop, args=(poll_interval_s,), name=f"nixl-poll-{name}", daemon=True
+            )
+            self._poller.start()
+
+    def _poll_loop(self, interval: float) -> None:
+        # Without NIXL's thread, UCX only progresses inside our calls. This slow poll keeps
+        # connection wire-up, incoming notifications and target-side work (TCP puts) moving
+        # while nobody is transferring; write() drives progress itself while it runs.
+        while not self._stop.wait(interval):
+            with self._lock:
+                if self._agent is None:
+                    return
+                try:
+                    self._drain()
+                except Exception:
+                    pass  # a failed poll surfaces in the next write or wait
+    # ----------------------------------------------------------------- metadata / peers
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata (connection info + registered pool), for peers."""
+        return self._agent.getLocalMD()
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata once and return its agent name (cached by content)."""
+        digest = hashlib.sha256(metadata).hexdigest()
+        with self._lock:
+            for remote, known in self._remotes.items():
+                if known == digest:
+                    return remote
+            try:
+                name = self._agent.loadRemoteMD(metadata)
+            except Exception as e:
+                # a known name with new metadata means the peer restarted: NIXL refuses to
+                # overwrite it, so drop the stale entry and load the new one
+                stale = _agent_name(metadata)
+                if stale is None or stale not in self._remotes:
+                    raise TransferError(f"cannot load remote agent metadata: {e}") from e
+                self._invalidate(stale)
+                try:
+                    name = self._agent.loadRemoteMD(metadata)
+                except Exception as e2:
+                    raise TransferError(f"cannot load remote agent metadata: {e2}") from e2
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._remotes[name] = digest
+            return name
+
+    def remove_remote(self, remote_name: str) -> None:
+        with self._lock:
+            self._invalidate(remote_name)
+
+    def _invalidate(self, remote_name: str) -> None:
+        self._remotes.pop(remote_name, None)
+        try:
+            self._agent.invalidateRemoteMD(remote_name)
+        except Exception:
+            pass  # already gone: nothing left to drop
+
+    @property
+    def remotes(self) -> list[str]:
+        with self._lock:
+            return list(self._remotes)
+
+    # ------------------------------------------------------------------------ transfers
+    def _dlist(self, addrs: np.ndarray, sizes: np.ndarray) -> Any:
+        arr = np.empty((addrs.size, 3), dtype=np.uint64)
+        arr[:, 0] = addrs
+        arr[:, 1] = sizes
+        arr[:, 2] = self._dev_id
+        return self._b.nixlXferDList(self._mem, arr)
+
+    def write(
+        self,
+        remote_name: str,
+        plan: TransferPlan | Sequence[tuple[int, int, int]],
+        notification: bytes,
+        timeout_s: float = 30.0,
+    ) -> None:
+        """WRITE ``plan``'s descriptors into ``remote_name``, then deliver ``notification``.
+
+        Returns once the data is in place remotely; raises ``TransferError`` on failure
+        or when ``timeout_s`` passes (the request is cancelled).
+        """
+        if isinstance(notification, str):
+            notification = notification.encode()
+        if remote_name not in self._remotes:
+            raise TransferError(f"unknown remote agent {remote_name!r}: call add_remote first")
+        if isinstance(plan, TransferPlan):
+            src, dst, sizes = plan.src_addrs, plan.dst_addrs, plan.sizes
+        else:
+            arr = np.asarray(list(plan), dtype=np.uint64).reshape(-1, 3)
+            src, dst, sizes = arr[:, 0], arr[:, 1], arr[:, 2]
+        if sizes.size == 0:
+            self.send_notification(remote_name, notification)
+            return
+        deadline = time.monotonic() + timeout_s
+        b = self._b
+        try:
+            handle = self._agent.createXferReq(
+                b.NIXL_WRITE,
+                self._dlist(src, sizes),
+                self._dlist(dst, sizes),
+                remote_name,
+                notification,
+                [self._backend],
+            )
+        except Exception as e:
+            raise TransferError(f"cannot create a WRITE to {remote_name!r}: {e}") from e
+        try:
+            status = self._agent.postXferReq(handle, notification)
+            delay = 0.0
+            polls = 0
+            while status == b.NIXL_IN_PROG:
+                polls += 1
+                if polls % 64 == 0 and time.monotonic() > deadline:
+                    raise TransferError(
+                        f"WRITE of {int(sizes.sum())} bytes to {remote_name!r} timed out after {timeout_s}s"
+                    )
+                if self._progress_thread:
+                    # NIXL's thread moves the data; polling it hard only fights for its lock
+                    time.sleep(delay)
+                    delay = min(0.001, delay * 2 or 0.00002)
+                elif polls % 256 == 0:
+                    time.sleep(0)  # each status call copies the next chunk; let other threads run
+                status = self._agent.getXferStatus(handle)
+            if status != b.NIXL_SUCCESS:
+                raise TransferError(f"WRITE to {remote_name!r} failed: {status}")
+        except TransferError:
+            raise
+        except Exception as e:
+            raise TransferError(f"WRITE to {remote_name!r} failed: {e}") from e
+        finally:
+            try:
+                self._agent.releaseXferReq(handle)  # cancels it if still in flight
+            except Exception:
+                pass  # NIXL could not cancel; the agent frees it at destruction
+
+    # -------------------------------------------------------------------- notifications
+    def send_notification(self, remote_name: str, message: bytes) -> None:
+        """Send a standalone notification (not tied to a transfer)."""
+        if isinstance(message, str):
+            message = message.encode()
+        try:
+            self._agent.genNotif(remote_name, message, [self._backend])
+        except Exception as e:
+            raise TransferError(f"cannot notify {remote_name!r}: {e}") from e
+
+    def _drain(self) -> None:
+        new = self._agent.getNotifs({}, [])
+        for remote, msgs in new.items():
+            for m in msgs:
+                self._notifs.append((remote, bytes(m)))
+
+    def _take(self, tag: bytes) -> bool:
+        for i, (_, msg) in enumerate(self._notifs):
+            if msg == tag:
+                del self._notifs[i]
+                return True
+        return False
+
+    def wait_notification(self, tag: bytes, timeout_s: float = 30.0) -> bool:
+        """Wait until a notification equal to ``tag`` arrives (consuming it); False on timeout."""
+        if isinstance(tag, str):
+            tag = tag.encode()
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0001
+        while True:
+            with self._lock:
+                self._drain()
+                if self._take(tag):
+                    return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, 0.002)
+
+    def take_notifications(self) -> list[tuple[str, bytes]]:
+        """All notifications received and not yet consumed, as (remote, message)."""
+        with self._lock:
+            self._drain()
+            out = list(self._notifs)
+            self._notifs.clear()
+            return out
+
+    # -------------------------------------------------------------------------- closing
+    def close(self) -> None:
+        """Drop peers, deregister the pool and stop the progress thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(5)
+        with self._lock:
+            for r in list(self._remotes):
+                self._invalidate(r)
+        try:
+            self._agent.deregisterMem(self._reg, [self._backend])
+        except Exception:
+            pass
+        with self._lock:
+            self._agent = None  # the C++ destructor joins NIXL's progress thread if any
+
+    def __enter__(self) -> "TransferAgent":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,251 @@
+"""The `pdserve` command line: servers, the `up` launcher, a client and benchmarks.
+
+    pdserve router   --decode HOST:PORT [--prefill HOST:PORT ...]   client-facing router
+    pdserve prefill  [--port P]                                     prefill worker
+    pdserve decode   [--port P]                                     decode worker
+    pdserve serve    [--port P]                                     colocated worker (role both)
+    pdserve up       [--port P]            router + one prefill + one decode on localhost
+    pdserve generate --server HOST:PORT --prompt TEXT               stream an answer
+    pdserve bench engine|transfer ...                               benchmarks
+
+Every server takes `--model DIR`; without it, the built-in demo model is written once into
+the cache (`engine.checkpoint.ensure_demo_model`) and used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _model(args) -> str:
+    if args.model:
+        return args.model
+    from engine.checkpoint import ensure_demo_model
+
+    return str(ensure_demo_model())
+
+
+def _add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=port,
+                   help="gRPC port; 0 picks a free one (default: %(default)s)")
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
+    g.add_argument("--num-pages", type=int, default=None,
+                   help="KV pages in the pool (default: as many as --kv-cache-mb holds)")
+    g.add_argument("--kv-cache-mb", type=int, default=256,
+                   help="memory for the KV pool when --num-pages is not given (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one engine step (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=64,
+                   help="sequences running at once (default: %(default)s)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (default: %(default)s)")
+    g.add_argument("--attention-backend", default="torch", choices=["torch", "triton"],
+                   help="attention kernels: torch (CPU) or triton (GPU) (default: %(default)s)")
+    g.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads for the engine (default: torch's choice)")
+    g.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+
+
+def _engine_config(args):
+    from engine import EngineConfig
+
+    return EngineConfig(
+        model_dir=_model(args), page_size=args.page_size, num_pages=args.num_pages,
+        kv_cache_memory_bytes=args.kv_cache_mb * 1024 * 1024,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype, attention_backend=args.attention_backend,
+        enable_prefix_cache=not args.no_prefix_cache, num_threads=args.num_threads,
+        device=args.device)
+
+
+def _add_prefill_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill role")
+    g.add_argument("--transfer-timeout-s", type=float, default=30.0,
+                   help="deadline of one KV write to a decode node (default: %(default)s)")
+
+
+def _add_decode_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decode role")
+    g.add_argument("--lease-ms", type=int, default=30_000,
+                   help="how long a reservation waits for StartGeneration when the router "
+                        "asks for no lease (default: %(default)s)")
+    g.add_argument("--notification-timeout-s", type=float, default=10.0,
+                   help="how long StartGeneration waits for the prefill node's KV-ready "
+                        "notification (default: %(default)s)")
+
+
+def _prefill_config(args):
+    from prefill.config import PrefillConfig
+
+    return PrefillConfig(engine=_engine_config(args), host=args.host, port=args.port,
+                         transfer_timeout_s=args.transfer_timeout_s)
+
+
+def _decode_config(args):
+    from decode.config import DecodeConfig
+
+    return DecodeConfig(engine=_engine_config(args), host=args.host, port=args.port,
+                        lease_ms=args.lease_ms, notification_timeout_s=args.notification_timeout_s)
+
+
+def cmd_router(args) -> int:
+    from pdserve.server import run
+    from router.app import run_router
+    from router.config import RouterConfig
+
+    config = RouterConfig(
+        model=_model(args), prefill=_endpoints(args.prefill), decode=_endpoints(args.decode),
+        host=args.host, port=args.port, kv_window_end=args.kv_window_end,
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+        lease_ms=args.lease_ms, remote_send_timeout_s=args.remote_send_timeout_s)
+    run(run_router(config))
+    return 0
+
+
+def _endpoints(values: list[str]) -> list[str]:
+    return [e for v in values for e in v.split(",") if e]
+
+
+def cmd_worker(args) -> int:
+    from pdserve.server import run
+    from pdserve.worker import run_worker
+
+    prefill = _prefill_config(args) if args.command in ("prefill", "serve") else None
+    decode = _decode_config(args) if args.command in ("decode", "serve") else None
+    role = {"prefill": "prefill", "decode": "decode", "serve": "both"}[args.command]
+    run(run_worker(role, prefill, decode))
+    return 0
+
+
+def cmd_up(args) -> int:
+    from pdserve.up import UpConfig, up
+
+    return up(UpConfig(model=_model(args), port=args.port, host=args.host,
+                       prefill_port=args.prefill_port, decode_port=args.decode_port,
+                       num_threads=args.num_threads, extra=args.worker_args))
+
+
+def cmd_generate(args) -> int:
+    import asyncio
+    import json
+
+    from pdserve.client import Client
+
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+
+    async def go() -> int:
+        async with Client(args.server) as client:
+            if args.json:
+                out = await client.complete(args.prompt, timeout=args.timeout, **sampling)
+                print(json.dumps(out.to_dict()))
+                return 0
+            async for msg in client.stream(args.prompt, timeout=args.timeout, **sampling):
+                if msg.index == 0 and msg.text:
+                    print(msg.text, end="", flush=True)
+            print()
+            return 0
+
+    import grpc
+
+    try:
+        return asyncio.run(go())
+    except grpc.aio.AioRpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+
+
+def cmd_bench(args) -> int:
+    if args.target == "engine":
+        from engine.bench import main as bench_main
+    else:
+        from kvtransfer.bench import main as bench_main
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("router", help="client-facing router over prefill and decode workers")
+    _add_server_flags(p, 50051)
+    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                   help="prefill worker endpoint (repeat or comma-separate for several)")
+    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", required=True,
+                   help="decode worker endpoint (repeat or comma-separate for several)")
+    p.add_argument("--kv-window-end", type=int, default=-1,
+                   help="end of the KV window the prefill node computes, Python-style: -1 = all "
+                        "but the last prompt token, -k = the decode node prefills the last k "
+                        "(default: %(default)s)")
+    p.add_argument("--prefill-policy", default="round_robin", choices=["round_robin"],
+                   help="how to pick a prefill node (default: %(default)s)")
+    p.add_argument("--decode-policy", default="round_robin", choices=["round_robin"],
+                   help="how to pick a decode node (default: %(default)s)")
+    p.add_argument("--lease-ms", type=int, default=30_000,
+                   help="lease of a decode node's reservation (default: %(default)s)")
+    p.add_argument("--remote-send-timeout-s", type=float, default=60.0,
+                   help="deadline of a RemoteSend call (default: %(default)s)")
+    p.set_defaults(func=cmd_router)
+
+    for name, text in (("prefill", "prefill worker: RemoteSend"),
+                       ("decode", "decode worker: PrepareReceive and StartGeneration"),
+                       ("serve", "colocated worker (role both): serves Generation itself")):
+        p = sub.add_parser(name, help=text)
+        _add_server_flags(p, {"prefill": 50061, "decode": 50062, "serve": 50051}[name])
+        _add_engine_flags(p)
+        if name in ("prefill", "serve"):
+            _add_prefill_flags(p)
+        if name in ("decode", "serve"):
+            _add_decode_flags(p)
+        p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("up", help="router + one prefill + one decode on localhost; Ctrl-C stops all")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="router bind address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=50051, help="router port (default: %(default)s)")
+    p.add_argument("--prefill-port", type=int, default=0, help="prefill port; 0 = any free one")
+    p.add_argument("--decode-port", type=int, default=0, help="decode port; 0 = any free one")
+    p.add_argument("--num-threads", type=int, default=1,
+                   help="torch threads per worker (default: %(default)s)")
+    p.add_argument("worker_args", nargs=argparse.REMAINDER,
+                   help="after `--`: extra flags for both workers (e.g. -- --page-size 8)")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("generate", help="send one prompt to a router or colocated node")
+    p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT (default: %(default)s)")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (server default 16)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (server default 1.0)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible output")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token_ids, finish_reason, usage) at the end")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmarks: `bench engine --help`, `bench transfer --help`")
+    p.add_argument("target", choices=["engine", "transfer"], help="what to benchmark")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags for that benchmark")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

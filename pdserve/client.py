@@ -1,0 +1,98 @@
+"""A small client for the `pdserve.v1.Generation` service (router or colocated node).
+
+`Client.stream()` yields the raw `GenerateResponse` messages as they come;
+`Client.complete()` gathers one whole answer into a `Completion`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from google.protobuf.json_format import MessageToDict
+
+from pdserve.server import channel
+from proto import pdserve_pb2, pdserve_pb2_grpc
+
+SAMPLING_FIELDS = {f.name for f in pdserve_pb2.SamplingParams.DESCRIPTOR.fields}
+
+
+def sampling_params(**kwargs) -> pdserve_pb2.SamplingParams:
+    """SamplingParams from keyword arguments; None leaves a field at the server default."""
+    unknown = set(kwargs) - SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling fields: {sorted(unknown)}")
+    return pdserve_pb2.SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "usage": self.usage}
+
+
+class Client:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = channel(address)
+        self.stub = pdserve_pb2_grpc.GenerationStub(self._channel)
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def request(self, prompt: str | list[int], *, request_id: str = "",
+                kv_window_end: int | None = None, **sampling) -> pdserve_pb2.GenerateRequest:
+        msg = pdserve_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling))
+        if isinstance(prompt, str):
+            msg.prompt = prompt
+        else:
+            msg.prompt_token_ids.extend(prompt)
+        if kv_window_end is not None:
+            msg.kv_window_end = kv_window_end
+        return msg
+
+    async def stream(self, prompt, *, timeout: float | None = None, **kwargs
+                     ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        call = self.stub.Generate(self.request(prompt, **kwargs), timeout=timeout)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()  # a consumer that stops early disconnects, freeing the request
+
+    async def complete(self, prompt, **kwargs) -> Completion:
+        """The whole answer of choice 0 (other choices are ignored)."""
+        out = Completion()
+        async for msg in self.stream(prompt, **kwargs):
+            out.request_id = msg.request_id
+            if msg.HasField("usage"):
+                out.usage = usage_dict(msg.usage)
+            elif msg.index == 0:
+                out.text += msg.text
+                out.token_ids.extend(msg.token_ids)
+                out.finish_reason = msg.finish_reason or out.finish_reason
+        return out
+
+    async def abort(self, request_id: str) -> bool:
+        return (await self.stub.Abort(pdserve_pb2.AbortRequest(request_id=request_id))).found
+
+    async def model_info(self) -> pdserve_pb2.ModelInfo:
+        return await self.stub.GetModelInfo(pdserve_pb2.ModelInfoRequest())
+
+
+def usage_dict(usage: pdserve_pb2.Usage) -> dict:
+    return MessageToDict(usage, preserving_proto_field_name=True,
+                         always_print_fields_with_no_presence=True)

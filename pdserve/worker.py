@@ -1,0 +1,125 @@
+"""A worker node: one engine, one NIXL agent, the Worker service, and for role `both` also
+the Generation service.
+
+The engine's KV pool is registered with the agent once at start. Role-specific RPCs go to
+the prefill or decode edge; a node without that role answers UNIMPLEMENTED naming its
+role. Abort reaches both roles; GetLoad merges the engine's page counts with each role's
+counters.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+import grpc
+
+from pdserve.server import new_server, serve
+from proto import pdserve_pb2, pdserve_pb2_grpc
+
+WORKER = pdserve_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+GENERATION = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def agent_name(role: str) -> str:
+    """Unique per process start, so peers never reuse a stale handshake."""
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class WorkerServicer(pdserve_pb2_grpc.WorkerServicer):
+    def __init__(self, role: str, model: str, engine, agent, layout, prefill=None, decode=None):
+        self.role, self.model = role, model
+        self.engine, self.agent, self.layout = engine, agent, layout
+        self.prefill, self.decode = prefill, decode  # PrefillEdge / DecodeEdge or None
+
+    async def _lacks(self, rpc: str, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc}: this is a {self.role} node")
+
+    async def PrepareReceive(self, request, context):
+        if self.decode is None:
+            await self._lacks("PrepareReceive", context)
+        return await self.decode.prepare_receive(request, context)
+
+    async def RemoteSend(self, request, context):
+        if self.prefill is None:
+            await self._lacks("RemoteSend", context)
+        return await self.prefill.remote_send(request, context)
+
+    async def StartGeneration(self, request, context):
+        if self.decode is None:
+            await self._lacks("StartGeneration", context)
+        async for msg in self.decode.start_generation(request, context):
+            yield msg
+
+    async def Abort(self, request, context):
+        found = False
+        for edge in (self.prefill, self.decode):
+            if edge is not None:
+                found = await edge.role.abort(request.request_id) or found
+        return pdserve_pb2.AbortResponse(found=found)
+
+    async def GetTransferInfo(self, request, context):
+        return pdserve_pb2.TransferInfo(
+            agent_name=self.agent.name, agent_metadata=self.agent.metadata(),
+            layout=pdserve_pb2.KVLayout(**self.layout.to_dict()), role=self.role, model=self.model)
+
+    async def GetLoad(self, request, context):
+        free, total = await self.engine.run(lambda e: (e.num_free_pages(), e.num_total_pages()))
+        report = pdserve_pb2.LoadReport(role=self.role, free_pages=free, total_pages=total)
+        for edge in (self.prefill, self.decode):
+            if edge is not None:
+                for key, value in edge.role.stats().items():
+                    setattr(report, key, getattr(report, key) + value)
+        return report
+
+
+async def run_worker(role: str, prefill_config=None, decode_config=None) -> None:
+    """Build and serve a `prefill`, `decode` or `both` node until SIGTERM/SIGINT."""
+    from engine.async_engine import AsyncEngine
+    from kvtransfer.agent import TransferAgent
+    from kvtransfer.layout import KVLayout
+
+    config = (prefill_config or decode_config)
+    engine_config = config.engine
+    engine = AsyncEngine(engine_config)
+    kv_cache, page_size, limits = await engine.run(
+        lambda e: (e.kv_cache, e.page_size, (e.vocab_size, e.max_model_len)))
+    agent = TransferAgent(agent_name(role), kv_cache)
+    layout = KVLayout.from_tensor(kv_cache, page_size)
+
+    prefill = decode = None
+    if prefill_config is not None:
+        from prefill.peers import DecodePeers
+        from prefill.role import PrefillRole
+        from prefill.servicer import PrefillEdge
+
+        prefill = PrefillEdge(PrefillRole(engine, agent, layout, prefill_config),
+                              DecodePeers(agent, layout))
+    if decode_config is not None:
+        from decode.role import DecodeRole
+        from decode.servicer import DecodeEdge
+
+        decode = DecodeEdge(DecodeRole(engine, agent, decode_config), *limits)
+
+    server = new_server()
+    services = [WORKER]
+    pdserve_pb2_grpc.add_WorkerServicer_to_server(
+        WorkerServicer(role, engine_config.model_dir, engine, agent, layout, prefill, decode), server)
+    if role == "both":
+        from pdserve.colocated import ColocatedGenerationServicer
+
+        tokenizer = await engine.run(lambda e: e.tokenizer)
+        pdserve_pb2_grpc.add_GenerationServicer_to_server(
+            ColocatedGenerationServicer(engine, tokenizer, engine_config.model_dir, *limits), server)
+        services.append(GENERATION)
+
+    async def stop() -> None:
+        for edge in (prefill, decode):
+            if edge is not None:
+                edge.role.close()
+        engine.shutdown()
+        agent.close()
+
+    await serve(server, role=role, host=config.host, port=config.port,
+                service_names=services, on_stop=stop)

@@ -1,0 +1,50 @@
+"""Regenerates the Python stubs for `proto/pdserve.proto` with grpcio-tools.
+
+`python -m proto.generate` rewrites `proto/pdserve_pb2.py`, `pdserve_pb2.pyi` and
+`pdserve_pb2_grpc.py` in place. The proto is compiled with the repository root as include
+path, so the generated gRPC module imports `from proto import pdserve_pb2` and the stubs
+work from an editable install. `tests/proto/test_stubs_in_sync.py` fails when the committed
+stubs differ from a fresh generation.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+PROTO_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PROTO_DIR.parent
+PROTO_FILES = ["proto/pdserve.proto"]
+GENERATED = ["pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py"]
+
+
+def generate(out_root: Path = REPO_ROOT) -> list[Path]:
+    """Compile the protos so that the stubs land in `out_root/proto/`; return their paths."""
+    import grpc_tools
+    from grpc_tools import protoc
+
+    out_root = Path(out_root)
+    (out_root / "proto").mkdir(parents=True, exist_ok=True)
+    well_known = Path(grpc_tools.__file__).parent / "_proto"
+    args = [
+        "grpc_tools.protoc",
+        f"-I{REPO_ROOT}",
+        f"-I{well_known}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        *[str(REPO_ROOT / f) for f in PROTO_FILES],
+    ]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    return [out_root / "proto" / name for name in GENERATED]
+
+
+def main() -> int:
+    for path in generate():
+        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

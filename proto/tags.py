@@ -1,0 +1,10 @@
+"""Wire-level names shared by prefill and decode nodes (they may not import each other).
+
+The KV-ready notification a prefill node posts after its NIXL writes carries
+`notification_tag(request_id, lease_id)`: the lease id makes a late or stale notification
+unable to release any other reservation of the same request id.
+"""
+
+
+def notification_tag(request_id: str, lease_id: str) -> bytes:
+    return f"pdserve:{request_id}:{lease_id}".encode()

@@ -1,0 +1,51 @@
+"""The router's view of the model: its tokenizer and the limits from its config.
+
+The router tokenizes each prompt once; every node works on these ids. Colocated nodes
+tokenize the same way (`encode` with the tokenizer's special tokens), so a prompt gives the
+same ids whichever way it is served. The router never runs a model, so it loads the fast
+tokenizer class directly when the checkpoint has a `tokenizer.json` (the same ids as
+`AutoTokenizer`, without importing torch: a router starts in about a second) and reads the
+limits from `config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class ModelCard:
+    model: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+def _load_tokenizer(model_dir: Path):
+    if (model_dir / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class PromptTokenizer:
+    def __init__(self, model_dir: str) -> None:
+        path = Path(model_dir)
+        self.tokenizer = _load_tokenizer(path)
+        config = json.loads((path / "config.json").read_text())
+        eos = config.get("eos_token_id", self.tokenizer.eos_token_id)
+        self.card = ModelCard(
+            model=str(model_dir),
+            vocab_size=int(config["vocab_size"]),
+            max_model_len=int(config.get("max_position_embeddings", 0)),
+            eos_token_ids=list(eos) if isinstance(eos, (list, tuple)) else
+            ([eos] if eos is not None else []),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))

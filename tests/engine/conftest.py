@@ -1,0 +1,79 @@
+"""Shared fixtures for engine tests: tiny checkpoints (one per family, written once per
+session), transformers' greedy reference outputs, and engines whose page pool is checked
+to be full again when the test ends."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from engine import LLM, Engine, EngineConfig
+from engine.checkpoint import FAMILIES, write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dirs(tmp_path_factory):
+    """family -> checkpoint dir, written on first use."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    cache: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in cache:
+            cache[family] = str(write_checkpoint(root / family, family=family, seed=0))
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(checkpoint_dirs):
+    """(family, prompt ids, max_new_tokens) -> transformers' greedy continuation."""
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+
+    @functools.lru_cache(maxsize=None)
+    def run(family: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+        if family not in models:
+            model = AutoModelForCausalLM.from_pretrained(checkpoint_dirs(family), dtype=torch.float32)
+            models[family] = model.eval()
+        ids = torch.tensor([list(prompt)])
+        with torch.inference_mode():
+            out = models[family].generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+            )
+        return out[0, len(prompt) :].tolist()
+
+    return lambda family, prompt, n: run(family, tuple(prompt), n)
+
+
+def _prompts_of_lengths(lengths, seed=0, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def prompts_of_lengths():
+    """(lengths, seed) -> random prompts (ids 3.., so never a special token) of those lengths."""
+    return _prompts_of_lengths
+
+
+@pytest.fixture
+def make_engine(checkpoint_dirs):
+    """Engines (or LLMs, with llm=True) that must hold no pages when the test ends."""
+    engines = []
+
+    def make(family: str = "llama", llm: bool = False, **kwargs):
+        if llm:
+            obj = LLM(checkpoint_dirs(family), **kwargs)
+            engines.append(obj.engine)
+        else:
+            obj = Engine(EngineConfig(model_dir=checkpoint_dirs(family), **kwargs))
+            engines.append(obj)
+        return obj
+
+    yield make
+    for engine in engines:
+        assert engine.num_free_pages() == engine.num_total_pages(), "pages leaked"

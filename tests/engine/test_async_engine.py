@@ -1,0 +1,122 @@
+"""AsyncEngine: streams from its own thread, runs commands between steps, aborts on
+request and when the consumer goes away, and sleeps when idle."""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import time
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def async_engine(make_engine):
+    ae = AsyncEngine(make_engine("llama", page_size=4, num_pages=64))
+    yield ae
+    ae.shutdown()
+
+
+def test_concurrent_streams_match_the_sync_engine(async_engine, prompts_of_lengths):
+    prompts = prompts_of_lengths([5, 12, 20], seed=41)
+
+    async def collect(i, p):
+        return [out async for out in async_engine.generate(f"r{i}", p, GREEDY)]
+
+    async def main():
+        return await asyncio.gather(*(collect(i, p) for i, p in enumerate(prompts)))
+
+    streams = asyncio.run(main())
+    for stream in streams:
+        assert stream[-1].finished and len(stream[-1].token_ids) == 6
+        assert [t for d in stream for t in d.outputs[0].new_token_ids] == stream[-1].token_ids
+
+    async def reference():
+        return await async_engine.run(lambda e: e.num_free_pages() == e.num_total_pages())
+
+    assert asyncio.run(reference())
+
+
+def test_run_propagates_exceptions(async_engine):
+    async def main():
+        with pytest.raises(ValueError, match="empty"):
+            await async_engine.run(lambda e: e.add_request("x", [], GREEDY))
+        with pytest.raises(ValueError, match="empty"):
+            async for _ in async_engine.generate("y", [], GREEDY):
+                pass
+
+    asyncio.run(main())
+
+
+def test_abort_ends_the_stream_and_frees_pages(async_engine, prompts_of_lengths):
+    prompt = prompts_of_lengths([10], seed=42)[0]
+    long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        outs = []
+        async for out in async_engine.generate("a", prompt, long):
+            outs.append(out)
+            if len(outs) == 2:
+                assert await async_engine.abort("a")
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+
+
+def test_consumer_going_away_aborts_the_request(async_engine, prompts_of_lengths):
+    prompt = prompts_of_lengths([10], seed=43)[0]
+    long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        async for _ in async_engine.generate("a", prompt, long):
+            break  # closes the generator
+        for _ in range(200):
+            if await async_engine.run(lambda e: not e.has_unfinished()):
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert asyncio.run(main())
+
+
+def test_idle_engine_thread_uses_no_cpu(async_engine):
+    time.sleep(0.1)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(0.5)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 0.05
+
+
+def test_prefill_only_then_start_generation_through_async(make_engine, prompts_of_lengths):
+    prefill = AsyncEngine(make_engine("llama", page_size=4, num_pages=64))
+    decode = AsyncEngine(make_engine("llama", page_size=4, num_pages=64))
+    prompt = prompts_of_lengths([15], seed=44)[0]
+
+    async def main():
+        local = [o async for o in decode.generate("local", prompt, GREEDY)][-1].token_ids
+        await decode.run(lambda e: e.prefix_cache.clear())
+        res = await decode.run(lambda e: e.prepare_receive("r", prompt, GREEDY, 14))
+        done = [o async for o in prefill.generate("r", prompt[:14], GREEDY, prefill_only=True)][-1]
+        assert done.finish_reason == "prefilled"
+        slots = await prefill.run(lambda e: e.slots_of("r"))
+        kv = await prefill.run(lambda e: e.kv_cache[:, :, slots].clone())
+
+        def put(e):
+            e.kv_cache[:, :, res.slots] = kv
+        await decode.run(put)
+        await prefill.run(lambda e: e.release("r"))
+        out = [o async for o in decode.start_generation("r")][-1]
+        return local, out.token_ids
+
+    try:
+        local, remote = asyncio.run(main())
+        assert local == remote
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -1,0 +1,129 @@
+"""The disaggregation primitives: a prefill-only request's KV, copied by plain tensor
+indexing into slots reserved with prepare_receive, generates exactly what an ordinary
+request generates; reservations and pinned prefills free their pages when let go."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import OutOfPages, SamplingParams, UnknownRequest
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def run_to_end(engine, request_id):
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                final = out
+    return final
+
+
+def copy_kv(src, src_slots, dst, dst_slots):
+    dst.kv_cache[:, :, dst_slots] = src.kv_cache[:, :, src_slots]
+
+
+@pytest.mark.parametrize(("family", "p_page", "d_page", "end_from_back"), [
+    ("llama", 4, 4, 1), ("qwen2", 16, 5, 3), ("qwen3", 1, 7, 1), ("llama3", 5, 16, 6),
+])
+def test_received_kv_generates_like_a_local_request(family, p_page, d_page, end_from_back, make_engine, prompts_of_lengths):
+    prefill = make_engine(family, page_size=p_page, num_pages=512 // p_page)
+    decode = make_engine(family, page_size=d_page, num_pages=512 // d_page)
+    prompt = prompts_of_lengths([27], seed=21)[0]
+    end = len(prompt) - end_from_back
+
+    decode.add_request("local", prompt, GREEDY)
+    expected = run_to_end(decode, "local").token_ids
+
+    res = decode.prepare_receive("r", prompt, GREEDY, kv_window_end=end)
+    # The local run put the prompt's full pages into D's prefix cache.
+    assert res.prefix_matched_length == ((end - 1) // d_page) * d_page
+    assert res.kv_window_end == end and len(res.slots) == end - res.prefix_matched_length
+
+    prefill.add_request("r", prompt[:end], GREEDY, prefill_only=True)
+    done = run_to_end(prefill, "r")
+    assert done.finished and done.finish_reason == "prefilled" and done.token_ids == []
+    slots = prefill.slots_of("r")
+    assert len(slots) == end
+    copy_kv(prefill, slots[res.prefix_matched_length:], decode, res.slots)
+    assert prefill.release("r")
+
+    decode.start_generation("r")
+    out = run_to_end(decode, "r")
+    assert out.token_ids == expected
+
+
+def test_received_kv_is_what_decode_uses(make_engine, prompts_of_lengths):
+    """Garbage in the received slots changes the output: the test above could fail."""
+    decode = make_engine("llama", page_size=4, num_pages=128, enable_prefix_cache=False)
+    prompt = prompts_of_lengths([20], seed=22)[0]
+    decode.add_request("local", prompt, GREEDY)
+    expected = run_to_end(decode, "local").token_ids
+    res = decode.prepare_receive("r", prompt, GREEDY, kv_window_end=19)
+    assert res.prefix_matched_length == 0
+    decode.kv_cache[:, :, res.slots] = 3.0
+    decode.start_generation("r")
+    assert run_to_end(decode, "r").token_ids != expected
+
+
+def test_n_samples_after_start_generation(make_engine, prompts_of_lengths):
+    prefill = make_engine("llama", page_size=4, num_pages=128)
+    decode = make_engine("llama", page_size=4, num_pages=128)
+    prompt = prompts_of_lengths([18], seed=23)[0]
+    params = SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=5)
+    decode.add_request("local", prompt, params)
+    expected = [o.token_ids for o in run_to_end(decode, "local").outputs]
+    decode.prefix_cache.clear()
+    res = decode.prepare_receive("r", prompt, params, kv_window_end=17)
+    prefill.add_request("p", prompt[:17], params, prefill_only=True)
+    run_to_end(prefill, "p")
+    copy_kv(prefill, prefill.slots_of("p"), decode, res.slots)
+    prefill.release("p")
+    decode.start_generation("r")
+    assert [o.token_ids for o in run_to_end(decode, "r").outputs] == expected
+
+
+def test_abort_of_parked_reservation_frees_its_pages(make_engine, prompts_of_lengths):
+    decode = make_engine("llama", page_size=4, num_pages=32)
+    prompt = prompts_of_lengths([30], seed=24)[0]
+    decode.prepare_receive("r", prompt, GREEDY, kv_window_end=29)
+    assert decode.num_free_pages() == 32 - 8
+    assert not decode.has_unfinished()  # parked requests are not scheduled
+    decode.step()
+    assert decode.num_free_pages() == 32 - 8
+    assert decode.abort("r")
+    assert decode.num_free_pages() == 32
+    assert not decode.abort("r")
+    with pytest.raises(UnknownRequest):
+        decode.start_generation("r")
+
+
+def test_prepare_receive_without_room_raises_and_holds_nothing(make_engine, prompts_of_lengths):
+    decode = make_engine("llama", page_size=4, num_pages=10)
+    prompt = prompts_of_lengths([30], seed=25)[0]
+    decode.prepare_receive("a", prompt, GREEDY, kv_window_end=29)  # 8 pages
+    with pytest.raises(OutOfPages):
+        decode.prepare_receive("b", prompt[::-1], GREEDY, kv_window_end=29)
+    assert decode.num_free_pages() == 2
+    with pytest.raises(ValueError, match="kv_window_end"):
+        decode.prepare_receive("c", prompt, GREEDY, kv_window_end=30)
+    decode.abort("a")
+
+
+def test_prefill_only_pins_pages_until_release_and_abort_frees_them(make_engine, prompts_of_lengths):
+    prefill = make_engine("qwen2", page_size=4, num_pages=64)
+    p1, p2 = prompts_of_lengths([10, 13], seed=26)
+    prefill.add_request("a", p1, GREEDY, prefill_only=True)
+    prefill.add_request("b", p2, GREEDY, prefill_only=True)
+    seen = []
+    prefill.layer_hook = lambda layer, ranges: seen.append((layer, ranges))
+    while prefill.has_unfinished():
+        prefill.step()
+    assert prefill.num_free_pages() == 64 - 3 - 4
+    assert {r for _, ranges in seen for r in ranges} == {("a", 0, 10), ("b", 0, 13)}
+    assert sorted({layer for layer, _ in seen}) == [0, 1]
+    assert len(set(prefill.slots_of("b"))) == 13
+    assert prefill.release("a") and prefill.abort("b")
+    with pytest.raises(UnknownRequest):
+        prefill.slots_of("a")

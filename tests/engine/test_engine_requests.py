@@ -1,0 +1,91 @@
+"""Request validation, abort, the step token budget and running out of room."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine("llama", page_size=4, num_pages=64, max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([], "empty"),
+    ([1, 512], "512"),
+    ([1, -1], "-1"),
+    ([5] * 2048, "2048 tokens"),
+])
+def test_bad_prompts_are_rejected_with_the_value(engine, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("x", prompt, GREEDY)
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    (SamplingParams(top_p=1.5), "top_p must be in \\(0, 1\\], got 1.5"),
+    (SamplingParams(max_tokens=0), "max_tokens"),
+    (SamplingParams(temperature=-1), "temperature"),
+    (SamplingParams(n=0), "n must"),
+    (SamplingParams(stop_token_ids=[600]), "stop_token_ids"),
+    (SamplingParams(logprobs=-2), "logprobs"),
+])
+def test_bad_sampling_params_are_rejected(engine, params, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("x", [5, 6], params)
+
+
+def test_duplicate_request_id_is_rejected(engine):
+    engine.add_request("x", [5, 6], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", [5, 6], GREEDY)
+    engine.abort("x")
+
+
+def test_abort_frees_running_and_waiting_requests(engine, prompts_of_lengths):
+    for i, p in enumerate(prompts_of_lengths([30, 30, 30], seed=31)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=50, temperature=0.0))
+    engine.step()
+    engine.step()
+    assert engine.num_free_pages() < engine.num_total_pages()
+    assert all(engine.abort(str(i)) for i in range(3))
+    assert not engine.has_unfinished()
+
+
+def test_each_step_respects_the_token_budget(engine, prompts_of_lengths):
+    planned = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        planned.append(sum(batch.num_new_tokens))
+        return batch
+
+    engine.scheduler.schedule = spy
+    for i, p in enumerate(prompts_of_lengths([30, 3, 25], seed=32)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=5, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    assert max(planned) == 16  # prompts were chunked to fill the budget, never beyond
+    assert sum(planned) == 30 + 3 + 25 + 3 * 4
+
+
+def test_sequence_that_outgrows_the_whole_pool_finishes_with_length(make_engine, prompts_of_lengths):
+    engine = make_engine("llama", page_size=4, num_pages=4)  # 16 slots in all
+    engine.add_request("x", prompts_of_lengths([10], seed=33)[0], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            final = out
+    assert final.finished and final.finish_reason == "length"
+    assert len(final.token_ids) == 16 - 10 + 1
+
+
+def test_prompt_larger_than_the_pool_is_rejected(make_engine):
+    engine = make_engine("llama", page_size=4, num_pages=4)
+    with pytest.raises(ValueError, match="KV pages"):
+        engine.add_request("x", [5] * 17, GREEDY)

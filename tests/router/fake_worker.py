@@ -1,0 +1,69 @@
+"""An in-process fake Worker node for router tests: records calls, streams canned tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from proto import pdserve_pb2, pdserve_pb2_grpc
+
+
+class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
+    def __init__(self, name: str, matched: int = 0, tokens=(5, 6, 7), token_delay_s=0.0,
+                 fail: dict | None = None):
+        self.name = name
+        self.matched = matched
+        self.tokens = tokens
+        self.token_delay_s = token_delay_s
+        self.fail = fail or {}  # rpc name -> StatusCode
+        self.calls: list[tuple[str, object]] = []
+        self.aborted: list[str] = []
+        self.remote_send_gate: asyncio.Event | None = None
+
+    async def _maybe_fail(self, rpc, context):
+        if rpc in self.fail:
+            await context.abort(self.fail[rpc], f"{rpc} failed on purpose")
+
+    async def PrepareReceive(self, request, context):
+        self.calls.append(("PrepareReceive", request))
+        await self._maybe_fail("PrepareReceive", context)
+        end = request.kv_window_end + len(request.prompt_token_ids) if request.kv_window_end < 0 \
+            else request.kv_window_end
+        return pdserve_pb2.PrepareReceiveResponse(
+            request_id=request.request_id, prefix_matched_length=min(self.matched, end),
+            kv_window_end=end, kv_append_metadata=[1, 0, end - min(self.matched, end)],
+            lease_id="lease-1", lease_ms=1000, decode_agent_name=f"agent-{self.name}")
+
+    async def RemoteSend(self, request, context):
+        self.calls.append(("RemoteSend", request))
+        if self.remote_send_gate is not None:
+            await self.remote_send_gate.wait()
+        await self._maybe_fail("RemoteSend", context)
+        return pdserve_pb2.RemoteSendResponse(request_id=request.request_id)
+
+    async def StartGeneration(self, request, context):
+        self.calls.append(("StartGeneration", request))
+        await self._maybe_fail("StartGeneration", context)
+        for i, t in enumerate(self.tokens):
+            await asyncio.sleep(self.token_delay_s)
+            last = i == len(self.tokens) - 1
+            yield pdserve_pb2.GenerateResponse(request_id=request.request_id, text=f"<{t}>",
+                                               token_ids=[t], finish_reason="length" if last else "")
+        yield pdserve_pb2.GenerateResponse(request_id=request.request_id, usage=pdserve_pb2.Usage(
+            prompt_tokens=4, completion_tokens=len(self.tokens), total_tokens=4 + len(self.tokens)))
+
+    async def Abort(self, request, context):
+        self.aborted.append(request.request_id)
+        return pdserve_pb2.AbortResponse(found=True)
+
+    def rpcs(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+async def start_fake(worker: FakeWorker) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    pdserve_pb2_grpc.add_WorkerServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"

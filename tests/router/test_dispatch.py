@@ -1,0 +1,203 @@
+"""The router's three-step dispatch against fake workers (no model, no NIXL)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.client import Client
+from proto import pdserve_pb2_grpc
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.policies import RoundRobin
+from router.registry import WorkerRegistry
+from router.servicer import GenerationServicer
+from router.tokenizer import ModelCard
+from tests.router.fake_worker import FakeWorker, start_fake
+
+
+class CharTokenizer:
+    card = ModelCard(model="fake", vocab_size=256, max_model_len=128, eos_token_ids=[2])
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+async def _cluster(prefill: list[FakeWorker], decode: list[FakeWorker], **cfg):
+    servers, p_addr, d_addr = [], [], []
+    for w, addrs in [*((w, p_addr) for w in prefill), *((w, d_addr) for w in decode)]:
+        server, addr = await start_fake(w)
+        servers.append(server)
+        addrs.append(addr)
+    config = RouterConfig(model="fake", prefill=p_addr, decode=d_addr, **cfg)
+    registry = WorkerRegistry(p_addr, d_addr, RoundRobin(), RoundRobin())
+    dispatcher = Dispatcher(config, registry)
+    router = grpc.aio.server()
+    pdserve_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(dispatcher, CharTokenizer()), router)
+    port = router.add_insecure_port("127.0.0.1:0")
+    await router.start()
+    servers.append(router)
+
+    async def stop():
+        await registry.close()
+        for s in servers:
+            await s.stop(None)
+
+    return f"127.0.0.1:{port}", dispatcher, stop
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_calls_prepare_then_remote_send_then_start_and_streams_back():
+    async def go():
+        p, d = FakeWorker("p"), FakeWorker("d", matched=2)
+        addr, _, stop = await _cluster([p], [d])
+        try:
+            async with Client(addr) as client:
+                msgs = [m async for m in client.stream("hello", request_id="r1", temperature=0.0)]
+        finally:
+            await stop()
+        assert d.rpcs() == ["PrepareReceive", "StartGeneration"]
+        assert p.rpcs() == ["RemoteSend"]
+        prep, send, start = d.calls[0][1], p.calls[0][1], d.calls[1][1]
+        assert list(prep.prompt_token_ids) == [ord(c) for c in "hello"]
+        assert prep.kv_window_end == -1 and prep.sampling.temperature == 0.0
+        assert (send.kv_window_begin, send.kv_window_end) == (2, 4)
+        assert send.lease_id == "lease-1" and send.decode_agent_name == "agent-d"
+        assert send.decode_address.startswith("127.0.0.1:")
+        assert start.kv_window_begin == 4 and start.expect_kv_notification
+        assert [list(m.token_ids) for m in msgs[:-1]] == [[5], [6], [7]]
+        assert msgs[-2].finish_reason == "length"
+        usage = msgs[-1].usage
+        assert msgs[-1].HasField("usage") and usage.total_tokens == 7
+        assert usage.time_to_first_token_s > 0
+        assert (usage.route.kv_window_begin, usage.route.kv_window_end) == (2, 4)
+        assert usage.route.prefill_endpoint and not usage.route.remote_send_skipped
+        assert p.aborted == [] and d.aborted == []
+
+    run(go())
+
+
+def test_remote_send_skipped_when_decode_holds_the_whole_window():
+    async def go():
+        p, d = FakeWorker("p"), FakeWorker("d", matched=100)
+        addr, _, stop = await _cluster([p], [d])
+        try:
+            async with Client(addr) as client:
+                out = await client.complete("hello")
+        finally:
+            await stop()
+        assert p.rpcs() == []
+        assert d.calls[1][1].expect_kv_notification is False
+        assert out.usage["route"]["remote_send_skipped"] is True
+        assert out.token_ids == [5, 6, 7]
+
+    run(go())
+
+
+def test_per_request_kv_window_end_reaches_the_decode_node():
+    async def go():
+        p, d = FakeWorker("p"), FakeWorker("d")
+        addr, _, stop = await _cluster([p], [d], kv_window_end=-1)
+        try:
+            async with Client(addr) as client:
+                await client.complete("hello world", kv_window_end=-3)
+        finally:
+            await stop()
+        assert d.calls[0][1].kv_window_end == -3
+        assert p.calls[0][1].kv_window_end == len("hello world") - 3
+
+    run(go())
+
+
+def test_client_disconnect_aborts_on_the_decode_node():
+    async def go():
+        p, d = FakeWorker("p"), FakeWorker("d", tokens=range(100), token_delay_s=0.05)
+        addr, dispatcher, stop = await _cluster([p], [d])
+        try:
+            async with Client(addr) as client:
+                async for msg in client.stream("hello", request_id="gone"):
+                    break  # disconnect after the first token
+            for _ in range(100):
+                if d.aborted:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await stop()
+        assert d.aborted == ["gone"]
+        assert "gone" not in dispatcher.active
+
+    run(go())
+
+
+def test_abort_during_remote_send_reaches_prefill_and_decode():
+    async def go():
+        p, d = FakeWorker("p"), FakeWorker("d")
+        p.remote_send_gate = asyncio.Event()
+        addr, _, stop = await _cluster([p], [d])
+        try:
+            async with Client(addr) as client:
+                task = asyncio.ensure_future(client.complete("hello", request_id="x"))
+                while p.rpcs() != ["RemoteSend"]:
+                    await asyncio.sleep(0.01)
+                assert await client.abort("x") is True
+                p.remote_send_gate.set()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await task
+                assert err.value.code() == grpc.StatusCode.CANCELLED
+        finally:
+            await stop()
+        assert "x" in p.aborted and "x" in d.aborted
+        assert "StartGeneration" not in d.rpcs()
+
+    run(go())
+
+
+def test_decode_failure_is_unavailable_naming_the_node():
+    async def go():
+        p, d = FakeWorker("p"), FakeWorker("d", fail={"StartGeneration": grpc.StatusCode.UNAVAILABLE})
+        addr, _, stop = await _cluster([p], [d])
+        try:
+            async with Client(addr) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.complete("hello")
+        finally:
+            await stop()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "decode node 127.0.0.1:" in err.value.details()
+
+    run(go())
+
+
+def test_bad_prompt_is_invalid_argument():
+    async def go():
+        addr, _, stop = await _cluster([FakeWorker("p")], [FakeWorker("d")])
+        try:
+            async with Client(addr) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.complete("")
+        finally:
+            await stop()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "empty" in err.value.details()
+
+    run(go())
+
+
+def test_round_robin_spreads_over_decode_nodes():
+    async def go():
+        d1, d2 = FakeWorker("d1", matched=100), FakeWorker("d2", matched=100)
+        addr, _, stop = await _cluster([], [d1, d2])
+        try:
+            async with Client(addr) as client:
+                for _ in range(4):
+                    await client.complete("hi")
+        finally:
+            await stop()
+        assert d1.rpcs().count("StartGeneration") == 2 == d2.rpcs().count("StartGeneration")
+
+    run(go())
