@@ -31,6 +31,7 @@ class Lease:
     prefix_matched_length: int
     kv_window_end: int
     expires_at: float
+    engine_key: str = ""  # the engine's id of this reservation (unique per lease)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
@@ -47,13 +48,19 @@ class LeaseTable:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._leases
 
-    def grant(self, request_id: str, duration_s: float, **info) -> Lease:
-        lease = Lease(request_id, uuid.uuid4().hex, expires_at=time.monotonic() + duration_s, **info)
+    def grant(self, request_id: str, duration_s: float, lease_id: str | None = None,
+              **info) -> Lease:
+        lease = Lease(request_id, lease_id or uuid.uuid4().hex,
+                      expires_at=time.monotonic() + duration_s, **info)
         lease.timer = asyncio.get_running_loop().call_later(duration_s, self._expire, lease)
         self._leases[request_id] = lease
         return lease
 
     def take(self, request_id: str, lease_id: str) -> Lease:
+        return self.drop(self.peek(request_id, lease_id).request_id)
+
+    def peek(self, request_id: str, lease_id: str) -> Lease:
+        """The live lease of `request_id` if `lease_id` matches; raises LeaseError."""
         lease = self._leases.get(request_id)
         if lease is None:
             raise LeaseError(f"no reservation for request {request_id!r} "
@@ -61,7 +68,7 @@ class LeaseTable:
         if lease.lease_id != lease_id:
             raise LeaseError(f"lease {lease_id!r} does not match the reservation of request "
                              f"{request_id!r}", missing=False)
-        return self.drop(request_id)
+        return lease
 
     def drop(self, request_id: str) -> Lease | None:
         lease = self._leases.pop(request_id, None)

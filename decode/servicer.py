@@ -1,9 +1,10 @@
 """gRPC edge of the decode role: PrepareReceive and StartGeneration.
 
 Converts messages to engine objects, calls one DecodeRole method, maps errors to statuses:
-bad input -> INVALID_ARGUMENT, no room -> RESOURCE_EXHAUSTED, unknown or expired
-reservation -> NOT_FOUND, wrong lease -> FAILED_PRECONDITION, KV not arrived ->
-DEADLINE_EXCEEDED. A StartGeneration cancelled by its caller aborts the request.
+bad input -> INVALID_ARGUMENT, no room -> RESOURCE_EXHAUSTED, draining -> UNAVAILABLE,
+unknown or expired reservation -> NOT_FOUND, wrong lease -> FAILED_PRECONDITION, KV not
+arrived -> DEADLINE_EXCEEDED, prefill node gave up writing -> FAILED_PRECONDITION, aborted
+-> CANCELLED. A StartGeneration cancelled by its caller aborts the request.
 """
 
 from __future__ import annotations
@@ -15,12 +16,27 @@ import grpc
 
 from decode.convert import sampling_from_pb, stream_responses
 from decode.leases import LeaseError
-from decode.role import DecodeRole, KVNotArrived
+from decode.role import DecodeRole, KVNotArrived, KVNotWritten
+from pdserve.errors import NodeDraining, NodeOverloaded, RequestAborted
 from proto import pdserve_pb2
+from proto.checks import check_request_id, check_sampling
+
+STATUS_OF = [  # most specific first: KVNotWritten etc. are not ValueErrors, LeaseError neither
+    (NodeDraining, grpc.StatusCode.UNAVAILABLE),
+    (NodeOverloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RequestAborted, grpc.StatusCode.CANCELLED),
+    (KVNotArrived, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (KVNotWritten, grpc.StatusCode.FAILED_PRECONDITION),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+]
 
 
-def _out_of_pages(err: Exception) -> bool:
-    return type(err).__name__ == "OutOfPages"
+def status_of(err: Exception) -> grpc.StatusCode | None:
+    if type(err).__name__ == "OutOfPages":
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(err, LeaseError):
+        return grpc.StatusCode.NOT_FOUND if err.missing else grpc.StatusCode.FAILED_PRECONDITION
+    return next((code for cls, code in STATUS_OF if isinstance(err, cls)), None)
 
 
 class DecodeEdge:
@@ -30,39 +46,41 @@ class DecodeEdge:
         self.max_model_len = max_model_len
 
     async def prepare_receive(self, request, context):
-        params = sampling_from_pb(request.sampling)
         try:
+            check_request_id(request.request_id)
+            check_sampling(request.sampling, self.vocab_size, self.max_model_len)
+            params = sampling_from_pb(request.sampling)
             params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
             prepared = await self.role.prepare_receive(
                 request.request_id, list(request.prompt_token_ids), params,
                 request.kv_window_end, request.lease_ms)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except Exception as err:
-            if _out_of_pages(err):
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-            raise
+            code = status_of(err)
+            if code is None:
+                raise
+            await context.abort(code, str(err))
         lease = prepared.lease
+        remaining = lease.expires_at - time.monotonic()
         return pdserve_pb2.PrepareReceiveResponse(
             request_id=request.request_id, prefix_matched_length=lease.prefix_matched_length,
             kv_window_end=lease.kv_window_end, kv_append_metadata=prepared.kv_append_metadata,
-            lease_id=lease.lease_id, lease_ms=round((lease.expires_at - time.monotonic()) * 1000),
-            decode_agent_name=self.role.agent.name)
+            lease_id=lease.lease_id, lease_ms=round(remaining * 1000),
+            decode_agent_name=self.role.agent.name,
+            lease_expires_unix_ms=round((time.time() + remaining) * 1000))
 
     async def start_generation(self, request, context):
         arrived = time.perf_counter()
         outputs = self.role.start_generation(request.request_id, request.lease_id,
-                                             request.kv_window_begin, request.expect_kv_notification)
+                                             request.kv_window_begin, request.expect_kv_notification,
+                                             context.time_remaining())
         try:
             async for msg in stream_responses(request.request_id, outputs, arrived):
                 yield msg
-        except LeaseError as err:
-            code = grpc.StatusCode.NOT_FOUND if err.missing else grpc.StatusCode.FAILED_PRECONDITION
+        except Exception as err:
+            code = status_of(err)
+            if code is None:
+                raise
             await context.abort(code, str(err))
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except KVNotArrived as err:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
         finally:
             with contextlib.suppress(Exception):
                 await outputs.aclose()

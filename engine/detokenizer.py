@@ -51,8 +51,10 @@ class IncrementalDetokenizer:
             return ""
         self._window.extend(token_ids)
         text = self._decode(self._window)
-        if text.endswith(REPLACEMENT_CHAR) or len(text) <= len(self._prefix_text):
-            return ""  # an unfinished character (or nothing visible yet): wait for more
+        if text.endswith(REPLACEMENT_CHAR) or len(text) < len(self._prefix_text):
+            return ""  # an unfinished character: wait for the tokens that complete it
+        # Emitting even "" (tokens with no visible text, such as skipped special tokens)
+        # moves the window on, so it cannot grow without bound.
         return self._emit(text)
 
     def flush(self) -> str:

@@ -82,7 +82,7 @@ class TransferAgent:
         *,
         progress_thread: bool = False,
         progress_delay_us: int = 2000,
-        poll_interval_s: float = 0.005,
+        poll_interval_s: float = 0.01,
         backend_params: dict[str, str] | None = None,
     ) -> None:
         if progress_delay_us <= 0:
@@ -203,6 +203,8 @@ class TransferAgent:
         """
         if isinstance(notification, str):
             notification = notification.encode()
+        if self._closed:
+            raise TransferError(f"agent {self.name!r} is closed")
         if remote_name not in self._remotes:
             raise TransferError(f"unknown remote agent {remote_name!r}: call add_remote first")
         if isinstance(plan, TransferPlan):

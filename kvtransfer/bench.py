@@ -4,7 +4,9 @@ Two real processes: this one (the sender, like a prefill node) and a spawned rec
 (like a decode node), each with a KV pool and a ``TransferAgent``. Each repetition times,
 over the same number of bytes: a local ``memcpy`` (one thread), a raw NIXL WRITE of one
 contiguous descriptor, and the KV window written through ``plan_transfer`` between
-fragmented page lists. ``efficiency = kv_gbps / raw_nixl_gbps``; the raw and KV writes go
+fragmented page lists. Pools are page-major by default (``--layout``), the layout the
+engine is moving to: a run of consecutive pages is then one descriptor over all layers.
+``efficiency = kv_gbps / raw_nixl_gbps``; the raw and KV writes go
 through the same ``TransferAgent.write`` (notification included) and alternate, so load
 from other processes on the machine hits both alike. Medians are reported.
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .layout import KVLayout
+from .layout import LAYOUT_KINDS, PAGE_MAJOR, KVLayout
 from .plan import TransferPlan, plan_transfer
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -58,13 +60,14 @@ def pages_to_slots(pages: list[int], page_size: int, tokens: int) -> list[int]:
 
 
 def _fill_pattern(pool: Any) -> None:
-    """Distinct cheap contents per word, a layer at a time (random fill of GiBs is slow)."""
+    """Distinct cheap contents per word, a block of the first dimension (a layer or a page)
+    at a time (random fill of GiBs is slow)."""
     import torch
 
     words = pool.view(torch.uint8).view(pool.shape[0], -1).view(torch.int32)
-    for layer in range(words.shape[0]):
-        torch.arange(words.shape[1], dtype=torch.int32, out=words[layer])
-        words[layer].mul_(-1640531535).add_(layer * 97 + 1)
+    for block in range(words.shape[0]):
+        torch.arange(words.shape[1], dtype=torch.int32, out=words[block])
+        words[block].mul_(-1640531535).add_(block * 97 + 1)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -76,14 +79,26 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
     p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="KV dtype (default bfloat16)")
+    p.add_argument("--layout", choices=LAYOUT_KINDS, default=PAGE_MAJOR,
+                   help="sender KV pool layout: page-major [pages, layers, 2, page_size, heads, dim] or "
+                        "layer-major [layers, 2, slots, heads, dim] (default page-major)")
+    p.add_argument("--dst-layout", choices=LAYOUT_KINDS, default=None,
+                   help="receiver KV pool layout (default: --layout)")
     p.add_argument("--fragmentation", type=float, default=0.5,
                    help="share of pages allocated non-consecutively, 0..1, on each side (default 0.5)")
     p.add_argument("--repeats", type=int, default=7, help="timed repetitions (default 7; medians reported)")
     p.add_argument("--seed", type=int, default=0, help="seed of the page allocation (default 0)")
+    p.add_argument("--progress-thread", action="store_true",
+                   help="use NIXL's UCX progress thread instead of the agent's own slow poller")
     p.add_argument("--progress-delay-us", type=int, default=2000,
-                   help="NIXL progress thread poll delay in microseconds (default 2000)")
+                   help="NIXL progress thread poll delay (pthrDelay) in microseconds (default 2000)")
     p.add_argument("--ucx-param", action="append", default=[], metavar="KEY=VALUE",
                    help="NIXL UCX backend parameter for both agents (repeatable), e.g. num_threads=2")
+    p.add_argument("--raw-chunks", type=int, default=1,
+                   help="split the raw contiguous transfer into N equal descriptors (default 1); "
+                        "with --ucx-param num_threads=N this gives raw the same parallelism as the KV plan")
+    p.add_argument("--huge-pages", action="store_true",
+                   help="allocate both pools page-aligned with MADV_HUGEPAGE (transparent huge pages)")
     p.add_argument("--timeout", type=float, default=60.0, help="per-transfer timeout in seconds (default 60)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--plot", metavar="FILE.png", default=None,
@@ -91,7 +106,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.dst_page_size is None:
         a.dst_page_size = a.page_size
-    for name in ("tokens", "page_size", "dst_page_size", "layers", "kv_heads", "head_dim", "repeats"):
+    if a.dst_layout is None:
+        a.dst_layout = a.layout
+    for name in ("tokens", "page_size", "dst_page_size", "layers", "kv_heads", "head_dim", "repeats", "raw_chunks"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
     try:
@@ -103,6 +120,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return a
 
 
+def _raw_descriptors(src: int, dst: int, nbytes: int, chunks: int, unit: int) -> list[tuple[int, int, int]]:
+    """One contiguous span, cut into ``chunks`` near-equal descriptors (slot-aligned)."""
+    cuts = [min(nbytes, round(nbytes * i / chunks / unit) * unit) for i in range(chunks + 1)]
+    cuts[-1] = nbytes
+    return [(src + a, dst + a, b - a) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
 class _Session:
     """The sender's pool and agent plus a receiver process, sized for the largest window."""
 
@@ -110,7 +134,7 @@ class _Session:
         import torch
 
         from .agent import TransferAgent
-        from .peer import PoolSpec, ReceiverProcess
+        from .peer import PoolSpec, ReceiverProcess, allocate
 
         self.a = a
         rng = np.random.default_rng(a.seed)
@@ -121,21 +145,26 @@ class _Session:
         per_page = a.page_size * a.layers * 2 * a.kv_heads * a.head_dim * itemsize
         # room for the memcpy destination in the second half of the sender's pool
         src_pool_pages = max(src_need, math.ceil(2 * window_bytes / per_page))
-        src_spec = PoolSpec(a.layers, a.kv_heads, a.head_dim, a.page_size, src_pool_pages, a.dtype)
-        dst_spec = PoolSpec(a.layers, a.kv_heads, a.head_dim, a.dst_page_size, max(dst_need, 1), a.dtype)
-        self.receiver = ReceiverProcess("bench-decode", dst_spec, progress_delay_us=a.progress_delay_us,
-                                        backend_params=a.backend_params)
+        src_spec = PoolSpec(a.layers, a.kv_heads, a.head_dim, a.page_size, src_pool_pages, a.dtype, a.layout)
+        dst_spec = PoolSpec(a.layers, a.kv_heads, a.head_dim, a.dst_page_size, max(dst_need, 1), a.dtype,
+                            a.dst_layout)
+        self.receiver = ReceiverProcess("bench-decode", dst_spec, huge_pages=a.huge_pages,
+                                        **self.agent_kwargs(a))
         try:
-            self.pool = torch.empty(src_spec.shape, dtype=getattr(torch, a.dtype))
+            self.pool = allocate(src_spec.shape, a.dtype, a.huge_pages)
             _fill_pattern(self.pool)
             self.layout = KVLayout.from_tensor(self.pool, a.page_size)
-            self.agent = TransferAgent("bench-prefill", self.pool, progress_delay_us=a.progress_delay_us,
-                                       backend_params=a.backend_params)
+            self.agent = TransferAgent("bench-prefill", self.pool, **self.agent_kwargs(a))
             self.remote = self.agent.add_remote(self.receiver.metadata)
         except BaseException:
             self.receiver.close()
             raise
         self.seq = 0
+
+    @staticmethod
+    def agent_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+        return {"progress_thread": a.progress_thread, "progress_delay_us": a.progress_delay_us,
+                "backend_params": a.backend_params}
 
     def plan(self, tokens: int) -> tuple[TransferPlan, list[int], list[int], float]:
         src_slots = pages_to_slots(self.src_pages, self.a.page_size, tokens)
@@ -163,7 +192,8 @@ class _Session:
     def measure(self, tokens: int, repeats: int, bar: Any) -> dict[str, Any]:
         plan, src_slots, dst_slots, plan_s = self.plan(tokens)
         nbytes = plan.total_bytes
-        raw = [(self.layout.base_addr, self.receiver.layout.base_addr, nbytes)]
+        raw = _raw_descriptors(self.layout.base_addr, self.receiver.layout.base_addr, nbytes,
+                               self.a.raw_chunks, self.layout.bytes_per_slot)
         self.write(raw)  # warm-up: connection setup and first touch on both sides
         self.write(plan)
         times: dict[str, list[float]] = {"memcpy": [], "raw": [], "kv": []}
@@ -182,10 +212,10 @@ class _Session:
             "descriptors": plan.num_descriptors,
             "slot_runs": plan.num_runs,
             "avg_descriptor_bytes": nbytes // max(plan.num_descriptors, 1),
-            "kv_gbps": round(gbps["kv"], 3),
-            "raw_nixl_gbps": round(gbps["raw"], 3),
-            "memcpy_gbps": round(gbps["memcpy"], 3),
-            "efficiency": round(gbps["kv"] / gbps["raw"], 3),
+            "kv_gbps": round(gbps["kv"], 6),
+            "raw_nixl_gbps": round(gbps["raw"], 6),
+            "memcpy_gbps": round(gbps["memcpy"], 6),
+            "efficiency": round(gbps["kv"] / gbps["raw"], 4),
             "kv_gbps_best": round(nbytes / min(times["kv"]) / 1e9, 3),
             "raw_nixl_gbps_best": round(nbytes / min(times["raw"]) / 1e9, 3),
             "efficiency_paired_median": round(
@@ -259,10 +289,13 @@ def main(argv: list[str] | None = None) -> int:
         session.close()
     result = dict(points[-1])
     result.update({
+        "layout": a.layout, "dst_layout": a.dst_layout,
         "page_size": a.page_size, "dst_page_size": a.dst_page_size, "layers": a.layers,
         "kv_heads": a.kv_heads, "head_dim": a.head_dim, "dtype": a.dtype,
         "fragmentation": a.fragmentation, "repeats": a.repeats,
-        "progress_delay_us": a.progress_delay_us, "ucx_params": a.backend_params,
+        "progress_thread": a.progress_thread, "progress_delay_us": a.progress_delay_us, "ucx_params": a.backend_params,
+        "huge_pages": a.huge_pages,
+        "raw_chunks": a.raw_chunks,
     })
     if a.plot:
         _plot(points, a.plot)

@@ -1,7 +1,7 @@
 """A receiving peer in its own process, for the transfer benchmark and multi-process tests.
 
-``ReceiverProcess`` spawns a process that owns a KV pool tensor
-``[num_layers, 2, num_slots, num_kv_heads, head_dim]`` and a ``TransferAgent`` over it,
+``ReceiverProcess`` spawns a process that owns a KV pool tensor (page-major or
+layer-major, see ``layout.py``) and a ``TransferAgent`` over it,
 and answers commands over a pipe (wait for a notification, checksum slots, fill the
 pool). The pool lives only in the child; the parent sees its metadata and ``KVLayout``.
 Invariant: every command gets exactly one reply, and ``close()`` always ends the child.
@@ -9,11 +9,12 @@ Invariant: every command gets exactly one reply, and ``close()`` always ends the
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 from dataclasses import dataclass
 from typing import Any
 
-from .layout import KVLayout
+from .layout import PAGE_MAJOR, KVLayout, pool_shape
 
 
 @dataclass(frozen=True)
@@ -24,19 +25,38 @@ class PoolSpec:
     page_size: int
     num_pages: int
     dtype: str = "float32"
+    layout: str = PAGE_MAJOR  # or "layer-major"
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_pages * self.page_size, self.num_kv_heads, self.head_dim)
+    def shape(self) -> tuple[int, ...]:
+        return pool_shape(self.layout, self.num_layers, self.num_kv_heads, self.head_dim,
+                          self.page_size, self.num_pages)
 
 
-def make_pool(spec: PoolSpec, fill_seed: int | None = None) -> Any:
+def allocate(shape: tuple[int, ...], dtype: str, huge_pages: bool = False) -> Any:
+    """An uninitialised tensor; with ``huge_pages`` page-aligned anonymous memory
+    advised for transparent huge pages (fewer page-table walks when the kernel pins pages)."""
+    import torch
+
+    if not huge_pages:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    import mmap
+
+    nbytes = math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    # the tensor keeps the mmap alive through its storage
+    return torch.frombuffer(buf, dtype=getattr(torch, dtype), count=math.prod(shape)).view(shape)
+
+
+def make_pool(spec: PoolSpec, fill_seed: int | None = None, huge_pages: bool = False) -> Any:
     """Allocate a pool; with ``fill_seed`` fill it with seeded random bytes (else zeros)."""
     import torch
 
-    # empty + zero_ rather than zeros: calloc'd pages would only be faulted in by the
+    # allocate + zero_ rather than zeros: calloc'd pages would only be faulted in by the
     # first transfer into them, which would then measure the kernel, not the copy
-    pool = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype)).zero_()
+    pool = allocate(spec.shape, spec.dtype, huge_pages).zero_()
     if fill_seed is not None:
         raw = pool.view(torch.uint8).view(-1)
         g = torch.Generator().manual_seed(fill_seed)
@@ -47,31 +67,38 @@ def make_pool(spec: PoolSpec, fill_seed: int | None = None) -> Any:
 def slot_checksums(pool: Any, slots: Any = None) -> Any:
     """One int64 checksum per (layer, kv, slot): position-weighted byte sum, ``[L, 2, n]``.
 
-    ``slots`` selects slots (in that order); default all. Computed a layer at a time so a
-    large pool does not need an int64 copy of itself.
+    ``pool`` is page-major (6-D) or layer-major (5-D); ``slots`` selects slots (in that
+    order), default all. Computed a layer at a time so a large pool does not need an
+    int64 copy of itself.
     """
     import torch
 
-    L, _, S = pool.shape[:3]
-    raw = pool.view(torch.uint8).reshape(L, 2, S, -1)
-    idx = None if slots is None else torch.as_tensor(slots, dtype=torch.int64)
+    page_major = pool.dim() == 6
+    L = pool.shape[1] if page_major else pool.shape[0]
+    page_size = pool.shape[3] if page_major else 1
+    num_slots = pool.shape[0] * page_size if page_major else pool.shape[2]
+    raw = pool.view(torch.uint8).reshape(*pool.shape[:-2], -1)  # last dim: one slot's bytes
+    idx = torch.arange(num_slots) if slots is None else torch.as_tensor(slots, dtype=torch.int64)
     weights = torch.arange(1, raw.shape[-1] + 1, dtype=torch.int64) * 2654435761 % 1000003
     out = []
     for layer in range(L):
-        part = raw[layer] if idx is None else raw[layer][:, idx]
+        if page_major:  # [n, 2, bytes] -> [2, n, bytes]
+            part = raw[idx // page_size, layer, :, idx % page_size].transpose(0, 1)
+        else:
+            part = raw[layer][:, idx]
         out.append((part.to(torch.int64) * weights).sum(-1))
     return torch.stack(out)
 
 
-def _serve(conn: Any, name: str, spec: PoolSpec, fill_seed: int | None, delay_us: int,
-           backend_params: dict[str, str] | None) -> None:
+def _serve(conn: Any, name: str, spec: PoolSpec, fill_seed: int | None, huge_pages: bool,
+           agent_kwargs: dict[str, Any]) -> None:
     import torch
 
     torch.set_num_threads(1)
     from .agent import TransferAgent
 
-    pool = make_pool(spec, fill_seed)
-    agent = TransferAgent(name, pool, progress_delay_us=delay_us, backend_params=backend_params)
+    pool = make_pool(spec, fill_seed, huge_pages)
+    agent = TransferAgent(name, pool, **agent_kwargs)
     conn.send((agent.metadata(), KVLayout.from_tensor(pool, spec.page_size).to_dict()))
     try:
         while True:
@@ -97,12 +124,12 @@ class ReceiverProcess:
     """Handle on a spawned receiver: ``metadata``, ``layout``, and command helpers."""
 
     def __init__(self, name: str, spec: PoolSpec, *, fill_seed: int | None = None,
-                 progress_delay_us: int = 2000, backend_params: dict[str, str] | None = None,
-                 start_timeout_s: float = 60.0) -> None:
+                 huge_pages: bool = False, start_timeout_s: float = 60.0, **agent_kwargs: Any) -> None:
+        """``agent_kwargs`` go to the child's ``TransferAgent`` (progress mode, UCX params)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=_serve, args=(child, name, spec, fill_seed, progress_delay_us, backend_params), daemon=True
+            target=_serve, args=(child, name, spec, fill_seed, huge_pages, agent_kwargs), daemon=True
         )
         self.process.start()
         child.close()

@@ -4,8 +4,10 @@ Position ``i`` of the window goes from ``src_slots[i]`` on the sender to ``dst_s
 on the receiver, for every requested layer, K and V. Invariants of a plan: descriptors
 never overlap on either side; together they cover exactly the window's bytes; and no two
 of them could be merged (none ends where another starts on both sides at once), so the
-count is the minimum for these slot lists. Page sizes play no role here: a page boundary
-only matters when it breaks a run of consecutive slots, which the slot lists already show.
+count is the minimum for these slot lists and layouts. Layouts and page sizes matter only
+through addresses: a run ends where the next slot is not the next bytes on either side
+(a page boundary in a page-major pool), and runs merge across layers, K/V and pages
+wherever the bytes follow on both sides (whole pages of two page-major pools).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class TransferPlan:
     dst_addrs: np.ndarray
     sizes: np.ndarray
     num_tokens: int
-    num_runs: int  # runs of slots consecutive on both sides, per layer and K/V
+    num_runs: int  # runs of slots contiguous in memory on both sides, per layer and K/V
     num_layers: int
 
     @property
@@ -52,16 +54,21 @@ class TransferPlan:
         return iter(self.descriptors)
 
 
-def slot_runs(src_slots: Sequence[int], dst_slots: Sequence[int]) -> np.ndarray:
-    """Maximal runs consecutive on both sides, as an ``[n, 3]`` array (src, dst, length)."""
-    src = np.asarray(src_slots, dtype=np.int64).reshape(-1)
-    dst = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
-    if src.size == 0:
+def slot_runs(src: KVLayout, src_slots: Sequence[int], dst: KVLayout, dst_slots: Sequence[int]) -> np.ndarray:
+    """Maximal runs of positions whose slots are contiguous bytes on both sides, within one
+    layer's K (or V), as an ``[n, 3]`` array (src addr, dst addr, bytes) for layer 0's K.
+
+    The step from one slot to the next is the same for every (layer, kv), so these runs
+    hold for all of them after adding that layer's and K/V's offset.
+    """
+    s, d = src.slot_addrs(src_slots).reshape(-1), dst.slot_addrs(dst_slots).reshape(-1)
+    if s.size == 0:
         return np.zeros((0, 3), dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    unit = src.bytes_per_slot
+    breaks = np.flatnonzero((np.diff(s) != unit) | (np.diff(d) != unit)) + 1
     starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [src.size])))
-    return np.stack([src[starts], dst[starts], lengths], axis=1)
+    lengths = np.diff(np.concatenate((starts, [s.size])))
+    return np.stack([s[starts], d[starts], lengths * unit], axis=1)
 
 
 def _check_slots(name: str, slots: np.ndarray, layout: KVLayout) -> None:
@@ -95,14 +102,14 @@ def plan_transfer(
     if np.unique(layer_ids).size != layer_ids.size:
         raise PlanError(f"layers repeat: {layer_ids.tolist()}")
 
-    runs = slot_runs(s, d)
+    runs = slot_runs(src, s, dst, d)
     # every (layer, kv) pair copies every run: build the cross product without Python loops
     lk = np.stack(np.meshgrid(layer_ids, np.arange(2), indexing="ij"), axis=-1).reshape(-1, 2)
-    src_base = src.base_addr + lk[:, 0] * src.layer_stride + lk[:, 1] * src.kv_stride
-    dst_base = dst.base_addr + lk[:, 0] * dst.layer_stride + lk[:, 1] * dst.kv_stride
-    src_addrs = (src_base[:, None] + runs[None, :, 0] * src.slot_stride).reshape(-1)
-    dst_addrs = (dst_base[:, None] + runs[None, :, 1] * dst.slot_stride).reshape(-1)
-    sizes = np.broadcast_to(runs[None, :, 2] * src.bytes_per_slot, (lk.shape[0], runs.shape[0])).reshape(-1)
+    src_off = lk[:, 0] * src.layer_stride + lk[:, 1] * src.kv_stride
+    dst_off = lk[:, 0] * dst.layer_stride + lk[:, 1] * dst.kv_stride
+    src_addrs = (src_off[:, None] + runs[None, :, 0]).reshape(-1)
+    dst_addrs = (dst_off[:, None] + runs[None, :, 1]).reshape(-1)
+    sizes = np.broadcast_to(runs[None, :, 2], (lk.shape[0], runs.shape[0])).reshape(-1)
     src_addrs, dst_addrs, sizes = _coalesce(src_addrs, dst_addrs, sizes)
     return TransferPlan(
         src_addrs=src_addrs.astype(np.uint64),

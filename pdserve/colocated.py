@@ -13,6 +13,7 @@ import grpc
 
 from decode.convert import sampling_from_pb, stream_responses
 from proto import pdserve_pb2, pdserve_pb2_grpc
+from proto.checks import check_request_id, check_sampling
 from router.servicer import prompt_ids
 
 
@@ -31,6 +32,8 @@ class ColocatedGenerationServicer(pdserve_pb2_grpc.GenerationServicer):
         params = sampling_from_pb(request.sampling)
         try:
             ids = prompt_ids(request, self.tokenizer)
+            check_request_id(request_id)
+            check_sampling(request.sampling, self.vocab_size, self.max_model_len)
             params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
             if request_id in self.active:
                 raise ValueError(f"duplicate request_id {request_id!r}")

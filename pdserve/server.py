@@ -2,8 +2,10 @@
 
 Every pdserve node (router, prefill, decode, both) runs one `grpc.aio` server on uvloop
 with the standard health service (`grpc.health.v1.Health`) and server reflection. On
-SIGTERM or SIGINT the health status turns NOT_SERVING, the server stops taking calls and
-gives in-flight ones `grace_s` to finish, then the node's own cleanup runs.
+SIGTERM or SIGINT the health status turns NOT_SERVING, the node drains (its roles refuse
+new work while in-flight requests finish, bounded), the server stops taking calls and gives
+what is left `grace_s`, then the node's own cleanup runs. Endpoints and channels use TLS
+when `pdserve.tls` is configured (`--tls-*` flags).
 
 The first line a node prints on stdout is `pdserve <role> listening on HOST:PORT`, with the
 port actually bound, so `--port 0` works for tests and `pdserve up`.
@@ -20,6 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve import tls
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -32,8 +36,22 @@ def new_server() -> grpc.aio.Server:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    """A client channel with the same message limits as the servers."""
+    """A client channel with the same message limits as the servers (TLS when
+    `pdserve.tls` is configured)."""
+    credentials = tls.channel_credentials()
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=GRPC_OPTIONS)
     return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+
+
+async def wait_idle(idle: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Wait until `idle()` or `timeout_s` passes; whether it became idle (drain)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not idle():
+        if asyncio.get_running_loop().time() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
+    return True
 
 
 async def serve(
@@ -45,8 +63,11 @@ async def serve(
     service_names: Iterable[str],
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = 5.0,
+    drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Start `server` (its servicers already added) and run it until SIGTERM/SIGINT."""
+    """Start `server` (its servicers already added) and run it until SIGTERM/SIGINT.
+    `drain`, awaited once health says NOT_SERVING, refuses new work and waits (bounded)
+    for in-flight requests to finish before the server stops."""
     names = list(service_names)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -55,7 +76,9 @@ async def serve(
          reflection.SERVICE_NAME],
         server,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = tls.server_credentials()
+    bound = server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None \
+        else server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise SystemExit(f"pdserve {role}: cannot bind {host}:{port}")
     await server.start()
@@ -70,6 +93,8 @@ async def serve(
     await stop.wait()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if drain is not None:
+        await drain()
     await server.stop(grace_s)
     if on_stop is not None:
         await on_stop()

@@ -30,6 +30,10 @@ class UpConfig:
     decode_port: int = 0
     num_threads: int = 1
     extra: list[str] = field(default_factory=list)  # more flags for both workers
+    http_port: int = 0  # router's OpenAI API and /metrics; 0 = a free port
+    prefill_metrics_port: int | None = None
+    decode_metrics_port: int | None = None
+    log_format: str = "text"
     start_timeout_s: float = 120.0
     stop_grace_s: float = 10.0
 
@@ -64,6 +68,10 @@ def wait_listening(proc: subprocess.Popen, timeout_s: float) -> int:
     raise RuntimeError(f"{' '.join(proc.args[3:5])} did not start (exit code {proc.poll()})")
 
 
+def _metrics_flag(port: int | None) -> list[str]:
+    return [] if port is None else ["--metrics-port", str(port)]
+
+
 def stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
     for p in procs:
         if p.poll() is None:
@@ -79,8 +87,9 @@ def stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 def up(config: UpConfig) -> int:
     extra = [a for a in config.extra if a != "--"]
+    logs = ["--log-format", config.log_format]
     worker = ["--model", config.model, "--host", "127.0.0.1",
-              "--num-threads", str(config.num_threads), *extra]
+              "--num-threads", str(config.num_threads), *logs, *extra]
     procs: list[subprocess.Popen] = []
     stopping = False
 
@@ -93,17 +102,21 @@ def up(config: UpConfig) -> int:
     try:
         prefill_port = config.prefill_port or free_port()
         decode_port = config.decode_port or free_port()
-        procs.append(_spawn(["prefill", "--port", str(prefill_port), *worker]))
-        procs.append(_spawn(["decode", "--port", str(decode_port), *worker]))
+        http_port = config.http_port or free_port()
+        procs.append(_spawn(["prefill", "--port", str(prefill_port), *worker,
+                             *_metrics_flag(config.prefill_metrics_port)]))
+        procs.append(_spawn(["decode", "--port", str(decode_port), *worker,
+                             *_metrics_flag(config.decode_metrics_port)]))
         procs.append(_spawn(["router", "--model", config.model, "--host", config.host,
-                             "--port", str(config.port),
+                             "--port", str(config.port), "--http-port", str(http_port), *logs,
                              "--prefill", f"127.0.0.1:{prefill_port}",
                              "--decode", f"127.0.0.1:{decode_port}"]))
         for proc in procs[:2]:
             wait_listening(proc, config.start_timeout_s)
         router_port = wait_listening(procs[2], config.start_timeout_s)
         print(f"pdserve up: router on {config.host}:{router_port} (prefill 127.0.0.1:"
-              f"{prefill_port}, decode 127.0.0.1:{decode_port}); Ctrl-C stops all", flush=True)
+              f"{prefill_port}, decode 127.0.0.1:{decode_port}); OpenAI API and /metrics on "
+              f"http://{config.host}:{http_port}; Ctrl-C stops all", flush=True)
         while not stopping and all(p.poll() is None for p in procs):
             time.sleep(0.2)
         dead = [p for p in procs if p.poll() is not None]

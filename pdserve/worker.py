@@ -15,7 +15,7 @@ import uuid
 
 import grpc
 
-from pdserve.server import new_server, serve
+from pdserve.server import new_server, serve, wait_idle
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
 WORKER = pdserve_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -56,7 +56,8 @@ class WorkerServicer(pdserve_pb2_grpc.WorkerServicer):
         found = False
         for edge in (self.prefill, self.decode):
             if edge is not None:
-                found = await edge.role.abort(request.request_id) or found
+                found = await edge.role.abort(request.request_id,
+                                              settled=request.kv_write_settled) or found
         return pdserve_pb2.AbortResponse(found=found)
 
     async def GetTransferInfo(self, request, context):
@@ -74,8 +75,10 @@ class WorkerServicer(pdserve_pb2_grpc.WorkerServicer):
         return report
 
 
-async def run_worker(role: str, prefill_config=None, decode_config=None) -> None:
-    """Build and serve a `prefill`, `decode` or `both` node until SIGTERM/SIGINT."""
+async def run_worker(role: str, prefill_config=None, decode_config=None,
+                     metrics_port: int | None = None) -> None:
+    """Build and serve a `prefill`, `decode` or `both` node until SIGTERM/SIGINT; with a
+    `metrics_port`, also Prometheus /metrics over HTTP on it."""
     from engine.async_engine import AsyncEngine
     from kvtransfer.agent import TransferAgent
     from kvtransfer.layout import KVLayout
@@ -102,24 +105,47 @@ async def run_worker(role: str, prefill_config=None, decode_config=None) -> None
 
         decode = DecodeEdge(DecodeRole(engine, agent, decode_config), *limits)
 
+    from pdserve.worker_metrics import ObservedColocatedServicer, ObservedWorkerServicer
+
     server = new_server()
     services = [WORKER]
-    pdserve_pb2_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(role, engine_config.model_dir, engine, agent, layout, prefill, decode), server)
+    servicer = ObservedWorkerServicer(role, engine_config.model_dir, engine, agent, layout,
+                                      prefill, decode)
+    pdserve_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     if role == "both":
-        from pdserve.colocated import ColocatedGenerationServicer
-
         tokenizer = await engine.run(lambda e: e.tokenizer)
         pdserve_pb2_grpc.add_GenerationServicer_to_server(
-            ColocatedGenerationServicer(engine, tokenizer, engine_config.model_dir, *limits), server)
+            ObservedColocatedServicer(engine, tokenizer, engine_config.model_dir, *limits), server)
         services.append(GENERATION)
+    http = await _start_metrics(servicer, config.host, metrics_port)
 
     async def stop() -> None:
+        if http is not None:
+            await http.cleanup()
         for edge in (prefill, decode):
             if edge is not None:
                 edge.role.close()
         engine.shutdown()
         agent.close()
 
+    roles = [edge.role for edge in (prefill, decode) if edge is not None]
+
+    async def drain() -> None:  # SIGTERM: no new work; in-flight requests finish
+        for r in roles:
+            r.draining = True
+        await wait_idle(lambda: not any(r.busy() for r in roles), config.drain_timeout_s)
+
     await serve(server, role=role, host=config.host, port=config.port,
-                service_names=services, on_stop=stop)
+                service_names=services, on_stop=stop, drain=drain)
+
+
+async def _start_metrics(servicer: WorkerServicer, host: str, port: int | None):
+    if port is None:
+        return None
+    from pdserve import metrics
+    from pdserve.http import metrics_app, start_http
+    from pdserve.worker_metrics import worker_refresh
+
+    metrics.NODE.info({"role": servicer.role, "model": servicer.model})
+    return await start_http(metrics_app(lambda: worker_refresh(servicer)), host, port,
+                            f"{servicer.role} /metrics")

@@ -101,10 +101,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "kv_write_settled")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_WRITE_SETTLED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    kv_write_settled: bool
+    def __init__(self, request_id: _Optional[str] = ..., kv_write_settled: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
@@ -159,7 +161,7 @@ class PrepareReceiveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class PrepareReceiveResponse(_message.Message):
-    __slots__ = ("request_id", "prefix_matched_length", "kv_window_end", "kv_append_metadata", "lease_id", "lease_ms", "decode_agent_name")
+    __slots__ = ("request_id", "prefix_matched_length", "kv_window_end", "kv_append_metadata", "lease_id", "lease_ms", "decode_agent_name", "lease_expires_unix_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_MATCHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_END_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +169,7 @@ class PrepareReceiveResponse(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefix_matched_length: int
     kv_window_end: int
@@ -174,7 +177,8 @@ class PrepareReceiveResponse(_message.Message):
     lease_id: str
     lease_ms: int
     decode_agent_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prefix_matched_length: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., decode_agent_name: _Optional[str] = ...) -> None: ...
+    lease_expires_unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prefix_matched_length: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "page_size", "num_slots", "base_addr", "layer_stride", "kv_stride", "slot_stride", "device")
@@ -221,7 +225,7 @@ class TransferInfo(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., role: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RemoteSendRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "decode_transfer_info")
+    __slots__ = ("request_id", "prompt_token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "decode_transfer_info", "lease_expires_unix_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +235,7 @@ class RemoteSendRequest(_message.Message):
     DECODE_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_window_begin: int
@@ -240,7 +245,8 @@ class RemoteSendRequest(_message.Message):
     decode_agent_name: str
     decode_address: str
     decode_transfer_info: TransferInfo
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_transfer_info: _Optional[_Union[TransferInfo, _Mapping]] = ...) -> None: ...
+    lease_expires_unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_transfer_info: _Optional[_Union[TransferInfo, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class RemoteSendResponse(_message.Message):
     __slots__ = ("request_id", "num_tokens_sent", "num_bytes", "num_descriptors", "prefill_cached_tokens", "prefill_s", "transfer_s")
@@ -277,7 +283,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "num_running", "num_parked", "free_pages", "total_pages", "requests_total", "prefix_hit_tokens_total", "remote_sends_total", "last_kv_window_begin", "leases_expired_total", "kv_bytes_sent_total")
+    __slots__ = ("role", "num_running", "num_parked", "free_pages", "total_pages", "requests_total", "prefix_hit_tokens_total", "remote_sends_total", "last_kv_window_begin", "leases_expired_total", "kv_bytes_sent_total", "num_quarantined", "late_writes_total")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_PARKED_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +295,8 @@ class LoadReport(_message.Message):
     LAST_KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
     LEASES_EXPIRED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_SENT_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    LATE_WRITES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_parked: int
@@ -300,4 +308,6 @@ class LoadReport(_message.Message):
     last_kv_window_begin: int
     leases_expired_total: int
     kv_bytes_sent_total: int
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_parked: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., remote_sends_total: _Optional[int] = ..., last_kv_window_begin: _Optional[int] = ..., leases_expired_total: _Optional[int] = ..., kv_bytes_sent_total: _Optional[int] = ...) -> None: ...
+    num_quarantined: int
+    late_writes_total: int
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_parked: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., remote_sends_total: _Optional[int] = ..., last_kv_window_begin: _Optional[int] = ..., leases_expired_total: _Optional[int] = ..., kv_bytes_sent_total: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., late_writes_total: _Optional[int] = ...) -> None: ...

@@ -18,6 +18,8 @@ class RouterConfig:
     decode: list[str] = field(default_factory=list)
     host: str = "0.0.0.0"
     port: int = 50051
+    # OpenAI-compatible API and Prometheus /metrics over HTTP; None: no HTTP server.
+    http_port: int | None = None
     # Where the prefill node's KV window ends, Python-style: -1 sends all but the last
     # prompt token; -k lets the decode node prefill the last k tokens itself.
     kv_window_end: int = -1
@@ -29,9 +31,26 @@ class RouterConfig:
     prepare_timeout_s: float = 10.0
     remote_send_timeout_s: float = 60.0
     abort_timeout_s: float = 2.0
+    generation_timeout_s: float = 600.0  # a whole StartGeneration stream
+    # Prefill nodes tried for one request before the decode node prefills it itself.
+    max_prefill_attempts: int = 2
+    # While every decode node answers RESOURCE_EXHAUSTED, retry for this long.
+    full_retry_s: float = 5.0
+    # Requests dispatched at once, and how many more may wait for a turn; past both,
+    # RESOURCE_EXHAUSTED.
+    max_concurrent_requests: int = 256
+    max_queued_requests: int = 4096
+    # Health checks of a node that failed as if gone (every this many seconds while down).
+    health_interval_s: float = 1.0
+    # On SIGTERM: how long in-flight streams may take to finish before the router stops.
+    drain_timeout_s: float = 30.0
 
     def validate(self) -> None:
         if not self.decode:
             raise ValueError("the router needs at least one --decode endpoint")
         if self.lease_ms <= 0:
             raise ValueError(f"lease_ms must be > 0, got {self.lease_ms}")
+        if self.max_concurrent_requests < 1 or self.max_queued_requests < 0:
+            raise ValueError("max_concurrent_requests must be >= 1 and max_queued_requests "
+                             f">= 0, got {self.max_concurrent_requests}, "
+                             f"{self.max_queued_requests}")

@@ -10,8 +10,10 @@ import uuid
 
 import grpc
 
+from pdserve.observe import StreamObserver
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from router.dispatch import Dispatcher, DispatchError
+from router import validation
 from router.registry import NoEndpointError
 from router.tokenizer import PromptTokenizer
 
@@ -26,6 +28,13 @@ def prompt_ids(request: pdserve_pb2.GenerateRequest, tokenizer) -> list[int]:
     return ids
 
 
+def checked_prompt_ids(request: pdserve_pb2.GenerateRequest, tokenizer) -> list[int]:
+    """The prompt's ids after every router-side check (router/validation.py)."""
+    ids = validation.prompt_ids(request, tokenizer)
+    validation.check_generate(request, ids, tokenizer.card)
+    return ids
+
+
 class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
     def __init__(self, dispatcher: Dispatcher, tokenizer: PromptTokenizer) -> None:
         self.dispatcher = dispatcher
@@ -33,13 +42,17 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
+        observer = StreamObserver("router", request_id, api="grpc")
         try:
-            ids = prompt_ids(request, self.tokenizer)
+            ids = checked_prompt_ids(request, self.tokenizer)
         except ValueError as err:
+            observer.finish("invalid_argument", error=str(err))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         window_end = request.kv_window_end if request.HasField("kv_window_end") else None
+        stream = self.dispatcher.generate(request_id, ids, request.sampling, window_end,
+                                          timeout_s=context.time_remaining())
         try:
-            async for msg in self.dispatcher.generate(request_id, ids, request.sampling, window_end):
+            async for msg in observer.watch(stream):
                 yield msg
         except DispatchError as err:
             await context.abort(err.code, err.message)

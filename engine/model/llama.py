@@ -16,23 +16,20 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .linear import Linear
 from .rope import RotaryTables, apply_rope
 
 
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: Linear  # q | k | v
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # gate | up
+    down: Linear
 
 
 @dataclass
@@ -87,23 +84,26 @@ class LlamaModel:
             self.layers.append(
                 Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=fuse(take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")),
-                    qkv_bias=fuse(q_b, k_b, v_b),
+                    qkv=Linear(
+                        fuse(take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")),
+                        fuse(q_b, k_b, v_b),
+                    ),
                     q_norm=maybe(a + "q_norm.weight"),
                     k_norm=maybe(a + "k_norm.weight"),
-                    o=take(a + "o_proj.weight"),
-                    o_bias=maybe(a + "o_proj.bias"),
+                    o=Linear(take(a + "o_proj.weight"), maybe(a + "o_proj.bias")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=fuse(take(m + "gate_proj.weight"), take(m + "up_proj.weight")),
-                    gate_up_bias=fuse(g_b, u_b) if g_b is not None else None,
-                    down=take(m + "down_proj.weight"),
-                    down_bias=maybe(m + "down_proj.bias"),
+                    gate_up=Linear(
+                        fuse(take(m + "gate_proj.weight"), take(m + "up_proj.weight")),
+                        fuse(g_b, u_b) if g_b is not None else None,
+                    ),
+                    down=Linear(take(m + "down_proj.weight"), maybe(m + "down_proj.bias")),
                 )
             )
         self.norm = take("model.norm.weight")
         lm_head = maybe("lm_head.weight")
-        self.lm_head = self.embed if lm_head is None or getattr(c, "tie_word_embeddings", False) else lm_head
-        self.intermediate_size = self.layers[0].down.shape[1] if self.layers else 0
+        tied = lm_head is None or getattr(c, "tie_word_embeddings", False)
+        self.lm_head = Linear(self.embed if tied else lm_head)
+        self.intermediate_size = self.layers[0].down.in_features if self.layers else 0
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
@@ -118,7 +118,7 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             q = qkv[:, :q_size].view(T, H, D)
             k = qkv[:, q_size : q_size + kv_size].view(T, Hkv, D)
             v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
@@ -132,14 +132,14 @@ class LlamaModel:
             if step.layer_hook is not None:
                 step.layer_hook(i)
             attn = step.attend(q, k_cache, v_cache, self.scale)
-            x = x + F.linear(attn.view(T, q_size), layer.o, layer.o_bias)
+            x = x + layer.o(attn.view(T, q_size))
             h = self._rms_norm(x, layer.post_norm)
-            gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)
+            gate_up = layer.gate_up(h)
             inter = gate_up.shape[1] // 2
             h = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            x = x + F.linear(h, layer.down, layer.down_bias)
+            x = x + layer.down(h)
         return self._rms_norm(x, self.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [S, vocab] of hidden states [S, hidden]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 
 def load_config(model_dir: str | Path):
@@ -37,8 +38,15 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 def load_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, cast to `dtype`, by its Hugging Face name."""
     state = {}
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    # A progress bar on an interactive stderr only (tqdm's disable=None): logs stay clean.
+    files = safetensors_files(model_dir)
+    with tqdm(desc="Loading weights", unit="tensor", disable=None, leave=False) as bar:
+        for i, path in enumerate(files):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                bar.set_postfix_str(f"file {i + 1}/{len(files)}")
+                bar.total = (bar.total or 0) + len(names)
+                for name in names:
+                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    bar.update()
     return state

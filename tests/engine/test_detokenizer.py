@@ -117,6 +117,15 @@ def test_each_add_decodes_only_a_short_window(tokenizer):
     assert max(counting.lengths) <= 8
 
 
+def test_invisible_tokens_do_not_grow_the_window(tokenizer):
+    counting = _CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting)
+    out = "".join(detok.add([tokenizer.eos_token_id]) for _ in range(300))
+    out += detok.add(tokenizer.encode("ok", add_special_tokens=False))
+    assert out == "ok"
+    assert max(counting.lengths) <= 4
+
+
 def test_find_stop_returns_earliest_match():
     assert find_stop("hello world. bye", ["bye", "."]) == 11
     assert find_stop("hello", ["xyz"]) is None

@@ -1,0 +1,262 @@
+"""The router's HTTP front: OpenAI-compatible API and Prometheus `/metrics`, on aiohttp in
+the same event loop as the gRPC server.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events
+with `"stream": true`, ending with `data: [DONE]`), GET /v1/models, GET /metrics,
+GET /health.
+
+Invariants:
+- A request goes through the same `Dispatcher.generate` as a gRPC `Generate`, so it is
+  routed, aborted and counted the same way; its id is `X-Request-Id` or a fresh one, and
+  comes back in the `X-Request-Id` header.
+- The HTTP status is decided before the first byte of the body: the first message of the
+  stream is awaited before the response starts, so a request the nodes reject (bad
+  sampling values, no room, no node) gets its 4xx/5xx even when streaming. An error after
+  that point arrives as one `data: {"error": ...}` event before `[DONE]`.
+- A client that disconnects cancels the handler, which closes the dispatch stream and so
+  aborts the request on every node holding it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+
+import grpc
+from aiohttp import web
+
+from pdserve import metrics
+from pdserve.observe import StreamObserver
+from proto import pdserve_pb2
+from router import validation
+from router.dispatch import DispatchError
+from router.openai_protocol import (
+    ChoiceLogprobs, OpenAIError, chat_prompt, chunk, completion_prompt, invalid, now,
+    sampling_from_body, usage_body)
+from router.registry import NoEndpointError
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _as_openai_error(err: BaseException, chat: bool) -> OpenAIError:
+    if isinstance(err, OpenAIError):
+        return err
+    if isinstance(err, DispatchError):
+        return OpenAIError.from_status(err.code, err.message, chat)
+    if isinstance(err, NoEndpointError):
+        return OpenAIError(503, str(err), None, "unavailable")
+    raise err
+
+
+class OpenAIFrontend:
+    def __init__(self, dispatcher, tokenizer, model_id: str, registry=None) -> None:
+        self.dispatcher = dispatcher
+        self.tokenizer = tokenizer  # router.tokenizer.PromptTokenizer
+        self.model_id = model_id
+        self.registry = registry
+        self.created = now()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors_and_counts])
+        app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/metrics", self.metrics),
+            web.get("/health", self.health),
+        ])
+        return app
+
+    @web.middleware
+    async def _errors_and_counts(self, request: web.Request, handler):
+        try:
+            response = await handler(request)
+        except OpenAIError as err:
+            response = web.json_response(err.body(), status=err.status)
+        except web.HTTPException as err:  # unknown path, wrong method
+            response = web.json_response(
+                OpenAIError(err.status, f"{request.method} {request.path}: {err.reason}").body(),
+                status=err.status)
+        route = request.match_info.route.resource
+        path = route.canonical if route is not None else "other"
+        metrics.HTTP_REQUESTS.labels(path=path, status=str(response.status)).inc()
+        return response
+
+    # ---- simple routes ------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        card = self.tokenizer.card
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_id, "object": "model", "created": self.created,
+            "owned_by": "pdserve", "max_model_len": card.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        metrics.QUEUE_DEPTH.labels(role="router", queue="in_flight").set(len(self.dispatcher.active))
+        if self.registry is not None:
+            for pool in ("prefill", "decode"):
+                for e in getattr(self.registry, pool):
+                    metrics.ENDPOINT_IN_FLIGHT.labels(pool=pool, endpoint=e.address).set(e.in_flight)
+                    metrics.ENDPOINT_ROUTABLE.labels(pool=pool, endpoint=e.address).set(int(e.routable))
+        body, content_type = metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    # ---- generation -----------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        observer = StreamObserver("router", request_id, api="chat" if chat else "completions")
+        try:
+            body = await self._body(request)
+            if chat:
+                ids = chat_prompt(body, self.tokenizer.tokenizer)
+                default_max = max(1, self.tokenizer.card.max_model_len - len(ids))
+            else:
+                ids = completion_prompt(body, self.tokenizer.encode)
+                default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
+            sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max)
+            try:  # the very checks a gRPC Generate gets, so both APIs fail alike
+                validation.check_generate(pdserve_pb2.GenerateRequest(
+                    request_id=request_id, sampling=sampling), ids, self.tokenizer.card)
+            except ValueError as err:
+                raise OpenAIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(err), chat) from None
+        except OpenAIError as err:
+            observer.finish("not_found" if err.status == 404 else err.code or "invalid_argument",
+                            error=err.message)
+            raise
+        messages = observer.watch(self.dispatcher.generate(request_id, ids, sampling, None))
+        async with contextlib.aclosing(messages):
+            try:
+                first = await anext(messages, None)
+            except (DispatchError, NoEndpointError) as err:
+                raise _as_openai_error(err, chat) from None
+            shape = _Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", self.model_id,
+                           ChoiceLogprobs(self._token_text, chat))
+            headers = {"X-Request-Id": request_id}
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return await self._stream(request, headers, first, messages, shape, include_usage)
+            try:
+                while first is not None:
+                    shape.add(first)
+                    first = await anext(messages, None)
+            except (DispatchError, NoEndpointError) as err:
+                raise _as_openai_error(err, chat) from None
+            return web.json_response(shape.whole(), headers=headers)
+
+    async def _stream(self, request, headers, first, messages, shape, include_usage):
+        response = web.StreamResponse(headers={
+            **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(obj: dict) -> None:
+            await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        msg = first
+        try:
+            while msg is not None:
+                for event in shape.chunks(msg, include_usage):
+                    await send(event)
+                msg = await anext(messages, None)
+        except (DispatchError, NoEndpointError) as err:
+            await send(_as_openai_error(err, shape.chat).body())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError as err:
+            raise invalid(f"request body is not valid JSON: {err}") from None
+        if not isinstance(body, dict):
+            raise invalid("request body must be a JSON object")
+        model = body.get("model")
+        if model is None:
+            raise invalid("model is required", "model")
+        if model != self.model_id:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
+                                   f"`{self.model_id}`.", "model", "model_not_found")
+        return body
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.tokenizer.decode([token_id])
+
+
+class _Shape:
+    """Turns one request's GenerateResponse messages into OpenAI chunks or one response."""
+
+    def __init__(self, chat: bool, response_id: str, model: str, logprobs: ChoiceLogprobs) -> None:
+        self.chat, self.id, self.model, self.logprobs = chat, response_id, model, logprobs
+        self.kind = "chat.completion" if chat else "text_completion"
+        self.created = now()
+        self.started: set[int] = set()
+        self.text: dict[int, str] = {}
+        self.entries: dict[int, list] = {}
+        self.finish: dict[int, str | None] = {}
+        self.usage = None
+
+    def add(self, msg) -> None:
+        if msg.HasField("usage"):
+            self.usage = msg.usage
+            return
+        i = msg.index
+        self.text[i] = self.text.get(i, "") + msg.text
+        self.entries.setdefault(i, []).extend(msg.logprobs)
+        if msg.finish_reason:
+            self.finish[i] = msg.finish_reason
+
+    def chunks(self, msg, include_usage: bool) -> list[dict]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        extra = {"usage": None} if include_usage else {}
+        if msg.HasField("usage"):
+            if not include_usage:
+                return []
+            return [chunk(kind, self.id, self.created, self.model, [], usage_body(msg.usage))]
+        out = []
+        logprobs = self.logprobs.render(list(msg.logprobs))
+        finish = msg.finish_reason or None
+        if self.chat:
+            if msg.index not in self.started:
+                self.started.add(msg.index)
+                out.append({**chunk(kind, self.id, self.created, self.model, [{
+                    "index": msg.index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]), **extra})
+            delta = {"content": msg.text} if msg.text else {}
+            choice = {"index": msg.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": msg.index, "text": msg.text, "logprobs": logprobs, "finish_reason": finish}
+        out.append({**chunk(kind, self.id, self.created, self.model, [choice]), **extra})
+        return out
+
+    def whole(self) -> dict:
+        choices = []
+        for i in sorted(self.text):
+            logprobs = self.logprobs.render(self.entries.get(i))
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": self.text[i]},
+                                "logprobs": logprobs, "finish_reason": self.finish.get(i)})
+            else:
+                choices.append({"index": i, "text": self.text[i], "logprobs": logprobs,
+                                "finish_reason": self.finish.get(i)})
+        return chunk(self.kind, self.id, self.created, self.model, choices, usage_body(self.usage))
+
+
+
+async def start_router_http(config, dispatcher, tokenizer, registry):
+    """The router's HTTP server on `config.http_port`, or None when it has none."""
+    if config.http_port is None:
+        return None
+    from pdserve.http import start_http
+
+    metrics.NODE.info({"role": "router", "model": tokenizer.card.model})
+    frontend = OpenAIFrontend(dispatcher, tokenizer, tokenizer.card.model, registry)
+    return await start_http(frontend.app(), config.host, config.http_port,
+                            "router OpenAI API and /metrics")

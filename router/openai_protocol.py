@@ -1,0 +1,212 @@
+"""OpenAI's request and response shapes, converted to and from pdserve.v1 at the edge.
+
+- Requests: a `/v1/completions` or `/v1/chat/completions` body becomes prompt token ids and
+  `pdserve_pb2.SamplingParams`. Type errors are caught here (400 naming the field); value
+  limits (temperature < 0, top_p > 1, ...) are checked by the decode node, whose
+  INVALID_ARGUMENT comes back as the same 400.
+- Errors: every failure is an `OpenAIError`, rendered as OpenAI's
+  `{"error": {"message", "type", "param", "code"}}`; gRPC statuses map to HTTP statuses
+  the way Google's HTTP/gRPC mapping does (`HTTP_STATUS`), and `code` is the gRPC status
+  name in lower case, so both APIs report the same failure the same way.
+- Responses: `GenerateResponse` deltas become completion / chat-completion chunks and
+  whole responses.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import grpc
+
+from proto import pdserve_pb2
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error"}
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "ignore_eos",
+                   "stop_token_ids")
+# Accepted only at their neutral value: pdserve has no such sampling control.
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "echo": False,
+           "suffix": None, "tools": None, "functions": None, "response_format": None}
+# "top_p must be ...", "prompt token id 9999 is outside ...", "prompt of 900 tokens is
+# longer ...", after any "Call on node: STATUS: " prefixes the nodes add.
+_FIELD_IN_MESSAGE = re.compile(r"(?:^|: )([a-z_]+)(?: token ids?)?(?: -?\d+)? (?:must|of \d+|is)")
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code}}
+
+    @classmethod
+    def from_status(cls, code: grpc.StatusCode, message: str, chat: bool = False) -> "OpenAIError":
+        """The HTTP error for a gRPC status; `param` is the field the message names."""
+        match = _FIELD_IN_MESSAGE.search(message)
+        param = match.group(1) if match else None
+        if param == "prompt" and chat:
+            param = "messages"
+        return cls(HTTP_STATUS.get(code, 500), message, param, code.name.lower())
+
+
+def invalid(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param, "invalid_argument")
+
+
+def _typed(body: dict, name: str, kinds: tuple, what: str):
+    value = body.get(name)
+    if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) != (bool in kinds)):
+        raise invalid(f"{name} must be {what}, got {value!r}", name)
+    return value
+
+
+def _check_neutral(body: dict) -> None:
+    for name, neutral in NEUTRAL.items():
+        value = body.get(name)
+        if value not in (neutral, None, {}, []):
+            raise invalid(f"{name} is not supported by pdserve (got {value!r})", name)
+
+
+def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int) -> pdserve_pb2.SamplingParams:
+    _check_neutral(body)
+    pb = pdserve_pb2.SamplingParams()
+    max_tokens = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None \
+        else body.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
+        raise invalid(f"max_tokens must be an integer, got {max_tokens!r}", "max_tokens")
+    pb.max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    for name in ("temperature", "top_p", "min_p"):
+        value = _typed(body, name, (int, float), "a number")
+        if value is not None:
+            setattr(pb, name, float(value))
+    for name in ("top_k", "n"):
+        value = _typed(body, name, (int,), "an integer")
+        if value is not None:
+            setattr(pb, name, value)
+    seed = _typed(body, "seed", (int,), "an integer")
+    if seed is not None:
+        if not 0 <= seed < 2 ** 64:
+            raise invalid(f"seed must be in [0, 2**64), got {seed}", "seed")
+        pb.seed = seed
+    if _typed(body, "ignore_eos", (bool,), "a boolean"):
+        pb.ignore_eos = True
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+    pb.stop.extend(stops)
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < 2 ** 31 for t in ids):
+        raise invalid(f"stop_token_ids must be a list of token ids, got {ids!r}", "stop_token_ids")
+    pb.stop_token_ids.extend(ids)
+    if chat:
+        if _typed(body, "logprobs", (bool,), "a boolean"):
+            pb.logprobs = _typed(body, "top_logprobs", (int,), "an integer") or 0
+    else:
+        logprobs = _typed(body, "logprobs", (int,), "an integer")
+        if logprobs is not None:
+            pb.logprobs = logprobs
+    return pb
+
+
+def completion_prompt(body: dict, encode) -> list[int]:
+    """Token ids of a completions `prompt`: a string, a list of token ids, or a list of one
+    of either (pdserve serves one prompt per request)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        if any(not 0 <= t < 2 ** 31 for t in ids):
+            raise invalid(f"prompt token ids must be non-negative, got {min(ids)}", "prompt")
+    else:
+        raise invalid("prompt must be a string, a list of token ids, or a list of one of "
+                      f"those (pdserve serves one prompt per request), got {prompt!r:.80}", "prompt")
+    if not ids:
+        raise invalid("prompt is empty", "prompt")
+    return ids
+
+
+def chat_prompt(body: dict, tokenizer) -> list[int]:
+    """Token ids of `messages` rendered by the model's chat template (which adds any special
+    tokens itself, so none are added again)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list", "messages")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid(f"messages[{i}] must be an object with a role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise invalid(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p.get("text", "") for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise invalid(f"messages[{i}].content must be a string or a list of parts", "messages")
+        rendered.append({"role": m["role"], "content": content or ""})
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise invalid("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    try:
+        text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # the template itself rejects the conversation
+        raise invalid(f"chat template: {err}", "messages") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def usage_body(usage: pdserve_pb2.Usage | None) -> dict | None:
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+
+
+class ChoiceLogprobs:
+    """Logprobs of one choice in OpenAI's completions or chat shape."""
+
+    def __init__(self, token_text, chat: bool) -> None:
+        self.token_text, self.chat = token_text, chat
+
+    def render(self, entries) -> dict | None:
+        if not entries:
+            return None
+        if self.chat:
+            def one(token_id, logprob):
+                text = self.token_text(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [{**one(e.token_id, e.logprob),
+                                 "top_logprobs": [one(t.token_id, t.logprob) for t in e.top]}
+                                for e in entries]}
+        return {"tokens": [self.token_text(e.token_id) for e in entries],
+                "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.token_text(t.token_id): t.logprob for t in e.top}
+                                 for e in entries]}
+
+
+def chunk(kind: str, response_id: str, created: int, model: str, choices: list, usage=None) -> dict:
+    body = {"id": response_id, "object": kind, "created": created, "model": model,
+            "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,204 @@
+"""Runs deploy/docker-compose.yml's services as local processes, wired the way compose
+wires the containers. There is no Docker engine here, so this is the next best proof that
+the file's commands, environment, volumes, discovery targets and health checks fit.
+
+The mapping from containers to local processes:
+- `${VAR}`, `${VAR:-default}`, `${VAR-default}`, `${VAR:+alt}`, `${VAR:?error}` are
+  interpolated from `variables` as compose would from the shell or `.env`.
+- Each service's container port (its PDSERVE_PORT) becomes a free port on 127.0.0.1, and
+  every `SERVICE:PORT` in its environment or command (including inside
+  `dns:///SERVICE:PORT`) is rewritten to `127.0.0.1:FREEPORT`: the service name resolves
+  to the loopback address, as compose's DNS resolves it to the container.
+- A volume `SRC:TARGET` is a path mapping: values that start with TARGET start with SRC
+  instead (a named volume becomes a fresh directory).
+- The image's ENTRYPOINT `pdserve` is `python -m pdserve.cli`.
+- Services start in `depends_on` order; `condition: service_healthy` waits until the
+  dependency's own healthcheck command succeeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = REPO / "deploy" / "docker-compose.yml"
+DOCKERFILE = REPO / "deploy" / "Dockerfile"
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+
+_VAR = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-+?])([^}]*))?\}|\$(\w+)")
+
+
+def interpolate(value, variables: dict[str, str]):
+    """Compose's variable substitution over every string of a parsed file."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, variables) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, variables) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1) or m.group(4)
+        op, arg = m.group(2), m.group(3) or ""
+        present = name in variables
+        nonempty = bool(variables.get(name))
+        if op == ":-":
+            return variables[name] if nonempty else arg
+        if op == "-":
+            return variables[name] if present else arg
+        if op == ":+":
+            return arg if nonempty else ""
+        if op == "+":
+            return arg if present else ""
+        if op in (":?", "?") and not (nonempty if op == ":?" else present):
+            raise ValueError(f"required variable {name}: {arg}")
+        return variables.get(name, "")
+
+    return _VAR.sub(sub, value)
+
+
+def load_compose(variables: dict[str, str]) -> dict:
+    return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), variables)
+
+
+def dockerfile_instruction(name: str) -> str:
+    """The argument text of the Dockerfile's last NAME instruction (continuations joined)."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    found = [line.split(None, 1)[1] for line in text.splitlines()
+             if line.split(None, 1)[:1] == [name]]
+    assert found, f"no {name} in {DOCKERFILE}"
+    return found[-1]
+
+
+def entrypoint() -> list[str]:
+    words = json.loads(dockerfile_instruction("ENTRYPOINT"))
+    assert words == ["pdserve"], f"unexpected ENTRYPOINT {words}"
+    return PDSERVE
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health_command(test: list[str]) -> list[str]:
+    """A compose/Dockerfile `CMD` health test as a local command line."""
+    assert test[0] == "CMD" and test[1] == "pdserve", f"unexpected health test {test}"
+    return [*PDSERVE, *test[2:]]
+
+
+class LocalService:
+    def __init__(self, name: str, spec: dict, env: dict[str, str], port: int, log: Path):
+        self.name, self.spec, self.env, self.port = name, spec, env, port
+        self.address = f"127.0.0.1:{port}"
+        self.log = open(log, "w")
+        command = [str(word) for word in spec.get("command", [])]
+        self.proc = subprocess.Popen([*entrypoint(), *command], cwd=REPO, env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def healthcheck(self, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
+        """Run the service's compose healthcheck command, in its environment."""
+        return subprocess.run(health_command(self.spec["healthcheck"]["test"]), cwd=REPO,
+                              env=self.env, capture_output=True, text=True, timeout=timeout_s)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+class LocalCompose:
+    """Every service of the compose file as a local process (see the module docstring)."""
+
+    def __init__(self, variables: dict[str, str], workdir: Path) -> None:
+        self.compose = load_compose(variables)
+        self.workdir = workdir
+        self.services: dict[str, LocalService] = {}
+        specs = self.compose["services"]
+        self.ports = {name: (int(spec["environment"]["PDSERVE_PORT"]), free_port())
+                      for name, spec in specs.items()}
+        self.addresses = {f"{name}:{inner}": f"127.0.0.1:{outer}"
+                          for name, (inner, outer) in self.ports.items()}
+
+    def _paths(self, spec: dict) -> dict[str, str]:
+        paths = {}
+        for volume in spec.get("volumes", []):
+            source, target = volume.split(":")[:2]
+            if not source.startswith(("/", ".")):  # a named volume
+                source = str(self.workdir / "volumes" / source)
+                Path(source).mkdir(parents=True, exist_ok=True)
+            paths[target] = source
+        return paths
+
+    def rewrite(self, value: str, paths: dict[str, str]) -> str:
+        for inner, outer in self.addresses.items():
+            value = re.sub(rf"(?<![\w.-]){re.escape(inner)}(?!\d)", outer, value)
+        for target, source in paths.items():
+            if value == target or value.startswith(target + "/"):
+                value = source + value[len(target):]
+        return value
+
+    def environment(self, name: str) -> dict[str, str]:
+        spec = self.compose["services"][name]
+        paths = self._paths(spec)
+        env = {k: self.rewrite(str(v), paths) for k, v in spec["environment"].items()}
+        env["PDSERVE_PORT"] = str(self.ports[name][1])
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+        return {**base, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **env}
+
+    def order(self) -> list[str]:
+        specs, done = self.compose["services"], []
+        while len(done) < len(specs):
+            ready = [n for n, s in specs.items()
+                     if n not in done and all(d in done for d in s.get("depends_on", {}))]
+            assert ready, f"depends_on cycle among {set(specs) - set(done)}"
+            done += ready
+        return done
+
+    def up(self, timeout_s: float = 180.0) -> None:
+        specs = self.compose["services"]
+        deadline = time.monotonic() + timeout_s
+        for name in self.order():
+            for dep, how in specs[name].get("depends_on", {}).items():
+                if how.get("condition") == "service_healthy":
+                    self.wait_healthy(dep, deadline)
+            self.services[name] = LocalService(name, specs[name], self.environment(name),
+                                               self.ports[name][1], self.workdir / f"{name}.log")
+        for name in self.services:
+            self.wait_healthy(name, deadline)
+
+    def wait_healthy(self, name: str, deadline: float) -> None:
+        service = self.services[name]
+        while True:
+            if service.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {service.proc.returncode}:\n"
+                                   + Path(service.log.name).read_text()[-3000:])
+            if service.healthcheck().returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not healthy in time:\n"
+                                   + Path(service.log.name).read_text()[-3000:])
+            time.sleep(1.0)
+
+    def down(self) -> None:
+        for name in reversed(list(self.services)):
+            self.services[name].stop()

@@ -1,0 +1,105 @@
+"""The deployment files are valid for the tools that will read them: the compose file
+against the Compose Specification's JSON schema (vendored by check-jsonschema), the
+Kubernetes manifests against the Kubernetes API schemas (shipped by kubernetes-validate,
+strict: unknown fields are errors). Each check is also shown to reject a broken copy."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.compose_local import COMPOSE_FILE, interpolate, load_compose
+from tests.deploy.manifests import by_kind, containers, documents
+
+K8S_VERSION = kubernetes_validate.utils.latest_version()
+
+
+def check_compose(path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema",
+                           "vendor.compose-spec", str(path)], capture_output=True, text=True)
+
+
+def test_compose_file_matches_the_compose_specification():
+    result = check_compose(COMPOSE_FILE)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_schema_check_rejects_a_misspelt_key(tmp_path):
+    broken = yaml.safe_load(COMPOSE_FILE.read_text())
+    broken["services"]["decode"]["shm-size"] = "2gb"  # the key is shm_size
+    (tmp_path / "compose.yml").write_text(yaml.safe_dump(broken))
+    assert check_compose(tmp_path / "compose.yml").returncode != 0
+
+
+@pytest.mark.parametrize("path,doc", documents(),
+                         ids=lambda v: v.name if hasattr(v, "name") else v["metadata"]["name"])
+def test_manifest_matches_the_kubernetes_schema(path, doc):
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_kubernetes_schema_check_rejects_an_unknown_field():
+    deployment = copy.deepcopy(by_kind("Deployment")[0])
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessprobe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+
+def test_compose_model_volume_is_a_named_volume_or_the_given_directory():
+    demo = load_compose({})["services"]["decode"]
+    assert demo["volumes"] == ["models:/models"] and demo["environment"]["PDSERVE_MODEL"] == ""
+    real = load_compose({"MODEL_DIR": "/data/llama"})["services"]["decode"]
+    assert real["volumes"] == ["/data/llama:/models:ro"]
+    assert real["environment"]["PDSERVE_MODEL"] == "/models"
+
+
+def test_compose_interpolation_follows_compose_rules():
+    v = {"SET": "x", "EMPTY": ""}
+    assert interpolate("${SET:-d} ${EMPTY:-d} ${EMPTY-d} ${NONE-d}", v) == "x d  d"
+    assert interpolate("${SET:+a}|${EMPTY:+a}|${EMPTY+a}|$$SET|$SET", v) == "a||a|$SET|x"
+    with pytest.raises(ValueError):
+        interpolate("${NONE:?needed}", v)
+
+
+def test_decode_scales_in_compose_and_kubernetes():
+    decode = load_compose({})["services"]["decode"]
+    # A fixed container name or published port would stop `--scale decode=N`.
+    assert "container_name" not in decode and "ports" not in decode
+    router_env = load_compose({})["services"]["router"]["environment"]
+    assert router_env["PDSERVE_DECODE"] == "dns:///decode:50062"
+    assert router_env["PDSERVE_PREFILL"] == "dns:///prefill:50061"
+
+    services = {s["metadata"]["name"]: s for s in by_kind("Service")}
+    config = by_kind("ConfigMap")[0]["data"]
+    for role, target in (("prefill", config["PDSERVE_PREFILL"]),
+                         ("decode", config["PDSERVE_DECODE"])):
+        name, port = target.removeprefix("dns:///").split(":")
+        service = services[name]
+        assert service["spec"]["clusterIP"] == "None", f"{name} must be headless"
+        assert service["spec"]["selector"]["app.kubernetes.io/component"] == role
+        assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
+
+
+def test_every_kubernetes_container_drains_and_declares_resources():
+    deployments = {d["metadata"]["name"]: d for d in by_kind("Deployment")}
+    drain_s = float(by_kind("ConfigMap")[0]["data"]["PDSERVE_DRAIN_TIMEOUT_S"])
+    assert set(deployments) == {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
+    for component, container in containers():
+        pod = deployments[f"pdserve-{component}"]["spec"]["template"]["spec"]
+        assert {"cpu", "memory"} <= set(container["resources"]["requests"]), component
+        assert "memory" in container["resources"]["limits"], component
+        pre_stop_s = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+        # Kubernetes sends SIGKILL at the end of the grace period, counted from preStop.
+        assert pod["terminationGracePeriodSeconds"] > pre_stop_s + drain_s, component
+        assert container["args"] == [component]
+        assert {"configMapRef": {"name": "pdserve"}} in container["envFrom"]
+
+
+def test_compose_stop_grace_period_covers_the_drain():
+    for name, spec in load_compose({})["services"].items():
+        grace_s = int(spec["stop_grace_period"].removesuffix("s"))
+        assert grace_s > float(spec["environment"]["PDSERVE_DRAIN_TIMEOUT_S"]), name

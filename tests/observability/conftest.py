@@ -1,0 +1,67 @@
+"""A disaggregated cluster for observability tests: router (gRPC + HTTP), prefill and decode
+as real processes on loopback, every node with /metrics and JSON logs, killed at the end."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.up import free_port
+from tests.e2e.procs import WORKER_FLAGS, Node
+
+
+@pytest.fixture(scope="session")
+def obs_model(tmp_path_factory) -> str:
+    from engine.checkpoint import write_checkpoint
+
+    path = tmp_path_factory.mktemp("obs-tiny-llama")
+    write_checkpoint(path, family="llama", seed=0, vocab_size=512, hidden_size=64,
+                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=512)
+    return str(path)
+
+
+class ObservedCluster:
+    def __init__(self, nodes: dict[str, Node], metrics_ports: dict[str, int], logs: Path):
+        self.nodes, self.metrics_ports, self.logs = nodes, metrics_ports, logs
+        self.grpc = nodes["router"].address
+        self.http = f"http://127.0.0.1:{metrics_ports['router']}"
+
+    def scrape(self, node: str) -> dict[tuple, float]:
+        """Every sample of `node`'s /metrics: (name, sorted label items) -> value."""
+        url = f"http://127.0.0.1:{self.metrics_ports[node]}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def log_lines(self, node: str) -> list[str]:
+        return (self.logs / f"{node}.log").read_text().splitlines()
+
+
+def sample(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture(scope="session")
+def observed_cluster(obs_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("obs-logs")
+    ports = {role: free_port() for role in ("router", "prefill", "decode")}
+    common = ["--model", obs_model, "--host", "127.0.0.1", "--port", "0", "--log-format", "json"]
+    nodes: dict[str, Node] = {}
+    try:
+        for role in ("prefill", "decode"):  # start both, then wait: their start-ups overlap
+            nodes[role] = Node([role, *common, *WORKER_FLAGS, "--metrics-port", str(ports[role])],
+                               logs / f"{role}.log", wait=False)
+        for role in ("prefill", "decode"):
+            nodes[role].wait_ready()
+        nodes["router"] = Node(["router", *common, "--http-port", str(ports["router"]),
+                                "--prefill", nodes["prefill"].address,
+                                "--decode", nodes["decode"].address], logs / "router.log")
+        yield ObservedCluster(nodes, ports, logs)
+    finally:
+        for node in reversed(list(nodes.values())):
+            node.stop()
