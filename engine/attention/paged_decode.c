@@ -1,0 +1,83 @@
+/* Paged decode attention for the CPU: one query token per sequence, reading each key and
+ * value row once, straight from its page (no gathered copy of the context).
+ *
+ * Shapes (all contiguous): q and out float32 [B, H, D]; k_cache, v_cache [slots, Hkv, D]
+ * (float32 or bfloat16); block_tables int32 [B, max_pages]; seq_lens int32 [B]. Position t
+ * of sequence b lives in slot block_tables[b][t / page_size] * page_size + t % page_size.
+ * The H / Hkv query heads of one KV head share that head's keys (GQA without repeats).
+ * One task is one (sequence, KV head): exact softmax in two passes over the context, in
+ * float32. Built and loaded by paged_decode.py; see there for why this exists.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float load_f32(const float *p, int64_t i) { return p[i]; }
+
+static inline float load_bf16(const uint16_t *p, int64_t i) {
+    uint32_t u = (uint32_t)p[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#define PAGED_DECODE(NAME, KV_T, LOAD)                                                         \
+    int NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,                         \
+             const int32_t *block_tables, int64_t max_pages, const int32_t *seq_lens,          \
+             int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,     \
+             float *out, int num_threads) {                                                    \
+        const int64_t G = H / Hkv;                                                             \
+        int failed = 0;                                                                        \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(dynamic, 1)")              \
+        for (int64_t task = 0; task < B * Hkv; task++) {                                       \
+            const int64_t b = task / Hkv, h = task % Hkv, n = seq_lens[b];                     \
+            const int32_t *pages = block_tables + b * max_pages;                               \
+            const float *qb = q + (b * H + h * G) * D;                                         \
+            float *scores = malloc(sizeof(float) * (G * n + G * D + G + D));                   \
+            if (!scores) { failed = 1; continue; }                                             \
+            float *acc = scores + G * n, *total = acc + G * D, *row = total + G;               \
+            for (int64_t t = 0; t < n; t++) {                                                  \
+                const int64_t slot = (int64_t)pages[t / page_size] * page_size + t % page_size;\
+                const KV_T *kr = k_cache + (slot * Hkv + h) * D;                               \
+                _Pragma("omp simd")                                                            \
+                for (int64_t d = 0; d < D; d++) row[d] = LOAD(kr, d);                          \
+                for (int64_t g = 0; g < G; g++) {                                              \
+                    const float *qg = qb + g * D;                                              \
+                    float dot = 0.0f;                                                          \
+                    _Pragma("omp simd reduction(+ : dot)")                                     \
+                    for (int64_t d = 0; d < D; d++) dot += qg[d] * row[d];                     \
+                    scores[g * n + t] = dot * scale;                                           \
+                }                                                                              \
+            }                                                                                  \
+            for (int64_t g = 0; g < G; g++) {                                                  \
+                float *s = scores + g * n, m = -INFINITY, sum = 0.0f;                          \
+                for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;                       \
+                _Pragma("omp simd reduction(+ : sum)")                                         \
+                for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - m); sum += s[t]; }        \
+                total[g] = sum;                                                                \
+            }                                                                                  \
+            memset(acc, 0, sizeof(float) * G * D);                                             \
+            for (int64_t t = 0; t < n; t++) {                                                  \
+                const int64_t slot = (int64_t)pages[t / page_size] * page_size + t % page_size;\
+                const KV_T *vr = v_cache + (slot * Hkv + h) * D;                               \
+                _Pragma("omp simd")                                                            \
+                for (int64_t d = 0; d < D; d++) row[d] = LOAD(vr, d);                          \
+                for (int64_t g = 0; g < G; g++) {                                              \
+                    const float p = scores[g * n + t];                                         \
+                    float *a = acc + g * D;                                                    \
+                    _Pragma("omp simd")                                                        \
+                    for (int64_t d = 0; d < D; d++) a[d] += p * row[d];                        \
+                }                                                                              \
+            }                                                                                  \
+            for (int64_t g = 0; g < G; g++) {                                                  \
+                float *o = out + (b * H + h * G + g) * D;                                      \
+                for (int64_t d = 0; d < D; d++) o[d] = acc[g * D + d] / total[g];              \
+            }                                                                                  \
+            free(scores);                                                                      \
+        }                                                                                      \
+        return failed;                                                                         \
+    }
+
+PAGED_DECODE(paged_decode_f32, float, load_f32)
+PAGED_DECODE(paged_decode_bf16, uint16_t, load_bf16)
