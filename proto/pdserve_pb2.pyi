@@ -181,7 +181,7 @@ class PrepareReceiveResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prefix_matched_length: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "page_size", "num_slots", "base_addr", "layer_stride", "kv_stride", "slot_stride", "device")
+    __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "page_size", "num_slots", "base_addr", "layer_stride", "kv_stride", "slot_stride", "device", "page_stride")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,7 @@ class KVLayout(_message.Message):
     KV_STRIDE_FIELD_NUMBER: _ClassVar[int]
     SLOT_STRIDE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_STRIDE_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     num_layers: int
     num_kv_heads: int
@@ -204,7 +205,8 @@ class KVLayout(_message.Message):
     kv_stride: int
     slot_stride: int
     device: str
-    def __init__(self, dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., base_addr: _Optional[int] = ..., layer_stride: _Optional[int] = ..., kv_stride: _Optional[int] = ..., slot_stride: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    page_stride: int
+    def __init__(self, dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., base_addr: _Optional[int] = ..., layer_stride: _Optional[int] = ..., kv_stride: _Optional[int] = ..., slot_stride: _Optional[int] = ..., device: _Optional[str] = ..., page_stride: _Optional[int] = ...) -> None: ...
 
 class TransferInfoRequest(_message.Message):
     __slots__ = ()

@@ -5,8 +5,9 @@
  * (float32 or bfloat16); block_tables int32 [B, max_pages]; seq_lens int32 [B]. Position t
  * of sequence b lives in slot block_tables[b][t / page_size] * page_size + t % page_size.
  * The H / Hkv query heads of one KV head share that head's keys (GQA without repeats).
- * One task is one (sequence, KV head): exact softmax in two passes over the context, in
- * float32. Built and loaded by paged_decode.py; see there for why this exists.
+ * One task is one sequence: its slots' rows hold every KV head side by side, so reading
+ * them whole keeps the reads sequential within a page. Exact softmax in two passes over
+ * the context, in float32 (accumulating into `out`). Built and loaded by paged_decode.py; see there for why this exists.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,52 +28,52 @@ static inline float load_bf16(const uint16_t *p, int64_t i) {
              const int32_t *block_tables, int64_t max_pages, const int32_t *seq_lens,          \
              int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,     \
              float *out, int num_threads) {                                                    \
-        const int64_t G = H / Hkv;                                                             \
+        const int64_t G = H / Hkv, W = Hkv * D; /* W: one slot's row, all KV heads */          \
         int failed = 0;                                                                        \
         _Pragma("omp parallel for num_threads(num_threads) schedule(dynamic, 1)")              \
-        for (int64_t task = 0; task < B * Hkv; task++) {                                       \
-            const int64_t b = task / Hkv, h = task % Hkv, n = seq_lens[b];                     \
+        for (int64_t b = 0; b < B; b++) {                                                      \
+            const int64_t n = seq_lens[b];                                                     \
             const int32_t *pages = block_tables + b * max_pages;                               \
-            const float *qb = q + (b * H + h * G) * D;                                         \
-            float *scores = malloc(sizeof(float) * (G * n + G * D + G + D));                   \
+            const float *qb = q + b * H * D;                                                   \
+            float *scores = malloc(sizeof(float) * (H * n + H + W));                           \
             if (!scores) { failed = 1; continue; }                                             \
-            float *acc = scores + G * n, *total = acc + G * D, *row = total + G;               \
+            float *total = scores + H * n, *row = total + H, *acc = out + b * H * D;           \
             for (int64_t t = 0; t < n; t++) {                                                  \
                 const int64_t slot = (int64_t)pages[t / page_size] * page_size + t % page_size;\
-                const KV_T *kr = k_cache + (slot * Hkv + h) * D;                               \
+                const KV_T *kr = k_cache + slot * W;                                           \
                 _Pragma("omp simd")                                                            \
-                for (int64_t d = 0; d < D; d++) row[d] = LOAD(kr, d);                          \
-                for (int64_t g = 0; g < G; g++) {                                              \
-                    const float *qg = qb + g * D;                                              \
+                for (int64_t i = 0; i < W; i++) row[i] = LOAD(kr, i);                          \
+                for (int64_t j = 0; j < H; j++) {                                              \
+                    const float *qj = qb + j * D, *kj = row + (j / G) * D;                     \
                     float dot = 0.0f;                                                          \
                     _Pragma("omp simd reduction(+ : dot)")                                     \
-                    for (int64_t d = 0; d < D; d++) dot += qg[d] * row[d];                     \
-                    scores[g * n + t] = dot * scale;                                           \
+                    for (int64_t d = 0; d < D; d++) dot += qj[d] * kj[d];                      \
+                    scores[j * n + t] = dot * scale;                                           \
                 }                                                                              \
             }                                                                                  \
-            for (int64_t g = 0; g < G; g++) {                                                  \
-                float *s = scores + g * n, m = -INFINITY, sum = 0.0f;                          \
+            for (int64_t j = 0; j < H; j++) {                                                  \
+                float *s = scores + j * n, m = -INFINITY, sum = 0.0f;                          \
                 for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;                       \
                 _Pragma("omp simd reduction(+ : sum)")                                         \
                 for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - m); sum += s[t]; }        \
-                total[g] = sum;                                                                \
+                total[j] = sum;                                                                \
             }                                                                                  \
-            memset(acc, 0, sizeof(float) * G * D);                                             \
+            memset(acc, 0, sizeof(float) * H * D);                                             \
             for (int64_t t = 0; t < n; t++) {                                                  \
                 const int64_t slot = (int64_t)pages[t / page_size] * page_size + t % page_size;\
-                const KV_T *vr = v_cache + (slot * Hkv + h) * D;                               \
+                const KV_T *vr = v_cache + slot * W;                                           \
                 _Pragma("omp simd")                                                            \
-                for (int64_t d = 0; d < D; d++) row[d] = LOAD(vr, d);                          \
-                for (int64_t g = 0; g < G; g++) {                                              \
-                    const float p = scores[g * n + t];                                         \
-                    float *a = acc + g * D;                                                    \
+                for (int64_t i = 0; i < W; i++) row[i] = LOAD(vr, i);                          \
+                for (int64_t j = 0; j < H; j++) {                                              \
+                    const float p = scores[j * n + t], *vj = row + (j / G) * D;                \
+                    float *a = acc + j * D;                                                    \
                     _Pragma("omp simd")                                                        \
-                    for (int64_t d = 0; d < D; d++) a[d] += p * row[d];                        \
+                    for (int64_t d = 0; d < D; d++) a[d] += p * vj[d];                         \
                 }                                                                              \
             }                                                                                  \
-            for (int64_t g = 0; g < G; g++) {                                                  \
-                float *o = out + (b * H + h * G + g) * D;                                      \
-                for (int64_t d = 0; d < D; d++) o[d] = acc[g * D + d] / total[g];              \
+            for (int64_t j = 0; j < H; j++) {                                                  \
+                const float inv = 1.0f / total[j];                                             \
+                for (int64_t d = 0; d < D; d++) acc[j * D + d] *= inv;                         \
             }                                                                                  \
             free(scores);                                                                      \
         }                                                                                      \

@@ -6,10 +6,12 @@ Signatures are shared with `triton_ops`: k_cache / v_cache are one layer's
 
 For speed the work is split in two: `plan_attention` turns a step's page tables into gather
 indices and masks once per step (plain Python lists in, a few small tensors out), and
-`attend` runs every layer from that plan. Decodes (one query each) are grouped by context
-length so each group is one page gather and one SDPA call; query heads that share a KV head
-act as that KV head's query rows, so GQA needs no repeated K/V. Prefill chunks run one
-sequence at a time, causal over the new tokens and full over the cached prefix.
+`attend` runs every layer from that plan. Each run of consecutive decodes (one query each)
+is one call of the C paged-decode kernel (`paged_decode`), which reads K/V straight from
+the pages. Without that kernel (no compiler, fp16, not CPU), decodes are grouped by
+context length so each group is one page gather and one SDPA call; query heads that share
+a KV head act as that KV head's query rows, so GQA needs no repeated K/V. Prefill chunks
+run one sequence at a time, causal over the new tokens and full over the cached prefix.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from .paged_decode import kernel_for, paged_decode
 
 # A decode group grows while its padded size stays within this factor of its real size.
 _PADDING_SLACK = 1.3
@@ -28,6 +32,16 @@ class DecodeGroup:
     rows: slice  # query rows, contiguous
     pages: torch.Tensor  # int64 [B, P], padded with page 0
     mask: torch.Tensor | None  # bool [B, 1, 1, P * page_size], None when nothing is padded
+
+
+@dataclass
+class DecodeRun:
+    """Consecutive decodes for the C kernel: no padding copies, any mix of lengths."""
+
+    rows: slice
+    block_tables: torch.Tensor  # int32 [B, max_pages], padded with page 0
+    seq_lens: torch.Tensor  # int32 [B]
+    kernel: object
 
 
 @dataclass
@@ -42,16 +56,20 @@ class PrefillSeq:
 class AttentionPlan:
     page_size: int
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    decode_runs: list[DecodeRun] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
 def plan_attention(
-    query_lens: list[int], seq_lens: list[int], page_lists: list[list[int]], page_size: int, device="cpu"
+    query_lens: list[int], seq_lens: list[int], page_lists: list[list[int]], page_size: int, device="cpu",
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionPlan:
-    """Plan for sequences whose queries are consecutive rows, in the given order. Runs of
-    consecutive decodes (query_len 1) are grouped; callers that sort decodes by
-    `seq_len` get the tightest groups."""
+    """Plan for sequences whose queries are consecutive rows, in the given order, over a
+    KV cache of `kv_dtype` (None: never the C kernel). Runs of consecutive decodes
+    (query_len 1) are one kernel call, or without the kernel grouped by length; callers
+    that sort decodes by `seq_len` get the tightest groups."""
     plan = AttentionPlan(page_size)
+    kernel = kernel_for(kv_dtype, torch.device(device)) if kv_dtype is not None else None
     row = 0
     b = 0
     while b < len(query_lens):
@@ -68,6 +86,12 @@ def plan_attention(
             b += 1
             continue
         start = b
+        if kernel is not None:
+            while b < len(query_lens) and query_lens[b] == 1:
+                b += 1
+            plan.decode_runs.append(_decode_run(row, seq_lens[start:b], page_lists[start:b], page_size, kernel))
+            row += b - start
+            continue
         total = 0
         while b < len(query_lens) and query_lens[b] == 1:
             longest = max(seq_lens[start:b + 1])
@@ -91,6 +115,13 @@ def _decode_group(row, lens, page_lists, page_size, device) -> DecodeGroup:
     return DecodeGroup(slice(row, row + len(lens)), pages, mask)
 
 
+def _decode_run(row, lens, page_lists, page_size, kernel) -> DecodeRun:
+    num_pages = -(-max(lens) // page_size)
+    padded = [pl[: -(-n // page_size)] + [0] * (num_pages - -(-n // page_size)) for pl, n in zip(page_lists, lens)]
+    block_tables = torch.tensor(padded, dtype=torch.int32)
+    return DecodeRun(slice(row, row + len(lens)), block_tables, torch.tensor(lens, dtype=torch.int32), kernel)
+
+
 def store_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
     """Write k/v [T, Hkv, D] into the slots `slot_mapping` (int64 [T])."""
     k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
@@ -106,6 +137,8 @@ def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float)
     k_pages = k_cache.view(-1, page_size, num_kv_heads, head_dim)
     v_pages = v_cache.view(-1, page_size, num_kv_heads, head_dim)
     out = torch.empty_like(q)
+    for r in plan.decode_runs:
+        out[r.rows] = paged_decode(r.kernel, q[r.rows], k_cache, v_cache, r.block_tables, r.seq_lens, page_size, scale)
     for g in plan.decode_groups:
         b, p = g.pages.shape
         flat = g.pages.view(-1)
@@ -134,5 +167,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     last positions of a context of seq_lens[b] tokens."""
     starts = query_start_loc.tolist()
     query_lens = [e - s for s, e in zip(starts[:-1], starts[1:])]
-    plan = plan_attention(query_lens, seq_lens.tolist(), block_tables.tolist(), page_size, q.device)
+    contiguous = k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+    kv_dtype = k_cache.dtype if contiguous else None
+    plan = plan_attention(query_lens, seq_lens.tolist(), block_tables.tolist(), page_size, q.device, kv_dtype)
     return attend(q, k_cache, v_cache, plan, scale)

@@ -67,7 +67,7 @@ class ModelRunner:
     def _attend_fn(self, query_lens, seq_lens, page_lists):
         ps = self.page_size
         if self.backend == "torch":
-            plan = torch_ops.plan_attention(query_lens, seq_lens, page_lists, ps, self.device)
+            plan = torch_ops.plan_attention(query_lens, seq_lens, page_lists, ps, self.device, self.kv_cache.dtype)
             return lambda q, k_cache, v_cache, scale: torch_ops.attend(q, k_cache, v_cache, plan, scale)
         max_pages = max(-(-n // ps) for n in seq_lens)
         block_tables = torch.zeros(len(seq_lens), max_pages, dtype=torch.int32)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pdserve.client import Client
 from pdserve.server import channel
 from proto import pdserve_pb2, pdserve_pb2_grpc
-from tests.faults.cluster import GREEDY, full, wait_pools_full, worker_stub
+from tests.faults.cluster import GREEDY, SLOW, full, wait_pools_full, worker_stub
 from tests.faults.conftest import run
 
 VOCAB, MAX_LEN = 512, 512
@@ -57,12 +57,14 @@ def test_router_names_the_bad_value(fault_cluster, fields, named):
 def test_duplicate_request_id_and_oversized_message(fault_cluster):
     async def go():
         async with Client(fault_cluster.address("main")) as client:
-            first = asyncio.ensure_future(client.complete("hello", request_id="twice",
-                                                          max_tokens=200, **GREEDY))
-            await asyncio.sleep(0.3)
+            first = asyncio.ensure_future(client.complete("hello", request_id=f"{SLOW}twice",
+                                                          max_tokens=8, **GREEDY))
+            await asyncio.sleep(0.3)  # held ~3 s by its prefill node (SLOW)
             with pytest.raises(grpc.aio.AioRpcError) as dup:
-                await client.complete("hello", request_id="twice", timeout=10)
-            await first
+                await client.complete("hello", request_id=f"{SLOW}twice", timeout=10)
+            assert await client.abort(f"{SLOW}twice")
+            with pytest.raises(grpc.aio.AioRpcError):
+                await first
             with pytest.raises(grpc.aio.AioRpcError) as big:
                 await client.complete("x" * (65 * 1024 * 1024), timeout=30)
             unknown = await client.abort("never-seen")

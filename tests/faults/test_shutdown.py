@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.client import Client
 from tests.e2e.procs import Node
-from tests.faults.cluster import GREEDY, ROUTER_FLAGS, full, load, wait_pools_full
+from tests.faults.cluster import GREEDY, ROUTER_FLAGS, SLOW, full, load, wait_pools_full
 from tests.faults.conftest import run
 
 
@@ -33,14 +33,16 @@ def test_sigterm_on_the_router_lets_streams_finish_and_refuses_new_ones(fault_cl
 
     async def go():
         async with Client(router.address) as client:
-            stream = client.stream("drain me slowly", max_tokens=300, **GREEDY)
-            first = await stream.__anext__()
+            # In flight at SIGTERM: its prefill node holds it ~3 s (SLOW), then it decodes.
+            stream = asyncio.ensure_future(_consume(client.stream(
+                "drain me slowly", request_id=f"{SLOW}drain", max_tokens=300, **GREEDY)))
+            await asyncio.sleep(0.5)
             os.killpg(router.proc.pid, signal.SIGTERM)
             await asyncio.sleep(0.3)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await client.complete("too late", max_tokens=2, timeout=10)
-            tokens, reason = await _consume(stream)
-        return list(first.token_ids) + tokens, reason, refused.value
+            tokens, reason = await stream
+        return tokens, reason, refused.value
 
     try:
         tokens, reason, refused = run(go())
@@ -59,7 +61,8 @@ def test_sigterm_on_a_decode_node_finishes_its_stream_while_traffic_moves_on(fau
         async with Client(c.address("main")) as client:
             stream = client.stream("a stream on a node about to stop", max_tokens=300, **GREEDY)
             first = await stream.__anext__()
-            victim = next(d for d in ("d1", "d2") if (await load(c.address(d))).num_running)
+            running = {d: (await load(c.address(d))).num_running for d in ("d1", "d2")}
+            victim = next(d for d, n in running.items() if n)
             other = "d2" if victim == "d1" else "d1"
             os.killpg(c.nodes[victim].proc.pid, signal.SIGTERM)
             await asyncio.sleep(0.3)
