@@ -32,6 +32,10 @@ class Lease:
     kv_window_end: int
     expires_at: float
     engine_key: str = ""  # the engine's id of this reservation (unique per lease)
+    # Local prefill (selective disaggregation): nothing reserved; at StartGeneration the
+    # prompt enters the engine as an ordinary request with these ids and params.
+    local_prompt: list[int] | None = None
+    local_params: object = None
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 

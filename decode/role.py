@@ -7,6 +7,10 @@
 - `start_generation` takes the lease (so expiry can no longer free it), waits (bounded)
   for the prefill node's notification when KV was sent (pages are never read before their
   writes completed), then un-parks and streams engine outputs.
+- `prepare_receive(local_prefill=True)` (selective disaggregation) reserves nothing: the
+  lease only remembers the prompt, and `start_generation` submits it as an ordinary request,
+  so the engine matches this node's prefix cache when it schedules it and prefills the rest
+  here. No KV is received for such a lease (kv_window_end 0, no notification).
 - `abort` and lease expiry free the request. A reservation whose KV may still be on its
   way is not freed but quarantined (decode/quarantine.py) unless the caller says no write
   can come (`settled`): no page is reused while a prefill node may still write into it.
@@ -75,7 +79,7 @@ class DecodeRole:
 
     async def prepare_receive(self, request_id: str, prompt_token_ids: list[int],
                               params: SamplingParams, kv_window_end: int,
-                              lease_ms: int) -> Prepared:
+                              lease_ms: int, local_prefill: bool = False) -> Prepared:
         if self.draining:
             raise NodeDraining("decode node is draining: no new reservations")
         if request_id in self.preparing or request_id in self.leases or request_id in self.generating:
@@ -87,6 +91,9 @@ class DecodeRole:
         if len(self.leases) + len(self.preparing) >= self.config.max_parked:
             raise NodeOverloaded(f"decode node holds its limit of {self.config.max_parked} "
                                  "parked reservations")
+        if local_prefill:
+            return self._prepare_local(request_id, prompt_token_ids, params, kv_window_end,
+                                       lease_ms)
         end = resolve_kv_window_end(kv_window_end, len(prompt_token_ids))
         lease_id = uuid.uuid4().hex
         key = f"{request_id}@{lease_id[:12]}"
@@ -114,6 +121,20 @@ class DecodeRole:
         self.prefix_hit_tokens_total += reservation.prefix_matched_length
         return Prepared(lease, encode_append_metadata(reservation.slots))
 
+    def _prepare_local(self, request_id, prompt_token_ids, params, kv_window_end, lease_ms):
+        if kv_window_end != 0:
+            raise ValueError(f"local_prefill needs kv_window_end 0, got {kv_window_end}")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        lease_id = uuid.uuid4().hex
+        lease = self.leases.grant(
+            request_id, lease_ms / 1000, lease_id=lease_id,
+            engine_key=f"{request_id}@{lease_id[:12]}", prompt_len=len(prompt_token_ids),
+            prefix_matched_length=0, kv_window_end=0, local_prompt=list(prompt_token_ids),
+            local_params=params)
+        self.requests_total += 1
+        return Prepared(lease, encode_append_metadata([]))
+
     async def start_generation(self, request_id: str, lease_id: str, kv_window_begin: int,
                                expect_kv: bool, timeout_s: float | None = None) -> AsyncIterator:
         """Engine RequestOutput deltas. Raises LeaseError, ValueError, KVNotArrived,
@@ -132,7 +153,12 @@ class DecodeRole:
                 raise RequestAborted(f"request {request_id!r} was aborted")
             streaming = True
             # From here the engine's stream owns the request: it aborts it if we stop early.
-            async for out in self.engine.start_generation(lease.engine_key):
+            if lease.local_prompt is not None:
+                stream = self.engine.generate(lease.engine_key, lease.local_prompt,
+                                              lease.local_params)
+            else:
+                stream = self.engine.start_generation(lease.engine_key)
+            async for out in stream:
                 yield out
         except BaseException as err:
             if not streaming:  # still parked in the engine, with the lease already taken

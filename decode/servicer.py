@@ -53,7 +53,7 @@ class DecodeEdge:
             params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
             prepared = await self.role.prepare_receive(
                 request.request_id, list(request.prompt_token_ids), params,
-                request.kv_window_end, request.lease_ms)
+                request.kv_window_end, request.lease_ms, request.local_prefill)
         except Exception as err:
             code = status_of(err)
             if code is None:

@@ -6,7 +6,7 @@
     pdserve serve    [--port P]                                     colocated worker (role both)
     pdserve up       [--port P]            router + one prefill + one decode on localhost
     pdserve generate --server HOST:PORT --prompt TEXT               stream an answer
-    pdserve bench engine|transfer|serve ...                         benchmarks
+    pdserve bench engine|transfer|serve|router ...                  benchmarks
     pdserve health   [--server HOST:PORT]                           exit 0 if the node is SERVING
 
 Every server takes `--model DIR`; without it, the built-in demo model is written once into
@@ -181,9 +181,32 @@ def cmd_router(args) -> int:
         max_prefill_attempts=args.max_prefill_attempts, full_retry_s=args.full_retry_s,
         max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests, health_interval_s=args.health_interval_s,
-        drain_timeout_s=args.drain_timeout_s)
+        drain_timeout_s=args.drain_timeout_s, prefix_load_tokens=args.prefix_load_tokens,
+        min_remote_prefill_tokens=args.min_remote_prefill_tokens,
+        prefill_saturated_queue=args.prefill_saturated_queue, auto_max_tail=args.auto_max_tail,
+        overlap_prefill=not args.no_overlap_prefill, load_interval_s=args.load_interval_s,
+        etcd=args.etcd, etcd_prefix=args.etcd_prefix)
     run(run_router(config))
     return 0
+
+
+def _window_end(value: str):
+    """`--kv-window-end`: an int (-k) or `auto`."""
+    return value if value == "auto" else int(value)
+
+
+def _add_membership_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("discovery (pdserve/membership.py)")
+    g.add_argument("--etcd", default="", metavar="HOST:PORT",
+                   help="register this node in etcd while it serves (default: no registration)")
+    g.add_argument("--etcd-prefix", default="/pdserve/workers",
+                   help="key prefix of the registrations (default: %(default)s)")
+    g.add_argument("--etcd-ttl-s", type=int, default=5,
+                   help="lease of the registration: a node that dies disappears within this "
+                        "(default: %(default)s)")
+    g.add_argument("--advertise-address", default="", metavar="HOST:PORT",
+                   help="address registered for other nodes to reach (default: --host and the "
+                        "bound port; the host's address when --host is 0.0.0.0)")
 
 
 def _endpoints(values: list[str]) -> list[str]:
@@ -192,13 +215,15 @@ def _endpoints(values: list[str]) -> list[str]:
 
 def cmd_worker(args) -> int:
     from pdserve.server import run
-    from pdserve.worker import run_worker
+    from pdserve.worker import MembershipConfig, run_worker
 
     prefill = _prefill_config(args) if args.command in ("prefill", "serve") else None
     decode = _decode_config(args) if args.command in ("decode", "serve") else None
     role = {"prefill": "prefill", "decode": "decode", "serve": "both"}[args.command]
+    membership = MembershipConfig(args.etcd, args.etcd_prefix, args.etcd_ttl_s,
+                                  args.advertise_address)
     _setup_logging(args)
-    run(run_worker(role, prefill, decode, metrics_port=args.metrics_port))
+    run(run_worker(role, prefill, decode, metrics_port=args.metrics_port, membership=membership))
     return 0
 
 
@@ -266,6 +291,8 @@ def cmd_bench(args) -> int:
         from engine.bench import main as bench_main
     elif args.target == "serve":
         from pdserve.bench.serve import main as bench_main
+    elif args.target == "router":
+        from router.bench import main as bench_main
     else:
         from kvtransfer.bench import main as bench_main
     return bench_main(args.bench_args)
@@ -284,16 +311,48 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
                         "/v1/models) and Prometheus /metrics over HTTP on this port; 0 picks a "
                         "free one (default: no HTTP server)")
-    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", required=True,
-                   help="decode worker endpoint (repeat or comma-separate for several)")
-    p.add_argument("--kv-window-end", type=int, default=-1,
+    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
+                   help="decode worker endpoint (repeat or comma-separate for several); "
+                        "required unless --etcd finds them")
+    p.add_argument("--etcd", default="", metavar="HOST:PORT",
+                   help="watch the workers registered in this etcd server, live, in addition "
+                        "to --prefill/--decode (default: none)")
+    p.add_argument("--etcd-prefix", default="/pdserve/workers",
+                   help="key prefix the workers register under (default: %(default)s)")
+    p.add_argument("--kv-window-end", type=_window_end, default=-1,
                    help="end of the KV window the prefill node computes, Python-style: -1 = all "
-                        "but the last prompt token, -k = the decode node prefills the last k "
+                        "but the last prompt token, -k = the decode node prefills the last k; "
+                        "auto = pick k from the load: the longer prefill queues are relative "
+                        "to decode queues, the more of the tail the decode node prefills "
+                        "(router/selective.py) (default: %(default)s)")
+    policies = ["round_robin", "least_loaded", "prefix_aware"]
+    p.add_argument("--prefill-policy", default="round_robin", choices=policies,
+                   help="how to pick a prefill node: in turn, fewest queued requests, or "
+                        "longest cached prefix weighed against load (router/policies.py) "
                         "(default: %(default)s)")
-    p.add_argument("--prefill-policy", default="round_robin", choices=["round_robin"],
-                   help="how to pick a prefill node (default: %(default)s)")
-    p.add_argument("--decode-policy", default="round_robin", choices=["round_robin"],
-                   help="how to pick a decode node (default: %(default)s)")
+    p.add_argument("--decode-policy", default="round_robin", choices=policies,
+                   help="how to pick a decode node (choices as --prefill-policy) "
+                        "(default: %(default)s)")
+    p.add_argument("--prefix-load-tokens", type=int, default=128,
+                   help="prefix_aware: one queued request on a node weighs as much as this "
+                        "many prompt tokens it would have to prefill (default: %(default)s)")
+    p.add_argument("--min-remote-prefill-tokens", type=int, default=0,
+                   help="selective disaggregation: when the decode node lacks at most this "
+                        "many tokens of the KV window (after its cached prefix), it prefills "
+                        "the prompt itself instead of a RemoteSend (default: %(default)s)")
+    p.add_argument("--prefill-saturated-queue", type=int, default=64,
+                   help="when every prefill node has at least this many requests queued, the "
+                        "decode node prefills the prompt itself; 0 = never (default: %(default)s)")
+    p.add_argument("--auto-max-tail", type=float, default=0.5,
+                   help="--kv-window-end auto: largest fraction of the prompt the decode node "
+                        "prefills itself (default: %(default)s)")
+    p.add_argument("--no-overlap-prefill", action="store_true",
+                   help="send RemoteSend only after PrepareReceive answered (default: send "
+                        "them together so the prefill node computes while the decode node "
+                        "reserves)")
+    p.add_argument("--load-interval-s", type=float, default=0.1,
+                   help="how often every node's load is polled while requests flow "
+                        "(once a second when idle) (default: %(default)s)")
     p.add_argument("--lease-ms", type=int, default=30_000,
                    help="lease of a decode node's reservation (default: %(default)s)")
     p.add_argument("--remote-send-timeout-s", type=float, default=60.0,
@@ -330,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
             _add_prefill_flags(p)
         if name in ("decode", "serve"):
             _add_decode_flags(p)
+        _add_membership_flags(p)
         p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("up", help="router + one prefill + one decode on localhost; Ctrl-C stops all")
@@ -368,8 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="benchmarks: `bench engine --help`, `bench transfer --help`, "
-                                          "`bench serve --help`")
-    p.add_argument("target", choices=["engine", "transfer", "serve"], help="what to benchmark")
+                                          "`bench serve --help`, `bench router --help`")
+    p.add_argument("target", choices=["engine", "transfer", "serve", "router"],
+                   help="what to benchmark")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags for that benchmark")
     p.set_defaults(func=cmd_bench)
 

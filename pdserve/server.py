@@ -64,10 +64,14 @@ async def serve(
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = 5.0,
     drain: Callable[[], Awaitable[None]] | None = None,
+    on_start: Callable[[int], Awaitable[None]] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Start `server` (its servicers already added) and run it until SIGTERM/SIGINT.
-    `drain`, awaited once health says NOT_SERVING, refuses new work and waits (bounded)
-    for in-flight requests to finish before the server stops."""
+    """Start `server` (its servicers already added) and run it until SIGTERM/SIGINT, or
+    until `stop` is set (a Drain RPC). `on_start(port)` runs once the server serves, before
+    the "listening" line (discovery registration). `drain`, awaited once health says
+    NOT_SERVING, refuses new work and waits (bounded) for in-flight requests to finish
+    before the server stops."""
     names = list(service_names)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -84,9 +88,11 @@ async def serve(
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if on_start is not None:
+        await on_start(bound)
     print(f"pdserve {role} listening on {host}:{bound}", flush=True)
 
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

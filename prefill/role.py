@@ -15,6 +15,13 @@ node so (`no_write_tag`), which lets it reuse the reservation's pages at once. A
 that began is always awaited to its end, even when the call is cancelled: the source
 pages are never released while NIXL still reads them.
 
+Overlap (`window_follows`): the router may send RemoteSend before the decode node has
+reserved. Then only `end` is known up front; the prefill of prompt[:end] starts at once, and
+the rest of the window (begin, append metadata, lease, peer) arrives by `deliver_window`
+while it runs. Every check above then runs when the window arrives, before any write; a
+window that does not arrive before the deadline, or an abort while waiting, ends the
+RemoteSend without writing anything.
+
 Test-only delays (hidden flags `--debug-delay-prefill-ms` and `--debug-delay-kv-write-ms`,
 for RemoteSends whose request id starts with `--debug-delay-prefix`) make the phases
 "prefill in progress" and "transfer in flight" long enough for fault tests to hit. The
@@ -59,11 +66,23 @@ class SendResult:
 
 
 @dataclass
+class Window:
+    """What a RemoteSend needs from the decode node's PrepareReceive."""
+
+    begin: int
+    kv_append_metadata: list[int]
+    lease_id: str
+    peer: object  # prefill.peers.DecodePeer
+    lease_expires_unix_s: float
+
+
+@dataclass
 class Sending:
     """A RemoteSend in progress: abort stops it unless its write already began."""
 
     aborted: bool = False
     writing: bool = False
+    window: asyncio.Future | None = None  # set while waiting for `deliver_window`
 
 
 class PrefillRole:
@@ -78,17 +97,28 @@ class PrefillRole:
         self.remote_sends_total = 0
         self.last_kv_window_begin = 0
         self.kv_bytes_sent_total = 0
+        self._early_windows: dict[str, tuple[float, Window | BaseException]] = {}
+
+    def _check_window(self, request_id: str, prompt_len: int, end: int, w: Window) -> list[int]:
+        """Every precondition of a write that depends on the window; D's slots."""
+        self._check_lease(request_id, w.lease_expires_unix_s)
+        begin, end = resolve_kv_window(w.begin, end, prompt_len)
+        validate_append_metadata(w.kv_append_metadata, end - begin, w.peer.layout.num_slots)
+        return decode_append_metadata(w.kv_append_metadata)
 
     async def remote_send(self, request_id: str, prompt_token_ids: list[int], begin: int,
                           end: int, kv_append_metadata: list[int], lease_id: str,
                           peer, lease_expires_unix_s: float,
-                          timeout_s: float | None = None) -> SendResult:
+                          timeout_s: float | None = None,
+                          window_follows: bool = False) -> SendResult:
         deadline = time.monotonic() + min(self.config.transfer_timeout_s,
                                           timeout_s if timeout_s is not None else float("inf"))
-        self._check_lease(request_id, lease_expires_unix_s)
-        begin, end = resolve_kv_window(begin, end, len(prompt_token_ids))
-        validate_append_metadata(kv_append_metadata, end - begin, peer.layout.num_slots)
-        dst_slots = decode_append_metadata(kv_append_metadata)
+        window = None
+        if window_follows:
+            _, end = resolve_kv_window(0, end, len(prompt_token_ids))
+        else:
+            window = Window(begin, kv_append_metadata, lease_id, peer, lease_expires_unix_s)
+            dst_slots = self._check_window(request_id, len(prompt_token_ids), end, window)
         if request_id in self.in_flight:
             raise ValueError(f"duplicate request_id {request_id!r}")
         if self.draining:
@@ -97,9 +127,19 @@ class PrefillRole:
             raise NodeOverloaded(f"prefill node is at its limit of {self.config.max_in_flight} "
                                  "RemoteSends")
         sending = self.in_flight[request_id] = Sending()
+        if window_follows:
+            sending.window = asyncio.get_running_loop().create_future()
+            early = self._early_windows.pop(request_id, None)
+            if early is not None:
+                self._resolve(sending.window, early[1])
         try:
             t0 = time.perf_counter()
             last = await self._prefill(request_id, prompt_token_ids[:end], sending)
+            if window is None:
+                window = await self._wait_window(request_id, sending, deadline)
+                dst_slots = self._check_window(request_id, len(prompt_token_ids), end, window)
+            begin, peer, lease_id = window.begin, window.peer, window.lease_id
+            lease_expires_unix_s = window.lease_expires_unix_s
             t1 = time.perf_counter()
             try:
                 src_slots = await self.engine.run(lambda e: e.slots_of(request_id))
@@ -120,13 +160,43 @@ class PrefillRole:
         finally:
             del self.in_flight[request_id]
             await asyncio.shield(self.engine.run(lambda e: e.release(request_id)))
-            if not sending.writing:
-                self._tell_no_write(peer.agent_name, no_write_tag(request_id, lease_id))
+            if not sending.writing and window is not None:
+                self._tell_no_write(window.peer.agent_name, no_write_tag(request_id, window.lease_id))
         self.remote_sends_total += 1
         self.last_kv_window_begin = begin
         self.kv_bytes_sent_total += plan.total_bytes
         return SendResult(end - begin, plan.total_bytes, plan.num_descriptors,
                           last.num_cached_tokens, t1 - t0, t2 - t1)
+
+    async def _wait_window(self, request_id: str, sending: Sending, deadline: float) -> Window:
+        try:
+            return await asyncio.wait_for(asyncio.shield(sending.window),
+                                          max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise DeadlinePassed(f"the KV window of RemoteSend {request_id!r} did not arrive "
+                                 "before its deadline; nothing was written") from None
+
+    def deliver_window(self, request_id: str, window: Window | BaseException) -> bool:
+        """The rest of a `window_follows` RemoteSend (or why it cannot come). One that
+        arrives before its RemoteSend is kept briefly for it."""
+        sending = self.in_flight.get(request_id)
+        if sending is None:
+            now = time.monotonic()
+            self._early_windows = {k: v for k, v in self._early_windows.items() if now - v[0] < 30}
+            self._early_windows[request_id] = (now, window)
+            return False
+        if sending.window is None or sending.window.done():
+            return False
+        self._resolve(sending.window, window)
+        return True
+
+    @staticmethod
+    def _resolve(future: asyncio.Future, window: Window | BaseException) -> None:
+        if isinstance(window, BaseException):
+            future.set_exception(window)
+            future.exception()  # retrieved: the RemoteSend may have ended before waiting
+        else:
+            future.set_result(window)
 
     @staticmethod
     def _check_lease(request_id: str, lease_expires_unix_s: float) -> None:
@@ -186,6 +256,9 @@ class PrefillRole:
         if sending is None:
             return False
         sending.aborted = True
+        if sending.window is not None and not sending.window.done():
+            self._resolve(sending.window, RequestAborted(
+                f"RemoteSend of {request_id!r} aborted while waiting for its KV window"))
         if not sending.writing:
             await self.engine.abort(request_id)
         return True

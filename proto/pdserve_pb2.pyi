@@ -51,20 +51,24 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class RouteInfo(_message.Message):
-    __slots__ = ("prefill_endpoint", "decode_endpoint", "prefix_matched_length", "kv_window_begin", "kv_window_end", "remote_send_skipped")
+    __slots__ = ("prefill_endpoint", "decode_endpoint", "prefix_matched_length", "kv_window_begin", "kv_window_end", "remote_send_skipped", "prefill_cached_tokens", "skip_reason")
     PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_MATCHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_END_FIELD_NUMBER: _ClassVar[int]
     REMOTE_SEND_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_REASON_FIELD_NUMBER: _ClassVar[int]
     prefill_endpoint: str
     decode_endpoint: str
     prefix_matched_length: int
     kv_window_begin: int
     kv_window_end: int
     remote_send_skipped: bool
-    def __init__(self, prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., prefix_matched_length: _Optional[int] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., remote_send_skipped: _Optional[bool] = ...) -> None: ...
+    prefill_cached_tokens: int
+    skip_reason: str
+    def __init__(self, prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., prefix_matched_length: _Optional[int] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., remote_send_skipped: _Optional[bool] = ..., prefill_cached_tokens: _Optional[int] = ..., skip_reason: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "time_to_first_token_s", "cached_prompt_tokens", "route")
@@ -147,18 +151,20 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ...) -> None: ...
 
 class PrepareReceiveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_window_end", "lease_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_window_end", "lease_ms", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_END_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     kv_window_end: int
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., lease_ms: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class PrepareReceiveResponse(_message.Message):
     __slots__ = ("request_id", "prefix_matched_length", "kv_window_end", "kv_append_metadata", "lease_id", "lease_ms", "decode_agent_name", "lease_expires_unix_ms")
@@ -213,21 +219,23 @@ class TransferInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferInfo(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "layout", "role", "model")
+    __slots__ = ("agent_name", "agent_metadata", "layout", "role", "model", "model_hash")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     layout: KVLayout
     role: str
     model: str
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., role: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    model_hash: str
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., model_hash: _Optional[str] = ...) -> None: ...
 
 class RemoteSendRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "decode_transfer_info", "lease_expires_unix_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "decode_transfer_info", "lease_expires_unix_ms", "window_follows")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +246,7 @@ class RemoteSendRequest(_message.Message):
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_window_begin: int
@@ -248,7 +257,32 @@ class RemoteSendRequest(_message.Message):
     decode_address: str
     decode_transfer_info: TransferInfo
     lease_expires_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_transfer_info: _Optional[_Union[TransferInfo, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    window_follows: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_transfer_info: _Optional[_Union[TransferInfo, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., window_follows: _Optional[bool] = ...) -> None: ...
+
+class RemoteSendWindow(_message.Message):
+    __slots__ = ("request_id", "kv_window_begin", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "lease_expires_unix_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    KV_APPEND_METADATA_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    kv_window_begin: int
+    kv_append_metadata: _containers.RepeatedScalarFieldContainer[int]
+    lease_id: str
+    decode_agent_name: str
+    decode_address: str
+    lease_expires_unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., kv_window_begin: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class DeliverWindowResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class RemoteSendResponse(_message.Message):
     __slots__ = ("request_id", "num_tokens_sent", "num_bytes", "num_descriptors", "prefill_cached_tokens", "prefill_s", "transfer_s")
@@ -279,6 +313,16 @@ class StartGenerationRequest(_message.Message):
     lease_id: str
     expect_kv_notification: bool
     def __init__(self, request_id: _Optional[str] = ..., kv_window_begin: _Optional[int] = ..., lease_id: _Optional[str] = ..., expect_kv_notification: _Optional[bool] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining",)
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    def __init__(self, draining: _Optional[bool] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

@@ -222,6 +222,16 @@ class WorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.DeliverWindow = channel.unary_unary(
+                '/pdserve.v1.Worker/DeliverWindow',
+                request_serializer=proto_dot_pdserve__pb2.RemoteSendWindow.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.DeliverWindowResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.Worker/Drain',
+                request_serializer=proto_dot_pdserve__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -263,6 +273,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeliverWindow(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Same as SIGTERM: deregister from discovery, take no new work, finish, then exit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -295,6 +318,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=proto_dot_pdserve__pb2.LoadRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.LoadReport.SerializeToString,
+            ),
+            'DeliverWindow': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeliverWindow,
+                    request_deserializer=proto_dot_pdserve__pb2.RemoteSendWindow.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.DeliverWindowResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=proto_dot_pdserve__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -459,6 +492,60 @@ class Worker:
             '/pdserve.v1.Worker/GetLoad',
             proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
             proto_dot_pdserve__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeliverWindow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/DeliverWindow',
+            proto_dot_pdserve__pb2.RemoteSendWindow.SerializeToString,
+            proto_dot_pdserve__pb2.DeliverWindowResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Drain',
+            proto_dot_pdserve__pb2.DrainRequest.SerializeToString,
+            proto_dot_pdserve__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

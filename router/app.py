@@ -1,33 +1,54 @@
 """Runs a router node: the Generation service over a worker registry kept by discovery
-(static HOST:PORT targets, and `dns:///NAME:PORT` names re-resolved while it runs)."""
+(static HOST:PORT targets, `dns:///NAME:PORT` names re-resolved while it runs, and with
+`--etcd` the workers registered in etcd, watched live), with load reports polled in the
+background for the load- and prefix-aware policies and selective disaggregation."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from pdserve.server import new_server, serve
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from router.config import RouterConfig
 from router.discovery import DnsDiscovery
 from router.dispatch import Dispatcher
+from router.load import LoadMonitor
 from router.openai_http import start_router_http
 from router.policies import make_policy
 from router.registry import WorkerRegistry
 from router.servicer import GenerationServicer
 from router.tokenizer import PromptTokenizer
 
+log = logging.getLogger("pdserve.router")
 GENERATION = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 async def run_router(config: RouterConfig) -> None:
     config.validate()
-    registry = WorkerRegistry([], [], make_policy(config.prefill_policy),
-                              make_policy(config.decode_policy),
+    options = dict(load_tokens=config.prefix_load_tokens)
+    registry = WorkerRegistry([], [], make_policy(config.prefill_policy, **options),
+                              make_policy(config.decode_policy, **options),
                               health_interval_s=config.health_interval_s)
     discovery = DnsDiscovery(registry, config.prefill, config.decode)
     await discovery.refresh()  # static targets in; DNS names resolved before the first request
-    refresher = asyncio.create_task(discovery.run()) if discovery.needed else None
+    tasks = [asyncio.create_task(discovery.run())] if discovery.needed else []
+    etcd = None
+    if config.etcd:
+        from router.etcd_discovery import EtcdDiscovery
+
+        etcd = EtcdDiscovery(registry, config.etcd, config.etcd_prefix)
+        try:  # the pools as etcd has them before the first request; else the watch retries
+            revision = await asyncio.wait_for(etcd.refresh(), 10.0)
+        except Exception as err:
+            log.warning("etcd at %s not readable yet (%s); retrying in the background",
+                        config.etcd, err)
+            revision = None
+        tasks.append(asyncio.create_task(etcd.run(revision)))
+    monitor = LoadMonitor(registry, config.load_interval_s, config.load_idle_interval_s)
+    tasks.append(asyncio.create_task(monitor.run()))
     dispatcher = Dispatcher(config, registry)
+    dispatcher.load_monitor = monitor
     server = new_server()
     tokenizer = PromptTokenizer(config.model)
     pdserve_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(dispatcher, tokenizer), server)
@@ -36,8 +57,10 @@ async def run_router(config: RouterConfig) -> None:
     async def stop() -> None:
         if http is not None:
             await http.cleanup()
-        if refresher is not None:
-            refresher.cancel()
+        for task in tasks:
+            task.cancel()
+        if etcd is not None:
+            await etcd.close()
         await registry.close()
 
     await serve(server, role="router", host=config.host, port=config.port,

@@ -9,8 +9,11 @@ from dataclasses import dataclass, field
 class RouterConfig:
     """Everything the router needs; defaults work on one laptop.
 
-    `prefill` and `decode` are static lists of Worker endpoints (HOST:PORT). The router
-    never runs a model: `model` is only read for its tokenizer and config.
+    `prefill` and `decode` are static lists of Worker endpoints (HOST:PORT, or
+    dns:///NAME:PORT); with `etcd`, the workers registered under `etcd_prefix` join them
+    (router/etcd_discovery.py). The router never runs a model: `model` is only read for its
+    tokenizer and config. Routing rules: router/policies.py; when D prefills by itself:
+    router/selective.py.
     """
 
     model: str
@@ -21,10 +24,28 @@ class RouterConfig:
     # OpenAI-compatible API and Prometheus /metrics over HTTP; None: no HTTP server.
     http_port: int | None = None
     # Where the prefill node's KV window ends, Python-style: -1 sends all but the last
-    # prompt token; -k lets the decode node prefill the last k tokens itself.
-    kv_window_end: int = -1
+    # prompt token; -k lets the decode node prefill the last k tokens itself; "auto" picks
+    # k from the current load (router/selective.py).
+    kv_window_end: int | str = -1
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
+    # prefix_aware: one queued request weighs as much as this many uncached prompt tokens.
+    prefix_load_tokens: int = 128
+    # Selective disaggregation (router/selective.py): D prefills the prompt itself when it
+    # lacks at most this many tokens of the window (0: only when it lacks none) ...
+    min_remote_prefill_tokens: int = 0
+    # ... or when every prefill node has at least this many requests queued (0: never).
+    prefill_saturated_queue: int = 64
+    # kv_window_end "auto": D prefills at most this fraction of the prompt.
+    auto_max_tail: float = 0.5
+    # Send RemoteSend before PrepareReceive so P computes while D reserves.
+    overlap_prefill: bool = True
+    # GetLoad polling of every node (router/load.py); slower while the router is idle.
+    load_interval_s: float = 0.1
+    load_idle_interval_s: float = 1.0
+    # etcd discovery: HOST:PORT of an etcd server ("" = none) and the key prefix.
+    etcd: str = ""
+    etcd_prefix: str = "/pdserve/workers"
     # How long a decode node keeps a reservation without StartGeneration or Abort.
     lease_ms: int = 30_000
     # Deadlines for the inter-node calls (seconds).
@@ -46,8 +67,12 @@ class RouterConfig:
     drain_timeout_s: float = 30.0
 
     def validate(self) -> None:
-        if not self.decode:
-            raise ValueError("the router needs at least one --decode endpoint")
+        if not self.decode and not self.etcd:
+            raise ValueError("the router needs at least one --decode endpoint or --etcd")
+        if isinstance(self.kv_window_end, str) and self.kv_window_end != "auto":
+            raise ValueError(f"kv_window_end must be an int or 'auto', got {self.kv_window_end!r}")
+        if not 0.0 <= self.auto_max_tail < 1.0:
+            raise ValueError(f"auto_max_tail must be in [0, 1), got {self.auto_max_tail}")
         if self.lease_ms <= 0:
             raise ValueError(f"lease_ms must be > 0, got {self.lease_ms}")
         if self.max_concurrent_requests < 1 or self.max_queued_requests < 0:

@@ -17,7 +17,14 @@ Invariants kept here:
   their health check passes.
 - Bounded: at most `max_concurrent_requests` dispatch at once and `max_queued_requests`
   wait for a turn; past that RESOURCE_EXHAUSTED, never unbounded growth.
-- RemoteSend runs only when D's prefix hit leaves something to send (`matched < end`).
+- RemoteSend runs only when D's prefix hit leaves something to send (`matched < end`),
+  and only when selective disaggregation (router/selective.py) does not decide that D
+  prefills the prompt itself (`local_prefill`: no window, nothing reserved up front).
+- Overlap (`overlap_prefill`): the RemoteSend is sent before PrepareReceive, with only the
+  prompt and the absolute window end (`window_follows`), so P computes while D reserves;
+  D's half of the window follows in DeliverWindow. Until then P cannot write anything
+  (`kv_write_pending` stays False), and P bounds every write by D's lease itself. Retries
+  after a failed RemoteSend go the sequential way.
 - The stream handed back always ends with one message carrying `usage`, with the router's
   own time to first token and the route taken.
 """
@@ -34,6 +41,7 @@ import grpc
 
 from pdserve import metrics
 from proto import pdserve_pb2
+from router import selective
 from router.config import RouterConfig
 from router.registry import Endpoint, NoEndpointError, WorkerRegistry
 
@@ -72,6 +80,7 @@ class RequestState:
     route: pdserve_pb2.RouteInfo = field(default_factory=pdserve_pb2.RouteInfo)
     ttft: float = 0.0
     aborted: bool = False
+    local: bool = False  # D prefills the whole prompt itself (selective disaggregation)
 
     def timeout(self, bound_s: float) -> float:
         """`bound_s` cut to what is left of the client's deadline."""
@@ -92,6 +101,14 @@ class Reserved:
     lease_ends: float
 
 
+@dataclass
+class EarlySend:
+    """A RemoteSend sent before D reserved (`window_follows`), waiting for its window."""
+
+    prefill: Endpoint
+    call: asyncio.Future
+
+
 class Dispatcher:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry) -> None:
         self.config = config
@@ -101,6 +118,7 @@ class Dispatcher:
         self._running = 0  # requests holding a dispatch slot
         self._slots = asyncio.Semaphore(config.max_concurrent_requests)
         self._cleanups: set[asyncio.Task] = set()
+        self.load_monitor = None  # router/load.py; told when requests arrive
 
     async def generate(
         self,
@@ -149,12 +167,32 @@ class Dispatcher:
                                 "queued at the router") from None
         self._running += 1
 
+    def _plan(self, prompt_token_ids, kv_window_end, decode) -> selective.Plan:
+        c = self.config
+        return selective.plan(prompt_token_ids, kv_window_end, decode,
+                              self.registry.usable("prefill"), self.registry.usable("decode"),
+                              c.min_remote_prefill_tokens, c.prefill_saturated_queue,
+                              c.auto_max_tail)
+
     async def _run(self, state, prompt_token_ids, sampling, kv_window_end):
         if kv_window_end is None:
             kv_window_end = self.config.kv_window_end
-        if not self.registry.has_prefill():
-            kv_window_end = 0  # no prefill node: the decode node prefills the whole prompt
-        decode, reserved = await self._reserve(state, prompt_token_ids, sampling, kv_window_end)
+        if self.load_monitor is not None:
+            self.load_monitor.mark_busy()
+        first = self.registry.pick("decode", prompt_token_ids)
+        plan = self._plan(prompt_token_ids, kv_window_end, first)
+        early = None
+        if not plan.local and plan.end > 0 and self.config.overlap_prefill:
+            prefill = self._next_prefill(prompt_token_ids, [])
+            if prefill is not None:
+                early = self._send_early(state, prefill, prompt_token_ids, plan.end)
+        try:
+            decode, reserved = await self._reserve(state, prompt_token_ids, sampling, plan,
+                                                   first=first)
+        except BaseException:
+            if early is not None:
+                await self._cancel_early(state, early)
+            raise
         state.route.decode_endpoint = decode.address
         decode.in_flight += 1
         try:
@@ -162,14 +200,19 @@ class Dispatcher:
             prep = reserved.prep
             if prep.prefix_matched_length < prep.kv_window_end:
                 reserved, sent = await self._send_kv(state, decode, reserved, prompt_token_ids,
-                                                     sampling)
+                                                     sampling, early)
                 prep = reserved.prep
+            elif early is not None:
+                await self._cancel_early(state, early)
             state.route.prefix_matched_length = prep.prefix_matched_length
             state.route.kv_window_begin = prep.prefix_matched_length
             state.route.kv_window_end = prep.kv_window_end
             state.route.remote_send_skipped = not sent
             if not sent:
                 state.route.prefill_endpoint = ""
+                state.route.prefill_cached_tokens = 0
+                state.route.skip_reason = state.route.skip_reason or plan.reason or "requested"
+            decode.prefixes.insert(prompt_token_ids)  # what D will have cached
             self._check_aborted(state)
             async for msg in self._start(decode, state, prep, sent):
                 yield msg
@@ -177,10 +220,10 @@ class Dispatcher:
             decode.in_flight -= 1
 
     # ---- step 1: a reservation on some decode node ----------------------------------
-    async def _reserve(self, state, prompt_token_ids, sampling, kv_window_end):
-        """(D, reservation) from the first decode node that can hold it. Nodes that are
-        gone or full are skipped; while some node is only full, retry with backoff for up
-        to `full_retry_s`."""
+    async def _reserve(self, state, prompt_token_ids, sampling, plan, first=None):
+        """(D, reservation) from the first decode node that can hold it, `first` tried
+        first. Nodes that are gone or full are skipped; while some node is only full, retry
+        with backoff for up to `full_retry_s`."""
         give_up = time.monotonic() + self.config.full_retry_s
         backoff = 0.02
         attempts = 0
@@ -189,7 +232,10 @@ class Dispatcher:
             errors: list[DispatchError] = []
             while True:
                 try:
-                    decode = self.registry.pick("decode", prompt_token_ids, exclude=tried)
+                    if first is not None and first.usable:
+                        decode, first = first, None
+                    else:
+                        decode = self.registry.pick("decode", prompt_token_ids, exclude=tried)
                 except NoEndpointError:
                     if not errors:
                         raise
@@ -200,7 +246,7 @@ class Dispatcher:
                     metrics.record_retry("PrepareReceive")
                 try:
                     return decode, await self._prepare(decode, state, prompt_token_ids,
-                                                       sampling, kv_window_end)
+                                                       sampling, plan.kv_window_end, plan.local)
                 except DispatchError as err:
                     if state.aborted or err.code not in (grpc.StatusCode.UNAVAILABLE,
                                                          grpc.StatusCode.RESOURCE_EXHAUSTED):
@@ -214,10 +260,12 @@ class Dispatcher:
             backoff = min(backoff * 2, 0.5)
             self._check_aborted(state)
 
-    async def _prepare(self, decode, state, prompt_token_ids, sampling, kv_window_end) -> Reserved:
+    async def _prepare(self, decode, state, prompt_token_ids, sampling, kv_window_end,
+                       local: bool = False) -> Reserved:
         request = pdserve_pb2.PrepareReceiveRequest(
             request_id=state.request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
-            kv_window_end=kv_window_end, lease_ms=self.config.lease_ms)
+            kv_window_end=kv_window_end, lease_ms=self.config.lease_ms, local_prefill=local)
+        state.local = local
         state.holders.add(decode)
         try:
             prep = await decode.stub.PrepareReceive(
@@ -230,17 +278,23 @@ class Dispatcher:
         return Reserved(prep, time.monotonic() + prep.lease_ms / 1000)
 
     # ---- step 2: the KV window from a prefill node ------------------------------------
-    async def _send_kv(self, state, decode, reserved, prompt_token_ids, sampling):
+    async def _send_kv(self, state, decode, reserved, prompt_token_ids, sampling, early=None):
         """(reservation, sent). Retries another prefill node on a fresh reservation, and
         finally lets D prefill the whole prompt: the client never sees a prefill failure."""
         tried: list[Endpoint] = []
-        prefill = self._next_prefill(prompt_token_ids, tried)
+        prefill = early.prefill if early is not None else \
+            self._next_prefill(prompt_token_ids, tried)
         while prefill is not None:
             tried.append(prefill)
             try:
-                await self._remote_send(state, decode, prefill, reserved, prompt_token_ids)
+                if early is not None:
+                    await self._finish_early(state, decode, early, reserved)
+                else:
+                    await self._remote_send(state, decode, prefill, reserved, prompt_token_ids)
+                prefill.prefixes.insert(prompt_token_ids[:reserved.prep.kv_window_end])
                 return reserved, True
             except DispatchError as err:
+                early = None
                 if state.aborted:
                     raise
                 # The failed attempt may still write its reservation: D quarantines it
@@ -252,16 +306,21 @@ class Dispatcher:
                             f"decode node {decode.address} prefills the prompt itself")
                 if prefill is not None:
                     metrics.record_retry("RemoteSend")
+                    reserved = await self._prepare(decode, state, prompt_token_ids, sampling,
+                                                   reserved.prep.kv_window_end)
                 else:
                     metrics.record_fallback("decode_prefill")
-                end = reserved.prep.kv_window_end if prefill is not None else 0
-                reserved = await self._prepare(decode, state, prompt_token_ids, sampling, end)
+                    state.route.skip_reason = "fallback"
+                    reserved = await self._prepare(decode, state, prompt_token_ids, sampling, 0,
+                                                   local=True)
                 if reserved.prep.prefix_matched_length >= reserved.prep.kv_window_end:
                     return reserved, False
         # No prefill node was routable: D prefills the whole prompt on a fresh reservation.
         metrics.record_fallback("no_prefill")
+        state.route.skip_reason = "no_prefill"
         await self._abort_one(decode, state.request_id, settled=True)
-        return await self._prepare(decode, state, prompt_token_ids, sampling, 0), False
+        return await self._prepare(decode, state, prompt_token_ids, sampling, 0,
+                                   local=True), False
 
     def _next_prefill(self, prompt_token_ids, tried) -> Endpoint | None:
         if len(tried) >= self.config.max_prefill_attempts:
@@ -291,8 +350,9 @@ class Dispatcher:
                 raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"lease of request {state.request_id} ended before RemoteSend",
                                     settled=True)
-            await prefill.stub.RemoteSend(request, timeout=timeout)
+            reply = await prefill.stub.RemoteSend(request, timeout=timeout)
             state.kv_write_pending = False  # P answered: its writes landed, notification sent
+            state.route.prefill_cached_tokens = reply.prefill_cached_tokens
         except grpc.aio.AioRpcError as err:
             error = self._error(state, prefill, "RemoteSend", err)
             error.settled = err.code() in _NO_WRITE_CODES
@@ -301,6 +361,57 @@ class Dispatcher:
         finally:
             prefill.in_flight -= 1
         state.holders.discard(prefill)  # P released its pages when it replied
+
+    def _send_early(self, state, prefill, prompt_token_ids, end) -> EarlySend:
+        """RemoteSend before D reserved: P prefills prompt[:end] while D reserves."""
+        state.route.prefill_endpoint = prefill.address
+        state.holders.add(prefill)
+        prefill.in_flight += 1
+        request = pdserve_pb2.RemoteSendRequest(
+            request_id=state.request_id, prompt_token_ids=prompt_token_ids, kv_window_end=end,
+            window_follows=True)
+        call = prefill.stub.RemoteSend(
+            request, timeout=state.timeout(self.config.remote_send_timeout_s))
+        return EarlySend(prefill, asyncio.ensure_future(call))
+
+    async def _cancel_early(self, state, early: EarlySend) -> None:
+        """No reservation came (or none is needed): P got no window, so it wrote nothing."""
+        await self._abort_one(early.prefill, state.request_id, settled=True)
+        try:
+            await early.call
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        finally:
+            early.prefill.in_flight -= 1
+            state.holders.discard(early.prefill)
+        state.route.prefill_endpoint = ""
+
+    async def _finish_early(self, state, decode, early: EarlySend, reserved) -> None:
+        """Give P D's half of the window, then wait for its writes."""
+        prep, prefill = reserved.prep, early.prefill
+        window = pdserve_pb2.RemoteSendWindow(
+            request_id=state.request_id, kv_window_begin=prep.prefix_matched_length,
+            kv_append_metadata=prep.kv_append_metadata, lease_id=prep.lease_id,
+            decode_agent_name=prep.decode_agent_name, decode_address=decode.address,
+            lease_expires_unix_ms=prep.lease_expires_unix_ms)
+        state.kv_write_pending = True  # from here P may write D's reservation
+        try:
+            try:
+                await prefill.stub.DeliverWindow(window, timeout=state.timeout(
+                    self.config.prepare_timeout_s))
+            except grpc.aio.AioRpcError:
+                pass  # the RemoteSend itself ends with what went wrong
+            reply = await early.call
+            state.kv_write_pending = False
+            state.route.prefill_cached_tokens = reply.prefill_cached_tokens
+        except grpc.aio.AioRpcError as err:
+            error = self._error(state, prefill, "RemoteSend", err)
+            error.settled = err.code() in _NO_WRITE_CODES
+            state.kv_write_pending = not error.settled
+            raise error from None
+        finally:
+            prefill.in_flight -= 1
+        state.holders.discard(prefill)
 
     # ---- step 3: generation on the decode node ----------------------------------------
     async def _start(self, decode, state, prep, sent):
@@ -313,6 +424,8 @@ class Dispatcher:
         try:
             async for msg in call:
                 if msg.HasField("usage"):
+                    if state.local:  # D's own prefix hit, known once it scheduled the prompt
+                        state.route.prefix_matched_length = msg.usage.cached_prompt_tokens
                     if first:  # no token at all (e.g. max_tokens reached at once)
                         msg.usage.time_to_first_token_s = time.perf_counter() - state.arrived
                     else:

@@ -1,9 +1,22 @@
 """Worker registry: the prefill and decode endpoints the router may use.
 
-Endpoints come from static lists or DNS names (`router.discovery`, which replaces a role's
-pool through `set_addresses`); health-driven exclusion updates `Endpoint.routable`, so
-policies only ever see routable endpoints.
-One gRPC channel per endpoint is opened once and shared by every request.
+Endpoints come from static lists or DNS names (`router.discovery`) and from etcd
+(`router.etcd_discovery`); each source replaces its own part of a role's pool through
+`set_addresses`, and the pool is their union. Health-driven exclusion updates
+`Endpoint.routable`, and incompatible nodes are refused, so policies only ever see
+endpoints they may use. One gRPC channel per endpoint is opened once and shared by every
+request.
+
+Compatibility: every node's `NodeIdentity` (model hash, dtype, KV geometry) comes with its
+etcd record, or from `GetTransferInfo` for a static endpoint (probed in the background; a
+node that does not answer it yet stays usable). A node whose identity differs from that of
+the nodes already admitted (the first admitted one sets the reference while any admitted
+node remains) is refused: never routed to, and logged once with what differs, e.g.
+"dtype: float32 vs bfloat16". KV written by one can never land in pages of the other.
+
+Load: `Endpoint.queue` is this router's own requests on the node plus what the node's last
+`GetLoad` report showed beyond them (router/load.py polls), so several routers see each
+other's load without sharing any state.
 
 Health: when a call fails in a way that may mean the node is gone, `report_failure` checks
 the node's gRPC health service at once; while the check fails the endpoint is not
@@ -22,9 +35,11 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.identity import NodeIdentity
 from pdserve.server import channel
-from proto import pdserve_pb2_grpc
+from proto import pdserve_pb2, pdserve_pb2_grpc
 from router.policies import Policy
+from router.prefix_index import PrefixIndex
 
 log = logging.getLogger("pdserve.router")
 
@@ -36,9 +51,42 @@ class Endpoint:
     address: str
     role: str  # "prefill" | "decode"
     routable: bool = True
-    in_flight: int = 0
+    in_flight: int = 0  # this router's requests on the node now
+    identity: NodeIdentity | None = None
+    instance: str = ""  # unique per process start (from etcd), "" when unknown
+    refused: str = ""  # why it may not be paired with the nodes in use; "" = admitted
+    # From the last GetLoad report: requests queued or running there, and KV pages.
+    reported_queue: int = 0
+    in_flight_at_report: int = 0
+    free_pages: int = 0
+    total_pages: int = 0
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
+    _monitor_channel: grpc.aio.Channel | None = field(default=None, repr=False)
     _watch: asyncio.Task | None = field(default=None, repr=False)  # health checks while down
+    _probe: asyncio.Task | None = field(default=None, repr=False)  # identity of a static node
+
+    @property
+    def queue(self) -> int:
+        """Requests on the node: ours now, plus others' as last reported."""
+        return self.in_flight + max(0, self.reported_queue - self.in_flight_at_report)
+
+    @property
+    def usable(self) -> bool:
+        return self.routable and not self.refused
+
+    def set_identity(self, identity: NodeIdentity | None, instance: str = "") -> None:
+        """A new process on this address (or its first identity): forget what we guessed."""
+        if instance != self.instance or (identity is not None and identity != self.identity):
+            if identity is not None:
+                self.prefixes = PrefixIndex(block=identity.page_size)
+            else:
+                self.prefixes.clear()
+            self.reported_queue = self.in_flight_at_report = 0
+            if instance and instance != self.instance and self.instance:
+                self.routable = True  # a restarted node: health was about the old one
+        self.identity = identity if identity is not None else self.identity
+        self.instance = instance or self.instance
 
     @property
     def stub(self) -> pdserve_pb2_grpc.WorkerStub:
@@ -46,10 +94,19 @@ class Endpoint:
             self._channel = channel(self.address)
         return pdserve_pb2_grpc.WorkerStub(self._channel)
 
+    @property
+    def monitor_stub(self) -> pdserve_pb2_grpc.WorkerStub:
+        """For background calls (load polls, identity probes): their own channel, so a node
+        not up yet never puts the request channel into reconnect backoff."""
+        if self._monitor_channel is None:
+            self._monitor_channel = channel(self.address)
+        return pdserve_pb2_grpc.WorkerStub(self._monitor_channel)
+
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        for ch in (self._channel, self._monitor_channel):
+            if ch is not None:
+                await ch.close()
+        self._channel = self._monitor_channel = None
 
 
 class NoEndpointError(RuntimeError):
@@ -72,21 +129,92 @@ class WorkerRegistry:
         self.decode = [Endpoint(a, "decode") for a in decode]
         self._policies = {"prefill": prefill_policy, "decode": decode_policy}
         self._retired: list[Endpoint] = []
+        # (role, source) -> addresses; a role's pool is the union over sources.
+        self._sources: dict[tuple[str, str], list[str]] = {
+            ("prefill", "static"): list(prefill), ("decode", "static"): list(decode)}
+        self.probe_identity = True  # ask static nodes for their identity (GetTransferInfo)
 
-    async def set_addresses(self, role: str, addresses: Sequence[str]) -> None:
-        """Make `role`'s pool exactly `addresses` (discovery). Endpoints that stay keep their
-        state; a removed one is closed once no request still uses it."""
+    async def set_addresses(self, role: str, addresses: Sequence[str], source: str = "static",
+                            identities: dict | None = None) -> None:
+        """Make `source`'s part of `role`'s pool exactly `addresses` (discovery);
+        `identities`: address -> (NodeIdentity, instance) where the source knows them.
+        Endpoints that stay keep their state; a removed one is closed once no request still
+        uses it."""
+        self._sources[(role, source)] = list(addresses)
+        wanted = list(dict.fromkeys(a for (r, _), addrs in self._sources.items() if r == role
+                                    for a in addrs))
         current = {e.address: e for e in getattr(self, role)}
-        setattr(self, role, [current.pop(a, None) or Endpoint(a, role) for a in addresses])
+        pool = [current.pop(a, None) or Endpoint(a, role) for a in wanted]
+        setattr(self, role, pool)
+        for endpoint in current.values():
+            self._forget(endpoint)
+        for endpoint in pool:
+            if identities and endpoint.address in identities:
+                endpoint.set_identity(*identities[endpoint.address])
+            elif endpoint.identity is None and self.probe_identity and endpoint._probe is None:
+                endpoint._probe = asyncio.ensure_future(self._probe_identity(endpoint))
+        self._admit_all()
         self._retired += current.values()
         idle = [e for e in self._retired if e.in_flight == 0]
         self._retired = [e for e in self._retired if e.in_flight > 0]
         for endpoint in idle:
             await endpoint.close()
 
+    def _forget(self, endpoint: Endpoint) -> None:
+        for task in (endpoint._watch, endpoint._probe):
+            if task is not None:
+                task.cancel()
+        if endpoint.refused:
+            log.info("refused %s node %s left", endpoint.role, endpoint.address)
+
+    def endpoints(self) -> list[Endpoint]:
+        return [*self.prefill, *self.decode]
+
+    def _admit_all(self) -> None:
+        """Refuse every node whose identity cannot be paired with the reference."""
+        reference = None
+        for endpoint in self.endpoints():
+            if endpoint.identity is not None and not endpoint.refused:
+                reference = endpoint
+                break
+        for endpoint in self.endpoints():
+            if endpoint.identity is None or reference is None or endpoint is reference:
+                continue
+            diffs = reference.identity.differences(endpoint.identity)
+            reason = "" if not diffs else (
+                f"refusing {endpoint.role} node {endpoint.address}: it cannot be paired with "
+                f"the nodes in use (reference: {reference.role} node {reference.address}); "
+                + "; ".join(f"{d} (reference vs this node)" for d in diffs))
+            if reason and reason != endpoint.refused:
+                log.error("%s", reason)
+            elif not reason and endpoint.refused:
+                log.warning("%s node %s is compatible again; admitted", endpoint.role,
+                            endpoint.address)
+            endpoint.refused = reason
+
+    def refused(self) -> dict[str, str]:
+        return {e.address: e.refused for e in self.endpoints() if e.refused}
+
+    async def _probe_identity(self, endpoint: Endpoint) -> None:
+        """GetTransferInfo until the node answers once (it may still be starting)."""
+        delay = self.health_interval_s
+        while endpoint in self.prefill or endpoint in self.decode:
+            try:
+                info = await endpoint.monitor_stub.GetTransferInfo(pdserve_pb2.TransferInfoRequest(),
+                                                           timeout=self.health_timeout_s)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return  # a node that cannot tell: routed to without the check
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            endpoint.set_identity(NodeIdentity.from_transfer_info(info))
+            self._admit_all()
+            return
+
     def pick(self, role: str, prompt_token_ids: Sequence[int], exclude=()) -> Endpoint:
         pool = [e for e in (self.prefill if role == "prefill" else self.decode)
-                if e.routable and e not in exclude]
+                if e.usable and e not in exclude]
         if not pool:
             raise NoEndpointError(f"no routable {role} endpoint"
                                   + (" left to try" if exclude else ""))
@@ -104,6 +232,7 @@ class WorkerRegistry:
                     log.warning("%s node %s passes its health check again", endpoint.role,
                                 endpoint.address)
                     await endpoint.close()  # a fresh channel, without the dead one's backoff
+                    endpoint.prefixes.clear()  # it may have restarted with an empty cache
                     endpoint.routable = True
                 return
             if endpoint.routable:
@@ -122,10 +251,12 @@ class WorkerRegistry:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def has_prefill(self) -> bool:
-        return any(e.routable for e in self.prefill)
+        return any(e.usable for e in self.prefill)
+
+    def usable(self, role: str) -> list[Endpoint]:
+        return [e for e in getattr(self, role) if e.usable]
 
     async def close(self) -> None:
         for endpoint in [*self.prefill, *self.decode, *self._retired]:
-            if endpoint._watch is not None:
-                endpoint._watch.cancel()
+            self._forget(endpoint)
             await endpoint.close()

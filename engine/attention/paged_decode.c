@@ -7,7 +7,8 @@
  * The H / Hkv query heads of one KV head share that head's keys (GQA without repeats).
  * One task is one sequence: its slots' rows hold every KV head side by side, so reading
  * them whole keeps the reads sequential within a page. Exact softmax in two passes over
- * the context, in float32 (accumulating into `out`). Built and loaded by paged_decode.py; see there for why this exists.
+ * the context, in float32 (accumulating into `out`). Built and loaded by paged_decode.py;
+ * see there for why this exists.
  */
 #include <math.h>
 #include <stdint.h>

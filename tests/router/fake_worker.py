@@ -20,6 +20,7 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
         self.calls: list[tuple[str, object]] = []
         self.aborted: list[str] = []
         self.remote_send_gate: asyncio.Event | None = None
+        self.windows: dict[str, asyncio.Future] = {}  # request id -> DeliverWindow message
 
     async def _maybe_fail(self, rpc, context):
         if rpc in self.fail:
@@ -36,11 +37,38 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
             lease_id="lease-1", lease_ms=1000, decode_agent_name=f"agent-{self.name}")
 
     async def RemoteSend(self, request, context):
+        if request.window_follows:  # overlap: the window comes in DeliverWindow
+            future = self.windows.setdefault(request.request_id,
+                                             asyncio.get_running_loop().create_future())
+            try:
+                window = await asyncio.wait_for(future, 10)
+            except LookupError:  # aborted while waiting: nothing was written
+                await context.abort(grpc.StatusCode.CANCELLED, "aborted before its window came")
+            finally:
+                self.windows.pop(request.request_id, None)
+            merged = pdserve_pb2.RemoteSendRequest()
+            merged.CopyFrom(request)
+            for name in ("kv_window_begin", "kv_append_metadata", "lease_id", "decode_agent_name",
+                         "decode_address", "lease_expires_unix_ms"):
+                value = getattr(window, name)
+                if name == "kv_append_metadata":
+                    merged.kv_append_metadata[:] = value
+                else:
+                    setattr(merged, name, value)
+            merged.window_follows = False  # recorded as the call it stands for
+            request = merged
         self.calls.append(("RemoteSend", request))
         if self.remote_send_gate is not None:
             await self.remote_send_gate.wait()
         await self._maybe_fail("RemoteSend", context)
         return pdserve_pb2.RemoteSendResponse(request_id=request.request_id)
+
+    async def DeliverWindow(self, request, context):
+        future = self.windows.setdefault(request.request_id,
+                                         asyncio.get_running_loop().create_future())
+        if not future.done():
+            future.set_result(request)
+        return pdserve_pb2.DeliverWindowResponse(found=True)
 
     async def StartGeneration(self, request, context):
         self.calls.append(("StartGeneration", request))
@@ -55,6 +83,9 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request, context):
         self.aborted.append(request.request_id)
+        future = self.windows.get(request.request_id)
+        if future is not None and not future.done():
+            future.set_exception(LookupError("aborted"))
         return pdserve_pb2.AbortResponse(found=True)
 
     def rpcs(self) -> list[str]:

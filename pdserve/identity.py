@@ -1,0 +1,86 @@
+"""A node's model identity: what must agree before two nodes may share a request's KV.
+
+A prefill node's KV can fill a decode node's pages only if both run the same weights
+(`model_hash`), in the same dtype, with the same attention geometry (layers, KV heads,
+head dim). Page size, pool size and memory layout may differ (kvtransfer plans across
+them). Workers publish their identity (discovery records, `GetTransferInfo`); the router
+admits a node only if `differences` with the nodes it already pairs is empty, and names
+what differs otherwise.
+
+`model_hash` is cheap to compute for any checkpoint size: it covers config.json, every
+weight file's name and size, and the first and last MiB of each weight file (safetensors
+files start with their header: tensor names, dtypes, shapes). Two checkpoints that differ
+only in the middle of a large weight file would hash alike; any change of architecture,
+shapes, dtype or seed of a generated checkpoint does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_EDGE_BYTES = 1 << 20
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+# Fields that must be equal for KV to move between two nodes, in the order reported.
+COMPATIBILITY_FIELDS = ("model_hash", "dtype", "num_layers", "num_kv_heads", "head_dim")
+
+
+def model_hash(model_dir: str | Path) -> str:
+    """A short hex digest of the checkpoint in `model_dir` (see the module docstring)."""
+    root = Path(model_dir)
+    digest = hashlib.sha256()
+    config = root / "config.json"
+    if config.exists():
+        digest.update(config.read_bytes())
+    for path in sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(_EDGE_BYTES))
+            if size > 2 * _EDGE_BYTES:
+                f.seek(size - _EDGE_BYTES)
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """What a worker is: its model, KV geometry and role (no addresses, no load)."""
+
+    model: str
+    model_hash: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    role: str = ""
+
+    def differences(self, other: "NodeIdentity") -> list[str]:
+        """Why KV cannot move between `self` and `other` ("dtype: float32 vs bfloat16");
+        empty when it can. An unknown (empty) model hash is not compared."""
+        problems = []
+        for name in COMPATIBILITY_FIELDS:
+            a, b = getattr(self, name), getattr(other, name)
+            if name == "model_hash" and (not a or not b):
+                continue
+            if a != b:
+                label = f"model ({self.model} vs {other.model})" if name == "model_hash" else name
+                problems.append(f"{label}: {a} vs {b}")
+        return problems
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NodeIdentity":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    @classmethod
+    def from_transfer_info(cls, info) -> "NodeIdentity":
+        """From a `TransferInfo` message (duck-typed: no proto import here)."""
+        layout = info.layout
+        return cls(model=info.model, model_hash=info.model_hash, dtype=layout.dtype,
+                   num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                   head_dim=layout.head_dim, page_size=layout.page_size, role=info.role)

@@ -1,0 +1,102 @@
+"""Routing policies, the prefix index and the selective-disaggregation rule, on plain
+endpoints (no network)."""
+
+from __future__ import annotations
+
+from pdserve.identity import NodeIdentity
+from router import selective
+from router.policies import LeastLoaded, PrefixAware, RoundRobin, make_policy
+from router.prefix_index import PrefixIndex
+from router.registry import Endpoint
+
+
+def _eps(*queues, role="decode"):
+    out = []
+    for i, q in enumerate(queues):
+        e = Endpoint(f"n{i}:1", role)
+        e.reported_queue = q
+        e.prefixes = PrefixIndex(block=4)
+        out.append(e)
+    return out
+
+
+def test_round_robin_takes_each_in_turn():
+    eps = _eps(0, 0, 0)
+    rr = RoundRobin()
+    assert [rr.pick(eps, [1]).address for _ in range(4)] == ["n0:1", "n1:1", "n2:1", "n0:1"]
+
+
+def test_least_loaded_counts_reports_and_own_requests_and_breaks_ties_by_free_pages():
+    eps = _eps(3, 1, 1)
+    eps[1].in_flight = 1            # our own request, not yet in n1's report: queue 2
+    eps[2].free_pages = 10          # n2: queue 1
+    assert LeastLoaded().pick(eps, [1]).address == "n2:1"
+    eps[2].in_flight_at_report = 1  # n2's report already counted our request: still 1
+    eps[2].in_flight = 1
+    assert eps[2].queue == 1
+
+
+def test_prefix_index_matches_whole_blocks_of_the_longest_recorded_prefix():
+    index = PrefixIndex(block=4, capacity=3)
+    index.insert(list(range(10)))  # blocks [0..3], [4..7]
+    assert index.match(list(range(12))) == 8
+    assert index.match([0, 1, 2, 3, 9, 9, 9, 9]) == 4
+    assert index.match([1, 2, 3, 4]) == 0  # hashes chain: a block stands for its whole prefix
+    index.insert([7] * 8)
+    assert len(index) == 3  # bounded: the oldest block went
+    assert index.match(list(range(8))) == 0  # its first block was the oldest
+
+
+def test_prefix_aware_weighs_the_cached_prefix_against_load():
+    prompt = list(range(64))
+    eps = _eps(0, 0)
+    eps[1].prefixes.insert(prompt[:32])
+    policy = PrefixAware(load_tokens=16)
+    assert policy.pick(eps, prompt).address == "n1:1"   # 32 cached tokens win
+    eps[1].reported_queue = 1
+    assert policy.pick(eps, prompt).address == "n1:1"   # 32 - 16 still better
+    eps[1].reported_queue = 3
+    assert policy.pick(eps, prompt).address == "n0:1"   # 48 tokens of queue outweigh 32
+    eps[0].reported_queue, eps[1].reported_queue = 0, 20
+    assert PrefixAware(load_tokens=0).pick(eps, prompt).address == "n0:1"  # imbalanced
+
+
+def test_make_policy_names_the_choices():
+    assert isinstance(make_policy("prefix_aware", load_tokens=4), PrefixAware)
+    try:
+        make_policy("random")
+    except ValueError as err:
+        assert "least_loaded" in str(err)
+    else:
+        raise AssertionError("unknown policy accepted")
+
+
+def test_selective_plan_skips_remote_send_when_decode_lacks_little_or_prefill_is_saturated():
+    prompt = list(range(40))
+    d, p = _eps(0)[0], _eps(0, role="prefill")
+    assert selective.plan(prompt, -1, d, p, [d]) == selective.Plan(-1, 39)
+    assert selective.plan(prompt, -1, d, [], [d]).reason == "no_prefill"
+    assert selective.plan(prompt, 0, d, p, [d]).reason == "requested"
+    d.prefixes.insert(prompt[:32])  # D holds 32: lacks 7 of the window [0, 39)
+    assert selective.plan(prompt, -1, d, p, [d], min_remote_prefill_tokens=8).reason == "short_window"
+    assert not selective.plan(prompt, -1, d, p, [d], min_remote_prefill_tokens=6).local
+    p[0].reported_queue = 5
+    plan = selective.plan(prompt, -1, d, p, [d], prefill_saturated_queue=5)
+    assert plan.local and plan.reason == "prefill_saturated"
+
+
+def test_auto_window_lets_decode_prefill_more_of_the_tail_when_prefill_queues_are_longer():
+    assert selective.auto_tail(101, 0, 0) == 1        # idle prefill: the usual split
+    assert selective.auto_tail(101, 4, 0) == 1 + 40   # 100 * 0.5 * 4/5
+    assert selective.auto_tail(101, 4, 4) == 1 + 22
+    d, p = _eps(2)[0], _eps(8, role="prefill")
+    plan = selective.plan(list(range(101)), "auto", d, p, [d])
+    assert plan.kv_window_end == -selective.auto_tail(101, 8, 2) and plan.end == 101 + plan.kv_window_end
+
+
+def test_identity_differences_name_each_field():
+    a = NodeIdentity("m", "h1", "float32", 2, 2, 16, 8)
+    b = NodeIdentity("m2", "h2", "bfloat16", 2, 4, 16, 16)
+    diffs = a.differences(b)
+    assert diffs == ["model (m vs m2): h1 vs h2", "dtype: float32 vs bfloat16", "num_kv_heads: 2 vs 4"]
+    assert a.differences(NodeIdentity("m", "", "float32", 2, 2, 16, 32)) == []  # page size may differ
