@@ -70,8 +70,29 @@ class DecodeEdge:
 
     async def start_generation(self, request, context):
         arrived = time.perf_counter()
-        outputs = self.role.start_generation(request.request_id, request.lease_id,
-                                             request.kv_window_begin, request.expect_kv_notification,
+        lease_id, begin, expect_kv = (request.lease_id, request.kv_window_begin,
+                                      request.expect_kv_notification)
+        if request.HasField("prepare"):  # local prefill in one call
+            prepare = request.prepare
+            if prepare.request_id != request.request_id or not prepare.local_prefill:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "an inline prepare must be a local_prefill PrepareReceive "
+                                    f"of request {request.request_id!r}")
+            try:
+                check_request_id(request.request_id)
+                check_sampling(prepare.sampling, self.vocab_size, self.max_model_len)
+                params = sampling_from_pb(prepare.sampling)
+                params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+                prepared = await self.role.prepare_receive(
+                    request.request_id, list(prepare.prompt_token_ids), params,
+                    prepare.kv_window_end, prepare.lease_ms, local_prefill=True)
+            except Exception as err:
+                code = status_of(err)
+                if code is None:
+                    raise
+                await context.abort(code, str(err))
+            lease_id, begin, expect_kv = prepared.lease.lease_id, 0, False
+        outputs = self.role.start_generation(request.request_id, lease_id, begin, expect_kv,
                                              context.time_remaining())
         try:
             async for msg in stream_responses(request.request_id, outputs, arrived):

@@ -35,13 +35,15 @@ def new_server() -> grpc.aio.Server:
     return grpc.aio.server(options=GRPC_OPTIONS)
 
 
-def channel(address: str) -> grpc.aio.Channel:
+def channel(address: str, own_connections: bool = False) -> grpc.aio.Channel:
     """A client channel with the same message limits as the servers (TLS when
-    `pdserve.tls` is configured)."""
+    `pdserve.tls` is configured). `own_connections`: do not share connections (and their
+    reconnect backoff) with other channels to the same address."""
+    options = GRPC_OPTIONS + ([("grpc.use_local_subchannel_pool", 1)] if own_connections else [])
     credentials = tls.channel_credentials()
     if credentials is not None:
-        return grpc.aio.secure_channel(address, credentials, options=GRPC_OPTIONS)
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        return grpc.aio.secure_channel(address, credentials, options=options)
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 async def wait_idle(idle: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:

@@ -160,6 +160,9 @@ class PrefillRole:
         finally:
             del self.in_flight[request_id]
             await asyncio.shield(self.engine.run(lambda e: e.release(request_id)))
+            if window is None and sending.window is not None and sending.window.done() \
+                    and sending.window.exception() is None:
+                window = sending.window.result()  # came, but the prefill ended first
             if not sending.writing and window is not None:
                 self._tell_no_write(window.peer.agent_name, no_write_tag(request_id, window.lease_id))
         self.remote_sends_total += 1

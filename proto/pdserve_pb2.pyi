@@ -303,16 +303,18 @@ class RemoteSendResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens_sent: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ...) -> None: ...
 
 class StartGenerationRequest(_message.Message):
-    __slots__ = ("request_id", "kv_window_begin", "lease_id", "expect_kv_notification")
+    __slots__ = ("request_id", "kv_window_begin", "lease_id", "expect_kv_notification", "prepare")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECT_KV_NOTIFICATION_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_window_begin: int
     lease_id: str
     expect_kv_notification: bool
-    def __init__(self, request_id: _Optional[str] = ..., kv_window_begin: _Optional[int] = ..., lease_id: _Optional[str] = ..., expect_kv_notification: _Optional[bool] = ...) -> None: ...
+    prepare: PrepareReceiveRequest
+    def __init__(self, request_id: _Optional[str] = ..., kv_window_begin: _Optional[int] = ..., lease_id: _Optional[str] = ..., expect_kv_notification: _Optional[bool] = ..., prepare: _Optional[_Union[PrepareReceiveRequest, _Mapping]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

@@ -88,7 +88,7 @@ async def serve_fast_worker(port: int) -> None:
     pdserve_pb2_grpc.add_WorkerServicer_to_server(FastWorker(), server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    print(f"pdserve fast-worker listening on 127.0.0.1:{bound}", flush=True)
+    print(f"pdserve fastworker listening on 127.0.0.1:{bound}", flush=True)
     await server.wait_for_termination()
 
 

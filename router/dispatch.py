@@ -181,6 +181,19 @@ class Dispatcher:
             self.load_monitor.mark_busy()
         first = self.registry.pick("decode", prompt_token_ids)
         plan = self._plan(prompt_token_ids, kv_window_end, first)
+        if plan.local:  # one call; on a node gone or full, the ordinary path tries others
+            started = False
+            try:
+                async for msg in self._run_local(state, first, prompt_token_ids, sampling, plan):
+                    started = True
+                    yield msg
+                return
+            except DispatchError as err:
+                if started or state.aborted or err.code not in (
+                        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    raise
+                log.info("%s; trying another decode node", err.message)
+                first = None
         early = None
         if not plan.local and plan.end > 0 and self.config.overlap_prefill:
             prefill = self._next_prefill(prompt_token_ids, [])
@@ -214,7 +227,10 @@ class Dispatcher:
                 state.route.skip_reason = state.route.skip_reason or plan.reason or "requested"
             decode.prefixes.insert(prompt_token_ids)  # what D will have cached
             self._check_aborted(state)
-            async for msg in self._start(decode, state, prep, sent):
+            request = pdserve_pb2.StartGenerationRequest(
+                request_id=state.request_id, kv_window_begin=prep.kv_window_end,
+                lease_id=prep.lease_id, expect_kv_notification=sent)
+            async for msg in self._start(decode, state, request):
                 yield msg
         finally:
             decode.in_flight -= 1
@@ -362,6 +378,28 @@ class Dispatcher:
             prefill.in_flight -= 1
         state.holders.discard(prefill)  # P released its pages when it replied
 
+    async def _run_local(self, state, decode, prompt_token_ids, sampling, plan):
+        """D prefills the whole prompt: PrepareReceive (local_prefill) rides inside
+        StartGeneration, so the request costs the router one call."""
+        state.local = True
+        route = state.route
+        route.decode_endpoint = decode.address
+        route.remote_send_skipped, route.skip_reason = True, plan.reason
+        state.holders.add(decode)  # from the call on, D may hold the request
+        decode.in_flight += 1
+        try:
+            decode.prefixes.insert(prompt_token_ids)
+            prepare = pdserve_pb2.PrepareReceiveRequest(
+                request_id=state.request_id, prompt_token_ids=prompt_token_ids,
+                sampling=sampling, kv_window_end=0, lease_ms=self.config.lease_ms,
+                local_prefill=True)
+            request = pdserve_pb2.StartGenerationRequest(request_id=state.request_id,
+                                                         prepare=prepare)
+            async for msg in self._start(decode, state, request):
+                yield msg
+        finally:
+            decode.in_flight -= 1
+
     def _send_early(self, state, prefill, prompt_token_ids, end) -> EarlySend:
         """RemoteSend before D reserved: P prefills prompt[:end] while D reserves."""
         state.route.prefill_endpoint = prefill.address
@@ -401,7 +439,15 @@ class Dispatcher:
                     self.config.prepare_timeout_s))
             except grpc.aio.AioRpcError:
                 pass  # the RemoteSend itself ends with what went wrong
-            reply = await early.call
+            # Never wait past the lease, as a sequential RemoteSend's deadline would not.
+            left = reserved.lease_ends - time.monotonic()
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(early.call), max(0.0, left))
+            except asyncio.TimeoutError:
+                early.call.cancel()  # P stops unless its write began (then it lands late)
+                raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"RemoteSend on prefill node {prefill.address}: the lease "
+                                    f"of request {state.request_id} ended first") from None
             state.kv_write_pending = False
             state.route.prefill_cached_tokens = reply.prefill_cached_tokens
         except grpc.aio.AioRpcError as err:
@@ -409,15 +455,15 @@ class Dispatcher:
             error.settled = err.code() in _NO_WRITE_CODES
             state.kv_write_pending = not error.settled
             raise error from None
+        except asyncio.CancelledError:
+            early.call.cancel()
+            raise
         finally:
             prefill.in_flight -= 1
         state.holders.discard(prefill)
 
     # ---- step 3: generation on the decode node ----------------------------------------
-    async def _start(self, decode, state, prep, sent):
-        request = pdserve_pb2.StartGenerationRequest(
-            request_id=state.request_id, kv_window_begin=prep.kv_window_end,
-            lease_id=prep.lease_id, expect_kv_notification=sent)
+    async def _start(self, decode, state, request):
         call = decode.stub.StartGeneration(
             request, timeout=state.timeout(self.config.generation_timeout_s))
         first = True

@@ -63,6 +63,8 @@ class Endpoint:
     prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
     _monitor_channel: grpc.aio.Channel | None = field(default=None, repr=False)
+    _stub: pdserve_pb2_grpc.WorkerStub | None = field(default=None, repr=False)
+    _monitor_stub: pdserve_pb2_grpc.WorkerStub | None = field(default=None, repr=False)
     _watch: asyncio.Task | None = field(default=None, repr=False)  # health checks while down
     _probe: asyncio.Task | None = field(default=None, repr=False)  # identity of a static node
 
@@ -90,17 +92,21 @@ class Endpoint:
 
     @property
     def stub(self) -> pdserve_pb2_grpc.WorkerStub:
+        # One stub per channel: building one makes a callable per RPC, which costs more
+        # than the router's own work on a request.
         if self._channel is None:
             self._channel = channel(self.address)
-        return pdserve_pb2_grpc.WorkerStub(self._channel)
+            self._stub = pdserve_pb2_grpc.WorkerStub(self._channel)
+        return self._stub
 
     @property
     def monitor_stub(self) -> pdserve_pb2_grpc.WorkerStub:
         """For background calls (load polls, identity probes): their own channel, so a node
         not up yet never puts the request channel into reconnect backoff."""
         if self._monitor_channel is None:
-            self._monitor_channel = channel(self.address)
-        return pdserve_pb2_grpc.WorkerStub(self._monitor_channel)
+            self._monitor_channel = channel(self.address, own_connections=True)
+            self._monitor_stub = pdserve_pb2_grpc.WorkerStub(self._monitor_channel)
+        return self._monitor_stub
 
     async def close(self) -> None:
         for ch in (self._channel, self._monitor_channel):
@@ -243,7 +249,7 @@ class WorkerRegistry:
 
     async def _serving(self, endpoint: Endpoint) -> bool:
         try:
-            async with channel(endpoint.address) as ch:  # its own: no shared backoff state
+            async with channel(endpoint.address, own_connections=True) as ch:  # no shared backoff
                 reply = await health_pb2_grpc.HealthStub(ch).Check(
                     health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout_s)
         except grpc.aio.AioRpcError:

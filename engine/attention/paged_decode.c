@@ -1,13 +1,15 @@
 /* Paged decode attention for the CPU: one query token per sequence, reading each key and
  * value row once, straight from its page (no gathered copy of the context).
  *
- * Shapes (all contiguous): q and out float32 [B, H, D]; k_cache, v_cache [slots, Hkv, D]
- * (float32 or bfloat16); block_tables int32 [B, max_pages]; seq_lens int32 [B]. Position t
- * of sequence b lives in slot block_tables[b][t / page_size] * page_size + t % page_size.
+ * Shapes: q and out float32 [B, H, D] (contiguous); k_cache, v_cache one layer's pages
+ * [num_pages, page_size, Hkv, D] (float32 or bfloat16), each page's rows contiguous and
+ * pages `page_stride` elements apart (the page-major pool interleaves every layer's K and
+ * V between them); block_tables int32 [B, max_pages]; seq_lens int32 [B]. Position t of
+ * sequence b is row t % page_size of page block_tables[b][t / page_size].
  * The H / Hkv query heads of one KV head share that head's keys (GQA without repeats).
- * One task is one sequence: its slots' rows hold every KV head side by side, so reading
- * them whole keeps the reads sequential within a page. Exact softmax in two passes over
- * the context, in float32 (accumulating into `out`). Built and loaded by paged_decode.py;
+ * One task is one sequence: its rows hold every KV head side by side, so reading them
+ * whole keeps the reads sequential within a page. Exact softmax in two passes over the
+ * context, in float32 (accumulating into `out`). Built and loaded by paged_decode.py;
  * see there for why this exists.
  */
 #include <math.h>
@@ -27,7 +29,8 @@ static inline float load_bf16(const uint16_t *p, int64_t i) {
 #define PAGED_DECODE(NAME, KV_T, LOAD)                                                         \
     int NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,                         \
              const int32_t *block_tables, int64_t max_pages, const int32_t *seq_lens,          \
-             int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,     \
+             int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t page_size,                 \
+             int64_t page_stride, float scale,                                                 \
              float *out, int num_threads) {                                                    \
         const int64_t G = H / Hkv, W = Hkv * D; /* W: one slot's row, all KV heads */          \
         int failed = 0;                                                                        \
@@ -40,8 +43,8 @@ static inline float load_bf16(const uint16_t *p, int64_t i) {
             if (!scores) { failed = 1; continue; }                                             \
             float *total = scores + H * n, *row = total + H, *acc = out + b * H * D;           \
             for (int64_t t = 0; t < n; t++) {                                                  \
-                const int64_t slot = (int64_t)pages[t / page_size] * page_size + t % page_size;\
-                const KV_T *kr = k_cache + slot * W;                                           \
+                const KV_T *kr = k_cache + (int64_t)pages[t / page_size] * page_stride         \
+                                 + (t % page_size) * W;                                        \
                 _Pragma("omp simd")                                                            \
                 for (int64_t i = 0; i < W; i++) row[i] = LOAD(kr, i);                          \
                 for (int64_t j = 0; j < H; j++) {                                              \
@@ -61,8 +64,8 @@ static inline float load_bf16(const uint16_t *p, int64_t i) {
             }                                                                                  \
             memset(acc, 0, sizeof(float) * H * D);                                             \
             for (int64_t t = 0; t < n; t++) {                                                  \
-                const int64_t slot = (int64_t)pages[t / page_size] * page_size + t % page_size;\
-                const KV_T *vr = v_cache + slot * W;                                           \
+                const KV_T *vr = v_cache + (int64_t)pages[t / page_size] * page_stride         \
+                                 + (t % page_size) * W;                                        \
                 _Pragma("omp simd")                                                            \
                 for (int64_t i = 0; i < W; i++) row[i] = LOAD(vr, i);                          \
                 for (int64_t j = 0; j < H; j++) {                                              \

@@ -68,7 +68,7 @@ def _build() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in _SYMBOLS.values():
         fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
         fn.restype = ctypes.c_int
     return lib
 
@@ -98,14 +98,22 @@ def kernel_for(dtype: torch.dtype, device: torch.device):
 
 def paged_decode(kernel, q, k_cache, v_cache, block_tables, seq_lens, page_size: int, scale: float) -> torch.Tensor:
     """out [B, H, D] (q's dtype) for one query per sequence: q [B, H, D], one layer's
-    k_cache / v_cache [slots, Hkv, D] (contiguous), block_tables int32 [B, max_pages],
+    k_cache / v_cache [num_pages, page_size, Hkv, D] page views (any page stride, the same
+    for both; each page's rows contiguous), block_tables int32 [B, max_pages] (contiguous),
     seq_lens int32 [B] (context length including the query's own token)."""
     B, H, D = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if (k_cache.shape[1] != page_size or v_cache.stride() != k_cache.stride()
+            or k_cache.stride()[1:] != (num_kv_heads * D, D, 1)):
+        # The kernel would read the wrong bytes: refuse rather than return garbage.
+        raise ValueError(f"paged decode needs packed pages of {page_size} rows with equal K/V strides, "
+                         f"got shape {tuple(k_cache.shape)}, strides {k_cache.stride()} / {v_cache.stride()}")
     qf = q.to(torch.float32).contiguous()
     out = torch.empty(B, H, D, dtype=torch.float32)
     failed = kernel(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-        seq_lens.data_ptr(), B, H, k_cache.shape[1], D, page_size, scale, out.data_ptr(), torch.get_num_threads(),
+        seq_lens.data_ptr(), B, H, num_kv_heads, D, page_size, k_cache.stride(0), scale, out.data_ptr(),
+        torch.get_num_threads(),
     )
     if failed:
         raise MemoryError("paged decode kernel could not allocate its score buffers")

@@ -1,8 +1,10 @@
 """Paged attention and KV writes in plain torch (the CPU path).
 
 Signatures are shared with `triton_ops`: k_cache / v_cache are one layer's
-`[num_slots, num_kv_heads, head_dim]` views of the KV cache, a slot is
-`page * page_size + offset`.
+`[num_pages, page_size, num_kv_heads, head_dim]` views of the page-major KV cache
+(`kv_cache[:, layer, 0]` / `kv_cache[:, layer, 1]`): strided over pages (a page is
+`num_layers * 2 * page_size * Hkv * D` elements further on), each page's rows contiguous.
+Slot s is `[s // page_size, s % page_size]`.
 
 For speed the work is split in two: `plan_attention` turns a step's page tables into gather
 indices and masks once per step (plain Python lists in, a few small tensors out), and
@@ -124,34 +126,48 @@ def _decode_run(row, lens, page_lists, page_size, kernel) -> DecodeRun:
 
 def store_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
     """Write k/v [T, Hkv, D] into the slots `slot_mapping` (int64 [T])."""
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    # A page's rows are adjacent but pages lie a whole page of every layer apart, so no
+    # [num_slots, ...] view exists: index the (page, offset) pair.
+    page_size = k_cache.shape[1]
+    where = (torch.div(slot_mapping, page_size, rounding_mode="floor"), slot_mapping % page_size)
+    k_cache.index_put_(where, k.to(k_cache.dtype))
+    v_cache.index_put_(where, v.to(v_cache.dtype))
+
+
+def rows_packed(k_cache, v_cache) -> bool:
+    """Whether each page's rows are contiguous and K and V share their strides and dtype
+    (what the C kernel reads; the engine's page views always are)."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    return (
+        k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride()
+        and k_cache.stride()[1:] == (num_kv_heads * head_dim, head_dim, 1)
+    )
 
 
 def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float) -> torch.Tensor:
     """out [T, H, D] for q [T, H, D] under `plan`."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     page_size = plan.page_size
-    k_pages = k_cache.view(-1, page_size, num_kv_heads, head_dim)
-    v_pages = v_cache.view(-1, page_size, num_kv_heads, head_dim)
     out = torch.empty_like(q)
     for r in plan.decode_runs:
         out[r.rows] = paged_decode(r.kernel, q[r.rows], k_cache, v_cache, r.block_tables, r.seq_lens, page_size, scale)
+    # index_select over pages gathers the chosen pages into one contiguous tensor, whatever
+    # the page stride of the views, so the views below are free.
     for g in plan.decode_groups:
         b, p = g.pages.shape
         flat = g.pages.view(-1)
-        k = k_pages.index_select(0, flat).view(b, p * page_size, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_pages.index_select(0, flat).view(b, p * page_size, num_kv_heads, head_dim).transpose(1, 2)
+        k = k_cache.index_select(0, flat).view(b, p * page_size, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, flat).view(b, p * page_size, num_kv_heads, head_dim).transpose(1, 2)
         # The `group` query heads of one KV head are that head's queries: [B, Hkv, G, D].
         qg = q[g.rows].view(b, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
         out[g.rows] = o.reshape(b, num_heads, head_dim)
     for s in plan.prefills:
         ctx = s.context_len
-        k = k_pages.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
-        v = v_pages.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+        k = k_cache.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+        v = v_cache.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
         qs = q[s.rows].transpose(0, 1)  # [H, n, D]
         o = F.scaled_dot_product_attention(
             qs.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
@@ -167,7 +183,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     last positions of a context of seq_lens[b] tokens."""
     starts = query_start_loc.tolist()
     query_lens = [e - s for s, e in zip(starts[:-1], starts[1:])]
-    contiguous = k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
-    kv_dtype = k_cache.dtype if contiguous else None
+    if k_cache.shape[1] != page_size:
+        raise ValueError(f"k_cache has pages of {k_cache.shape[1]} slots, but page_size={page_size}")
+    kv_dtype = k_cache.dtype if rows_packed(k_cache, v_cache) else None
     plan = plan_attention(query_lens, seq_lens.tolist(), block_tables.tolist(), page_size, q.device, kv_dtype)
     return attend(q, k_cache, v_cache, plan, scale)

@@ -1,7 +1,9 @@
 """Paged attention and KV writes as Triton kernels (the GPU path).
 
 Same signatures as `torch_ops`: k_cache / v_cache are one layer's
-`[num_slots, num_kv_heads, head_dim]` views, a slot is `page * page_size + offset`.
+`[num_pages, page_size, num_kv_heads, head_dim]` views of the page-major KV cache, strided
+over pages; slot s is `[s // page_size, s % page_size]`. The kernels take every stride, so
+any view with a unit last stride works.
 
 Invariants:
 - Importing this module never imports triton: CPU-only installs keep working, and the
@@ -27,9 +29,9 @@ MAX_HEAD_DIM = 256
 
 
 def _store_kv_kernel(
-    K, V, KCache, VCache, SlotMapping,
+    K, V, KCache, VCache, SlotMapping, page_size,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kct, stride_kch, stride_vct, stride_vch,
+    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -40,14 +42,17 @@ def _store_kv_kernel(
         mask = d < HEAD_DIM
         k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=mask)
         v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask)
-        tl.store(KCache + slot * stride_kct + h * stride_kch + d, k.to(KCache.dtype.element_ty), mask=mask)
-        tl.store(VCache + slot * stride_vct + h * stride_vch + d, v.to(VCache.dtype.element_ty), mask=mask)
+        page, offset = slot // page_size, slot % page_size
+        tl.store(KCache + page * stride_kcp + offset * stride_kcs + h * stride_kch + d,
+                 k.to(KCache.dtype.element_ty), mask=mask)
+        tl.store(VCache + page * stride_vcp + offset * stride_vcs + h * stride_vch + d,
+                 v.to(VCache.dtype.element_ty), mask=mask)
 
 
 def _paged_attention_kernel(
     Q, KCache, VCache, Out, BlockTables, QueryStartLoc, SeqLens,
     scale_log2e, page_size,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     NUM_Q_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -81,10 +86,12 @@ def _paged_attention_kernel(
             pos = start + tl.arange(0, BLOCK_N)
             pos_ok = pos < kv_end
             page = tl.load(BlockTables + b * stride_bt + pos // page_size, mask=pos_ok, other=0)
-            slot = page.to(tl.int64) * page_size + pos % page_size
+            page = page.to(tl.int64)
+            offset = (pos % page_size).to(tl.int64)
+            k_row = page * stride_kp + offset * stride_ks + kv_head * stride_kh
+            v_row = page * stride_vp + offset * stride_vs + kv_head * stride_vh
             kv_mask = pos_ok[:, None] & d_ok[None, :]
-            k = tl.load(KCache + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                        mask=kv_mask, other=0.0)
+            k = tl.load(KCache + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -98,8 +105,7 @@ def _paged_attention_kernel(
             p = tl.exp2(s - m_ref[:, None])
             alpha = tl.exp2(m_i - m_ref)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(VCache + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                        mask=kv_mask, other=0.0)
+            v = tl.load(VCache + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -141,9 +147,10 @@ def store_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     kernel = _load("_store_kv_kernel")
     kernel[(num_tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2_at_least(head_dim),
     )
 
@@ -153,7 +160,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     query_start_loc[b]:query_start_loc[b+1], the last positions of a context of
     seq_lens[b] tokens (causal over them, full over the cached prefix)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[1] != page_size:
+        raise ValueError(f"k_cache has pages of {k_cache.shape[1]} slots, but page_size={page_size}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if head_dim > MAX_HEAD_DIM:
@@ -177,8 +186,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
         scale * 1.4426950408889634, page_size,  # log2(e): the kernel uses exp2
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         NUM_Q_PER_KV=group, GROUP_PAD=group_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,

@@ -110,7 +110,8 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """Final hidden states [T, hidden] of `input_ids` [T] at `positions` [T], writing
-        every layer's K/V into `kv_cache` [layers, 2, slots, Hkv, D] at step.slot_mapping."""
+        every layer's K/V into the page-major `kv_cache` [pages, layers, 2, page_size, Hkv, D]
+        at step.slot_mapping."""
         T = input_ids.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = H * D, Hkv * D
@@ -127,7 +128,7 @@ class LlamaModel:
                 k = self._rms_norm(k, layer.k_norm)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # [pages, page_size, Hkv, D]
             step.store_kv(k_cache, v_cache, k, v, step.slot_mapping)
             if step.layer_hook is not None:
                 step.layer_hook(i)

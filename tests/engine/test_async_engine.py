@@ -105,10 +105,11 @@ def test_prefill_only_then_start_generation_through_async(make_engine, prompts_o
         done = [o async for o in prefill.generate("r", prompt[:14], GREEDY, prefill_only=True)][-1]
         assert done.finish_reason == "prefilled"
         slots = await prefill.run(lambda e: e.slots_of("r"))
-        kv = await prefill.run(lambda e: e.kv_cache[:, :, slots].clone())
+        # kv_cache is page-major [pages, layers, 2, page_size, Hkv, D] (page size 4 here).
+        kv = await prefill.run(lambda e: e.kv_cache[[s // 4 for s in slots], :, :, [s % 4 for s in slots]].clone())
 
         def put(e):
-            e.kv_cache[:, :, res.slots] = kv
+            e.kv_cache[[s // 4 for s in res.slots], :, :, [s % 4 for s in res.slots]] = kv
         await decode.run(put)
         await prefill.run(lambda e: e.release("r"))
         out = [o async for o in decode.start_generation("r")][-1]

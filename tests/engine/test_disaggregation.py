@@ -5,6 +5,7 @@ request generates; reservations and pinned prefills free their pages when let go
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import OutOfPages, SamplingParams, UnknownRequest
 
@@ -20,8 +21,15 @@ def run_to_end(engine, request_id):
     return final
 
 
+def kv_at(engine, slots):
+    """Index of the K and V of `slots` in every layer of the page-major kv_cache
+    [pages, layers, 2, page_size, Hkv, D]; selects [len(slots), layers, 2, Hkv, D]."""
+    s = torch.tensor(slots, dtype=torch.int64)
+    return s // engine.page_size, slice(None), slice(None), s % engine.page_size
+
+
 def copy_kv(src, src_slots, dst, dst_slots):
-    dst.kv_cache[:, :, dst_slots] = src.kv_cache[:, :, src_slots]
+    dst.kv_cache[kv_at(dst, dst_slots)] = src.kv_cache[kv_at(src, src_slots)]
 
 
 @pytest.mark.parametrize(("family", "p_page", "d_page", "end_from_back"), [
@@ -62,7 +70,7 @@ def test_received_kv_is_what_decode_uses(make_engine, prompts_of_lengths):
     expected = run_to_end(decode, "local").token_ids
     res = decode.prepare_receive("r", prompt, GREEDY, kv_window_end=19)
     assert res.prefix_matched_length == 0
-    decode.kv_cache[:, :, res.slots] = 3.0
+    decode.kv_cache[kv_at(decode, res.slots)] = 3.0
     decode.start_generation("r")
     assert run_to_end(decode, "r").token_ids != expected
 

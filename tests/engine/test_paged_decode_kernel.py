@@ -1,4 +1,5 @@
-"""The C paged-decode kernel gives the same attention as the torch gather + SDPA path."""
+"""The C paged-decode kernel gives the same attention as the torch gather + SDPA path,
+reading strided page views of a page-major pool like the engine's."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ pytestmark = pytest.mark.skipif(kernel_for(torch.float32, torch.device("cpu")) i
 def _case(num_heads, num_kv_heads, head_dim, page_size, lens, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-n // page_size) for n in lens) + 3
-    k_cache = torch.randn(num_pages * page_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_pages * page_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    # [pages, 2 layers, K/V, page_size, Hkv, D]; layer 1's views are what attention reads.
+    pool = torch.randn(num_pages, 2, 2, page_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
     order = torch.randperm(num_pages, generator=g).tolist()  # pages scattered over the pool
     page_lists, used = [], 0
     for n in lens:
@@ -48,3 +50,14 @@ def test_kernel_matches_gather_and_sdpa(num_heads, num_kv_heads, head_dim, page_
     want = torch_ops.attend(q, k_cache, v_cache, without, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_kernel_refuses_views_whose_pages_are_not_packed():
+    from engine.attention.paged_decode import paged_decode
+
+    # [pages, page_size, kv heads, head dim] cut from a wider head dim: rows not packed
+    k_cache = torch.randn(4, 4, 2, 16)[..., :8]
+    kernel = kernel_for(torch.float32, torch.device("cpu"))
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="packed pages"):
+        paged_decode(kernel, torch.randn(1, 2, 8), k_cache, k_cache, tables, lens, 4, 0.3)

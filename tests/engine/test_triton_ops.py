@@ -1,6 +1,7 @@
 """The Triton kernels, run by Triton's CPU interpreter, agree with a plain torch reference
 and with the torch path: decode, prefill over a cached prefix, GQA of several ratios, odd
-head dims and page sizes (1 and non-powers of two)."""
+head dims and page sizes (1 and non-powers of two), on strided page views of a page-major
+pool like the engine's."""
 
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ def reference_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_
     """Gather each sequence's context through its block table, then causal softmax
     attention of its queries, which are the last positions of the context."""
     out = torch.empty_like(q, dtype=torch.float32)
-    group = q.shape[1] // k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
     for b in range(len(seq_lens)):
         start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
         ctx = int(seq_lens[b])
         pos = torch.arange(ctx)
-        slots = block_tables[b].long()[pos // page_size] * page_size + pos % page_size
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [ctx, H, D]
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        pages = block_tables[b].long()[pos // page_size]
+        k = k_cache[pages, pos % page_size].float().repeat_interleave(group, dim=1)  # [ctx, H, D]
+        v = v_cache[pages, pos % page_size].float().repeat_interleave(group, dim=1)
         qs = q[start:end].float()  # [n, H, D]
         scores = torch.einsum("nhd,chd->hnc", qs, k) * scale
         q_pos = torch.arange(ctx - (end - start), ctx)
@@ -40,16 +41,18 @@ def reference_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_
 
 
 def make_case(seed, query_lens, seq_lens, num_heads, num_kv_heads, head_dim, page_size, dtype=torch.float32):
-    """A paged cache whose pages are shuffled, whose unused slots hold NaN (so any read
-    outside a context shows up), with every context's K/V written by the kernel under test."""
+    """Layer 1 of a page-major pool [pages, 3 layers, K/V, page_size, Hkv, D] whose pages
+    are shuffled, whose unused slots and other layers hold NaN (so any read outside a
+    context, or off by a stride, shows up), with every context's K/V written by the kernel
+    under test."""
     g = torch.Generator().manual_seed(seed)
     pages_per_seq = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per_seq) + 3
     order = torch.randperm(num_pages, generator=g).tolist()
     max_pages = max(pages_per_seq) + 1  # one spare column, padded with page 0
     block_tables = torch.zeros(len(seq_lens), max_pages, dtype=torch.int32)
-    k_cache = torch.full((num_pages * page_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
+    pool = torch.full((num_pages, 3, 2, page_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
     used = 0
     all_slots, all_k, all_v = [], [], []
     for b, (n_pages, ctx) in enumerate(zip(pages_per_seq, seq_lens)):
@@ -99,22 +102,24 @@ def test_paged_attention_in_half_precision():
 
 def test_store_kv_writes_exactly_the_given_slots():
     g = torch.Generator().manual_seed(2)
-    k_cache = torch.zeros(20, 2, 24)
-    v_cache = torch.zeros(20, 2, 24)
+    k_cache = torch.zeros(5, 4, 2, 24)  # [pages, page_size, kv heads, head dim]
+    v_cache = torch.zeros(5, 4, 2, 24)
     k, v = torch.randn(4, 2, 24, generator=g), torch.randn(4, 2, 24, generator=g)
     slots = torch.tensor([7, 3, -1, 19])  # -1: a padding token, written nowhere
     triton_ops.store_kv(k_cache, v_cache, k, v, slots)
     expected_k, expected_v = torch.zeros(20, 2, 24), torch.zeros(20, 2, 24)
     expected_k[[7, 3, 19]] = k[[0, 1, 3]]
     expected_v[[7, 3, 19]] = v[[0, 1, 3]]
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert torch.equal(k_cache.view(20, 2, 24), expected_k) and torch.equal(v_cache.view(20, 2, 24), expected_v)
 
 
-def test_store_kv_into_a_layer_view_of_the_whole_cache():
-    kv_cache = torch.zeros(3, 2, 10, 2, 8)  # [layers, K/V, slots, kv heads, head dim]
-    k, v = torch.ones(2, 2, 8), torch.full((2, 2, 8), 2.0)
-    triton_ops.store_kv(kv_cache[1, 0], kv_cache[1, 1], k, v, torch.tensor([4, 5]))
-    assert torch.equal(kv_cache[1, 0, 4:6], k) and torch.equal(kv_cache[1, 1, 4:6], v)
+@pytest.mark.parametrize("ops", [torch_ops, triton_ops], ids=["torch", "triton"])
+def test_store_kv_into_a_layer_view_of_the_page_major_cache(ops):
+    kv_cache = torch.zeros(5, 3, 2, 4, 2, 8)  # [pages, layers, K/V, page_size, kv heads, head dim]
+    k, v = torch.ones(3, 2, 8), torch.full((3, 2, 8), 2.0)
+    ops.store_kv(kv_cache[:, 1, 0], kv_cache[:, 1, 1], k, v, torch.tensor([6, 7, 8]))  # pages 1 and 2
+    assert torch.equal(kv_cache[1, 1, 0, 2:4], k[:2]) and torch.equal(kv_cache[2, 1, 0, 0], k[2])
+    assert torch.equal(kv_cache[1, 1, 1, 2:4], v[:2]) and torch.equal(kv_cache[2, 1, 1, 0], v[2])
     assert kv_cache.sum() == k.sum() + v.sum()
 
 

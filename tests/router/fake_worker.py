@@ -71,6 +71,9 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
         return pdserve_pb2.DeliverWindowResponse(found=True)
 
     async def StartGeneration(self, request, context):
+        if request.HasField("prepare"):  # local prefill in one call: a PrepareReceive first
+            self.calls.append(("PrepareReceive", request.prepare))
+            await self._maybe_fail("PrepareReceive", context)
         self.calls.append(("StartGeneration", request))
         await self._maybe_fail("StartGeneration", context)
         for i, t in enumerate(self.tokens):
