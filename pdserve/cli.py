@@ -190,6 +190,17 @@ def cmd_router(args) -> int:
     return 0
 
 
+class _RouterParser(argparse.ArgumentParser):
+    """`--decode` is required unless `--etcd` finds the decode nodes (either may come from
+    its environment variable)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        if not namespace.decode and not namespace.etcd:
+            self.error("the following arguments are required: --decode (or --etcd)")
+        return namespace, rest
+
+
 def _window_end(value: str):
     """`--kv-window-end`: an int (-k) or `auto`."""
     return value if value == "auto" else int(value)
@@ -304,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("router", help="client-facing router over prefill and decode workers")
+    p.__class__ = _RouterParser
     _add_server_flags(p, 50051)
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                    help="prefill worker endpoint (repeat or comma-separate for several)")

@@ -40,9 +40,13 @@ def generate(out_root: Path = REPO_ROOT) -> list[Path]:
     return [out_root / "proto" / name for name in GENERATED]
 
 
-def main() -> int:
-    for path in generate():
-        print(f"wrote {path.relative_to(REPO_ROOT)}")
+def main(argv: list[str] | None = None) -> int:
+    """`python -m proto.generate [OUT_ROOT]`: write the stubs under OUT_ROOT/proto/
+    (default: this repository)."""
+    argv = sys.argv[1:] if argv is None else argv
+    out_root = Path(argv[0]) if argv else REPO_ROOT
+    for path in generate(out_root):
+        print(f"wrote {path}")
     return 0
 
 

@@ -19,7 +19,9 @@ Invariants kept here:
   wait for a turn; past that RESOURCE_EXHAUSTED, never unbounded growth.
 - RemoteSend runs only when D's prefix hit leaves something to send (`matched < end`),
   and only when selective disaggregation (router/selective.py) does not decide that D
-  prefills the prompt itself (`local_prefill`: no window, nothing reserved up front).
+  prefills the prompt itself (`local_prefill`: no window, nothing reserved up front). Such
+  a request costs one call: the PrepareReceive rides inside StartGeneration; if that node
+  is gone or full before any token, the ordinary path tries the others.
 - Overlap (`overlap_prefill`): the RemoteSend is sent before PrepareReceive, with only the
   prompt and the absolute window end (`window_follows`), so P computes while D reserves;
   D's half of the window follows in DeliverWindow. Until then P cannot write anything
