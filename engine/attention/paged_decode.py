@@ -29,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("paged_decode.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-shared", "-fPIC", "-std=c11"]
 _SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _library: ctypes.CDLL | None = None
 _tried = False

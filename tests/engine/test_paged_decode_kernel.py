@@ -61,3 +61,20 @@ def test_kernel_refuses_views_whose_pages_are_not_packed():
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="packed pages"):
         paged_decode(kernel, torch.randn(1, 2, 8), k_cache, k_cache, tables, lens, 4, 0.3)
+
+
+def test_loading_the_kernel_keeps_subnormal_floats_in_the_process():
+    # A library built with -ffast-math turns on flush-to-zero for the whole process when it
+    # loads, silently changing every other float computation (torch's and Python's).
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from engine.attention.paged_decode import kernel_for\n"
+        "assert kernel_for(torch.float32, torch.device('cpu')) is not None\n"
+        "tiny = 5e-324\n"
+        "assert tiny * 1.0 > 0.0, 'subnormal flushed to zero'\n"
+        "assert torch.tensor(1e-40, dtype=torch.float32).mul(1.0).item() > 0.0\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
