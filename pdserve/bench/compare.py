@@ -98,6 +98,17 @@ def run_system(name: str, args, model: str, cores, log_dir: Path):
     return [run_row(r, args) for r in runs], [r.results for r in runs]
 
 
+def headline(table: list[dict], rate: float | None) -> dict | None:
+    """The three ratios at the rate the headline is read at (`--headline-rate`)."""
+    if rate is None:
+        return None
+    row = next((r for r in table if r["request_rate"] == rate), None)
+    if row is None:
+        raise SystemExit(f"--headline-rate {rate:g} is not one of the swept rates")
+    return {k: row[k] for k in ("request_rate", "tpot_p90_ratio", "goodput_ratio_strict",
+                                 "goodput_ratio_loose")}
+
+
 def main_compare(args) -> int:
     from pdserve.bench.report import compare_table, sweep_table
     from pdserve.bench.serve import emit, workload_info
@@ -130,6 +141,7 @@ def main_compare(args) -> int:
         "node_args": args.node_args, "router_args": args.router_args, "log_dir": str(log_dir),
         "objectives": {"reference": f"colocated at {args.rates[0]:g} req/s",
                        "ttft_multiple": TTFT_MULTIPLE, "tpot_multiple": TPOT_MULTIPLE, **objs},
+        "headline": headline(table, args.headline_rate),
         "results": table,
     }
     emit(out, args, [compare_table(table, NAMES),

@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare", action="store_true",
                    help="start 1P1D and 2 colocated nodes on --cores, one after the other, "
                         "sweep --rates against each and compare")
+    g.add_argument("--headline-rate", type=float, default=None,
+                   help="the swept rate whose ratios are copied to the JSON's `headline`")
     g.add_argument("--model", help="checkpoint for --compare (default: the ~100M benchmark model "
                                    "of `pdserve bench engine`)")
     g.add_argument("--cores", type=parse_cores,

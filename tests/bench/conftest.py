@@ -7,17 +7,10 @@ import pytest
 
 from tests.e2e.procs import WORKER_FLAGS, Node
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
-    from engine.checkpoint import write_checkpoint
-
-    path = tmp_path_factory.mktemp("bench-tiny-llama")
-    write_checkpoint(path, family="llama", seed=0, **TINY)
-    return str(path)
+def tiny_checkpoint(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="session")

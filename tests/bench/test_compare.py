@@ -52,3 +52,17 @@ def test_compare_rows_count_goodput_under_each_objective_and_divide_first_by_sec
 
 def test_a_ratio_over_nothing_is_null():
     assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None and ratio(1.0, 4.0) == 0.25
+
+
+def test_headline_copies_the_ratios_of_the_named_rate_and_rejects_an_unswept_one():
+    import pytest
+
+    from pdserve.bench.compare import headline
+
+    table = [{"request_rate": r, "tpot_p90_ratio": r / 10, "goodput_ratio_strict": r,
+              "goodput_ratio_loose": 2 * r, "1p1d": {}, "colocated": {}} for r in (0.5, 1.0)]
+    assert headline(table, 1.0) == {"request_rate": 1.0, "tpot_p90_ratio": 0.1,
+                                    "goodput_ratio_strict": 1.0, "goodput_ratio_loose": 2.0}
+    assert headline(table, None) is None
+    with pytest.raises(SystemExit, match="0.7"):
+        headline(table, 0.7)

@@ -5,8 +5,7 @@ import json
 from pdserve.cli import main
 from pdserve.bench.workload import synthetic
 
-from tests.bench.conftest import TINY
-
+VOCAB_SIZE = 512  # the tiny checkpoint's (tests/conftest.py)
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "server_ttft_ms")
 
 
@@ -26,7 +25,7 @@ def test_bench_serve_sweeps_two_rates_and_reports_every_metric(tiny_cluster, tmp
     assert [r["request_rate"] for r in runs] == [8.0, None]  # None: unbounded
     for i, run in enumerate(runs):
         # Each rate gets its own prompts; every output is exactly as long as asked.
-        asked = synthetic(4, (16, 64), (4, 8), TINY["vocab_size"], seed=f"7-{i}")
+        asked = synthetic(4, (16, 64), (4, 8), VOCAB_SIZE, seed=f"7-{i}")
         assert (run["completed"], run["failed"]) == (4, 0), run["errors"]
         assert run["output_tokens"] == sum(r.output_len for r in asked)
         assert run["input_tokens"] == sum(r.prompt_len for r in asked)

@@ -12,15 +12,6 @@ from tests.deploy.compose_local import LocalCompose
 VARIABLES = {"NUM_THREADS": "1", "KV_CACHE_MB": "16"}
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    from engine.checkpoint import write_checkpoint
-
-    path = tmp_path_factory.mktemp("model-volume")
-    write_checkpoint(path, family="llama", seed=0, vocab_size=512, hidden_size=64,
-                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=512)
-    return str(path)
 
 
 @pytest.fixture(scope="session")

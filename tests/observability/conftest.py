@@ -14,14 +14,8 @@ from tests.e2e.procs import WORKER_FLAGS, Node
 
 
 @pytest.fixture(scope="session")
-def obs_model(tmp_path_factory) -> str:
-    from engine.checkpoint import write_checkpoint
-
-    path = tmp_path_factory.mktemp("obs-tiny-llama")
-    write_checkpoint(path, family="llama", seed=0, vocab_size=512, hidden_size=64,
-                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=512)
-    return str(path)
+def obs_model(tiny_model) -> str:
+    return tiny_model
 
 
 class ObservedCluster:

@@ -140,14 +140,8 @@ class ScaleCluster:
 
 
 @pytest.fixture(scope="session")
-def scale_model(tmp_path_factory):
-    from engine.checkpoint import write_checkpoint
-
-    path = tmp_path_factory.mktemp("scale-llama")
-    write_checkpoint(path, family="llama", seed=0, vocab_size=512, hidden_size=64,
-                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=512)
-    return str(path)
+def scale_model(tiny_model) -> str:
+    return tiny_model
 
 
 @pytest.fixture(scope="session")
