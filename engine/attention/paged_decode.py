@@ -96,11 +96,13 @@ def kernel_for(dtype: torch.dtype, device: torch.device):
     return getattr(lib, _SYMBOLS[dtype]) if lib is not None else None
 
 
-def paged_decode(kernel, q, k_cache, v_cache, block_tables, seq_lens, page_size: int, scale: float) -> torch.Tensor:
+def paged_decode(kernel, q, k_cache, v_cache, block_tables, seq_lens, page_size: int, scale: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """out [B, H, D] (q's dtype) for one query per sequence: q [B, H, D], one layer's
     k_cache / v_cache [num_pages, page_size, Hkv, D] page views (any page stride, the same
     for both; each page's rows contiguous), block_tables int32 [B, max_pages] (contiguous),
-    seq_lens int32 [B] (context length including the query's own token)."""
+    seq_lens int32 [B] (context length including the query's own token). `out`, if given, is
+    a contiguous float32 [B, H, D] to write into (saves a copy)."""
     B, H, D = q.shape
     num_kv_heads = k_cache.shape[2]
     if (k_cache.shape[1] != page_size or v_cache.stride() != k_cache.stride()
@@ -109,7 +111,8 @@ def paged_decode(kernel, q, k_cache, v_cache, block_tables, seq_lens, page_size:
         raise ValueError(f"paged decode needs packed pages of {page_size} rows with equal K/V strides, "
                          f"got shape {tuple(k_cache.shape)}, strides {k_cache.stride()} / {v_cache.stride()}")
     qf = q.to(torch.float32).contiguous()
-    out = torch.empty(B, H, D, dtype=torch.float32)
+    if out is None or out.dtype != torch.float32 or not out.is_contiguous() or out.shape != (B, H, D):
+        out = torch.empty(B, H, D, dtype=torch.float32)
     failed = kernel(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), B, H, num_kv_heads, D, page_size, k_cache.stride(0), scale, out.data_ptr(),

@@ -150,9 +150,12 @@ def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     page_size = plan.page_size
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for r in plan.decode_runs:
-        out[r.rows] = paged_decode(r.kernel, q[r.rows], k_cache, v_cache, r.block_tables, r.seq_lens, page_size, scale)
+        dest = out[r.rows]
+        o = paged_decode(r.kernel, q[r.rows], k_cache, v_cache, r.block_tables, r.seq_lens, page_size, scale, dest)
+        if o.data_ptr() != dest.data_ptr():
+            dest.copy_(o)
     # index_select over pages gathers the chosen pages into one contiguous tensor, whatever
     # the page stride of the views, so the views below are free.
     for g in plan.decode_groups:

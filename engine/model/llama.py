@@ -120,14 +120,16 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h)
-            q = qkv[:, :q_size].view(T, H, D)
-            k = qkv[:, q_size : q_size + kv_size].view(T, Hkv, D)
             v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
             if layer.q_norm is not None:
-                q = self._rms_norm(q, layer.q_norm)
-                k = self._rms_norm(k, layer.k_norm)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+                q = self._rms_norm(qkv[:, :q_size].view(T, H, D), layer.q_norm)
+                k = self._rms_norm(qkv[:, q_size : q_size + kv_size].view(T, Hkv, D), layer.k_norm)
+                q = apply_rope(q, cos, sin)
+                k = apply_rope(k, cos, sin)
+            else:
+                # q and k heads side by side: one rope (elementwise, so the same numbers) for both.
+                qk = apply_rope(qkv[:, : q_size + kv_size].view(T, H + Hkv, D), cos, sin)
+                q, k = qk[:, :H], qk[:, H:]
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # [pages, page_size, Hkv, D]
             step.store_kv(k_cache, v_cache, k, v, step.slot_mapping)
             if step.layer_hook is not None:

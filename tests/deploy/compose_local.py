@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from pdserve.up import exit_with_parent
+
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "deploy" / "docker-compose.yml"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
@@ -108,7 +110,8 @@ class LocalService:
         command = [str(word) for word in spec.get("command", [])]
         self.proc = subprocess.Popen([*entrypoint(), *command], cwd=REPO, env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=exit_with_parent(signal.SIGKILL))
 
     def healthcheck(self, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
         """Run the service's compose healthcheck command, in its environment."""

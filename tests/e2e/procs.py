@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve.up import exit_with_parent
+
 REPO = Path(__file__).resolve().parents[2]
 LISTENING = re.compile(r"listening on \S+:(\d+)|router on \S+:(\d+)")
 WORKER_FLAGS = ["--num-threads", "1", "--num-pages", "256", "--page-size", "8"]
@@ -37,7 +39,8 @@ class Node:
         self.started = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], cwd=REPO,
                                      env=env(), stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=exit_with_parent(signal.SIGKILL))
         self.timeout_s = timeout_s
         self.port = 0
         if wait:

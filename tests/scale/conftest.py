@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.up import free_port
+from pdserve.up import exit_with_parent, free_port
 from tests.e2e.procs import Node
 
 pytest.importorskip("aetcd", reason="etcd client (aetcd) not installed")
@@ -47,7 +47,8 @@ class Etcd:
              "--listen-peer-urls", f"http://127.0.0.1:{peer}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
              "--initial-cluster", f"scale=http://127.0.0.1:{peer}"],
-            stdout=self.log, stderr=self.log, start_new_session=True)
+            stdout=self.log, stderr=self.log, start_new_session=True,
+            preexec_fn=exit_with_parent(signal.SIGKILL))
         asyncio.run(self._wait_ready())
 
     async def _wait_ready(self, timeout_s: float = 30.0) -> None:
