@@ -9,20 +9,15 @@ from tests.e2e.procs import WORKER_FLAGS, Node
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tiny_model):
-    return tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_cluster(tiny_checkpoint, tmp_path_factory):
+def tiny_cluster(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("bench-logs")
     nodes = []
     try:
         for role in ("prefill", "decode"):  # start both, then wait: their start-ups overlap
-            nodes.append(Node([role, "--model", tiny_checkpoint, "--host", "127.0.0.1",
+            nodes.append(Node([role, "--model", tiny_model, "--host", "127.0.0.1",
                                "--port", "0", *WORKER_FLAGS], logs / f"{role}.log", wait=False))
         prefill, decode = (node.wait_ready() for node in nodes)
-        nodes.append(Node(["router", "--model", tiny_checkpoint, "--host", "127.0.0.1",
+        nodes.append(Node(["router", "--model", tiny_model, "--host", "127.0.0.1",
                            "--port", "0", "--prefill", prefill.address, "--decode", decode.address],
                           logs / "router.log"))
         yield nodes[-1].address

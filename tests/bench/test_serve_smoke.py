@@ -38,7 +38,7 @@ def test_bench_serve_sweeps_two_rates_and_reports_every_metric(tiny_cluster, tmp
         assert run["goodput"] == run["request_throughput"]
 
 
-def test_bench_serve_replays_sharegpt_at_fixed_concurrency(tiny_cluster, tiny_checkpoint, tmp_path,
+def test_bench_serve_replays_sharegpt_at_fixed_concurrency(tiny_cluster, tiny_model, tmp_path,
                                                            capsys):
     from router.tokenizer import PromptTokenizer
 
@@ -57,6 +57,6 @@ def test_bench_serve_replays_sharegpt_at_fixed_concurrency(tiny_cluster, tiny_ch
     assert (run["completed"], run["max_concurrency"], run["request_rate"]) == (2, 1, None)
     # Output lengths come from the answers, counted with the model's own tokenizer,
     # which the bench found through the server's GetModelInfo.
-    tokenizer = PromptTokenizer(tiny_checkpoint)
+    tokenizer = PromptTokenizer(tiny_model)
     answers = [len(tokenizer.encode(c["conversations"][1]["value"])) for c in conversations]
     assert run["output_tokens"] in {answers[i] + answers[j] for i in range(3) for j in range(i)}

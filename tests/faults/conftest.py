@@ -1,4 +1,4 @@
-"""Fault-test fixtures: a tiny checkpoint and one shared cluster (tests/faults/cluster.py).
+"""Fault-test fixtures: one shared cluster serving the tiny checkpoint (tests/faults/cluster.py).
 
 Tests that kill a node restart it on the same port before they end, so every test starts
 from a whole cluster; each test checks the pools of the nodes it touched are full again.
@@ -6,26 +6,16 @@ from a whole cluster; each test checks the pools of the nodes it touched are ful
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
+from tests.e2e.conftest import run  # noqa: F401  (the tests here import it from this module)
 from tests.faults.cluster import Cluster
 
 
 @pytest.fixture(scope="session")
-def fault_model(tiny_model) -> str:
-    return tiny_model
-
-
-@pytest.fixture(scope="session")
-def fault_cluster(fault_model, tmp_path_factory):
-    cluster = Cluster(fault_model, tmp_path_factory.mktemp("fault-logs"))
+def fault_cluster(tiny_model, tmp_path_factory):
+    cluster = Cluster(tiny_model, tmp_path_factory.mktemp("fault-logs"))
     try:
         yield cluster
     finally:
         cluster.stop()
-
-
-def run(coro, timeout_s: float = 120.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))

@@ -56,7 +56,7 @@ def _pem(cert=None, key=None) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def tls_cluster(fault_model, tmp_path_factory):
+def tls_cluster(tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("tls")
     ca_key, node_key, stranger_ca_key, stranger_key = _key(), _key(), _key(), _key()
     ca = _cert("pdserve test CA", ca_key, "pdserve test CA", ca_key, ca=True)
@@ -73,11 +73,11 @@ def tls_cluster(fault_model, tmp_path_factory):
     nodes = []
     try:
         for role in ("prefill", "decode"):
-            nodes.append(Node([role, "--model", fault_model, "--host", "127.0.0.1", "--port", "0",
+            nodes.append(Node([role, "--model", tiny_model, "--host", "127.0.0.1", "--port", "0",
                                *WORKER_FLAGS, *tls, "--tls-require-client-cert"],
                               d / f"{role}.log", wait=False))
         prefill, decode = (n.wait_ready() for n in nodes)
-        router = Node(["router", "--model", fault_model, "--host", "127.0.0.1", "--port", "0",
+        router = Node(["router", "--model", tiny_model, "--host", "127.0.0.1", "--port", "0",
                        "--prefill", prefill.address, "--decode", decode.address, *tls],
                       d / "router.log")
         nodes.append(router)

@@ -13,11 +13,6 @@ from pdserve.up import free_port
 from tests.e2e.procs import WORKER_FLAGS, Node
 
 
-@pytest.fixture(scope="session")
-def obs_model(tiny_model) -> str:
-    return tiny_model
-
-
 class ObservedCluster:
     def __init__(self, nodes: dict[str, Node], metrics_ports: dict[str, int], logs: Path):
         self.nodes, self.metrics_ports, self.logs = nodes, metrics_ports, logs
@@ -41,10 +36,10 @@ def sample(samples: dict, name: str, **labels) -> float:
 
 
 @pytest.fixture(scope="session")
-def observed_cluster(obs_model, tmp_path_factory):
+def observed_cluster(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("obs-logs")
     ports = {role: free_port() for role in ("router", "prefill", "decode")}
-    common = ["--model", obs_model, "--host", "127.0.0.1", "--port", "0", "--log-format", "json"]
+    common = ["--model", tiny_model, "--host", "127.0.0.1", "--port", "0", "--log-format", "json"]
     nodes: dict[str, Node] = {}
     try:
         for role in ("prefill", "decode"):  # start both, then wait: their start-ups overlap

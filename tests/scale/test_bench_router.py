@@ -7,8 +7,8 @@ import json
 from pdserve.cli import main
 
 
-def test_bench_router_prints_overhead_and_rate(scale_model, capsys):
-    assert main(["bench", "router", "--json", "--model", scale_model, "--rounds", "20",
+def test_bench_router_prints_overhead_and_rate(tiny_model, capsys):
+    assert main(["bench", "router", "--json", "--model", tiny_model, "--rounds", "20",
                  "--duration-s", "1", "--concurrency", "8"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["rounds"] == 20
