@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench clean proto
+.PHONY: install serve test clean proto
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
