@@ -17,6 +17,7 @@ import grpc
 from decode.convert import sampling_from_pb, stream_responses
 from decode.leases import LeaseError
 from decode.role import DecodeRole, KVNotArrived, KVNotWritten
+from engine import OutOfPages
 from pdserve.errors import NodeDraining, NodeOverloaded, RequestAborted
 from proto import pdserve_pb2
 from proto.checks import check_request_id, check_sampling
@@ -24,6 +25,7 @@ from proto.checks import check_request_id, check_sampling
 STATUS_OF = [  # most specific first: KVNotWritten etc. are not ValueErrors, LeaseError neither
     (NodeDraining, grpc.StatusCode.UNAVAILABLE),
     (NodeOverloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (OutOfPages, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (RequestAborted, grpc.StatusCode.CANCELLED),
     (KVNotArrived, grpc.StatusCode.DEADLINE_EXCEEDED),
     (KVNotWritten, grpc.StatusCode.FAILED_PRECONDITION),
@@ -32,8 +34,6 @@ STATUS_OF = [  # most specific first: KVNotWritten etc. are not ValueErrors, Lea
 
 
 def status_of(err: Exception) -> grpc.StatusCode | None:
-    if type(err).__name__ == "OutOfPages":
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(err, LeaseError):
         return grpc.StatusCode.NOT_FOUND if err.missing else grpc.StatusCode.FAILED_PRECONDITION
     return next((code for cls, code in STATUS_OF if isinstance(err, cls)), None)
@@ -45,13 +45,14 @@ class DecodeEdge:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
 
-    async def prepare_receive(self, request, context):
+    async def _prepare(self, request, context):
+        """Check one PrepareReceiveRequest and reserve for it (or abort the call)."""
         try:
             check_request_id(request.request_id)
             check_sampling(request.sampling, self.vocab_size, self.max_model_len)
             params = sampling_from_pb(request.sampling)
             params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-            prepared = await self.role.prepare_receive(
+            return await self.role.prepare_receive(
                 request.request_id, list(request.prompt_token_ids), params,
                 request.kv_window_end, request.lease_ms, request.local_prefill)
         except Exception as err:
@@ -59,6 +60,9 @@ class DecodeEdge:
             if code is None:
                 raise
             await context.abort(code, str(err))
+
+    async def prepare_receive(self, request, context):
+        prepared = await self._prepare(request, context)
         lease = prepared.lease
         remaining = lease.expires_at - time.monotonic()
         return pdserve_pb2.PrepareReceiveResponse(
@@ -78,19 +82,7 @@ class DecodeEdge:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     "an inline prepare must be a local_prefill PrepareReceive "
                                     f"of request {request.request_id!r}")
-            try:
-                check_request_id(request.request_id)
-                check_sampling(prepare.sampling, self.vocab_size, self.max_model_len)
-                params = sampling_from_pb(prepare.sampling)
-                params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-                prepared = await self.role.prepare_receive(
-                    request.request_id, list(prepare.prompt_token_ids), params,
-                    prepare.kv_window_end, prepare.lease_ms, local_prefill=True)
-            except Exception as err:
-                code = status_of(err)
-                if code is None:
-                    raise
-                await context.abort(code, str(err))
+            prepared = await self._prepare(prepare, context)
             lease_id, begin, expect_kv = prepared.lease.lease_id, 0, False
         outputs = self.role.start_generation(request.request_id, lease_id, begin, expect_kv,
                                              context.time_remaining())

@@ -9,7 +9,13 @@ import torch
 from engine.attention import torch_ops
 from engine.attention.paged_decode import kernel_for
 
-pytestmark = pytest.mark.skipif(kernel_for(torch.float32, torch.device("cpu")) is None, reason="no C compiler")
+
+
+def test_the_kernel_builds_here():
+    # The engine falls back to gather + SDPA without a C compiler; these machines have one,
+    # so a missing kernel here is a build failure, not an environment to skip over.
+    assert kernel_for(torch.float32, torch.device("cpu")) is not None
+    assert kernel_for(torch.bfloat16, torch.device("cpu")) is not None
 
 
 def _case(num_heads, num_kv_heads, head_dim, page_size, lens, dtype, seed=0):

@@ -3,6 +3,7 @@ as real processes on loopback, every node with /metrics and JSON logs, killed at
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from pathlib import Path
 
@@ -29,6 +30,16 @@ class ObservedCluster:
 
     def log_lines(self, node: str) -> list[str]:
         return (self.logs / f"{node}.log").read_text().splitlines()
+
+
+def wait_until(condition, what: str, timeout_s: float = 10.0):
+    """Poll `condition()` until it returns something truthy (returned), or fail naming `what`.
+    Nodes record a stream's end just after its last message reaches the client."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)
+    return result
 
 
 def sample(samples: dict, name: str, **labels) -> float:

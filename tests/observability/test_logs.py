@@ -5,10 +5,10 @@ and phase timings."""
 from __future__ import annotations
 
 import json
-import time
 
 from pdserve.client import Client
 from tests.e2e.conftest import run
+from tests.observability.conftest import wait_until
 
 
 def request_lines(cluster, node: str, request_id: str) -> list[dict]:
@@ -25,7 +25,8 @@ def test_json_logs_parse_and_hold_one_line_per_request_per_node(observed_cluster
                                          temperature=0.0, max_tokens=3, ignore_eos=True)
 
     run(ask())
-    time.sleep(0.3)  # the workers log a stream's end just after its last message
+    for node in ("router", "prefill", "decode"):
+        wait_until(lambda: request_lines(c, node, "log-me-1"), f"the {node}'s line for log-me-1")
     for node in ("router", "prefill", "decode"):
         lines = c.log_lines(node)
         records = [json.loads(line) for line in lines if line.strip()]  # every line is JSON

@@ -12,7 +12,7 @@ from pdserve.client import Client
 from pdserve.server import channel
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.conftest import run
-from tests.observability.conftest import sample
+from tests.observability.conftest import sample, wait_until
 
 GREEDY = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
 # Long enough to fill whole pages (page size 8), so the repeat finds them in the prefix cache.
@@ -53,8 +53,13 @@ def test_counters_move_by_the_traffic_sent(observed_cluster):
     sent_tokens = sum(r["kv_window_end"] - r["kv_window_begin"] for r in routes
                       if not r["remote_send_skipped"])
     assert matched > 0, "the repeated long prompt should hit the decode node's prefix cache"
-    time.sleep(0.3)  # the workers record a stream's end just after its last message
-    after = scrape_all(c)
+    def settled():  # every node has recorded the end of all three streams
+        now = scrape_all(c)
+        done = all(delta(now[n], before[n], "pdserve_requests_total", role=n, outcome="length") == 3
+                   for n in ("router", "decode"))
+        return now if done else None
+
+    after = wait_until(settled, "the router and decode node to record the three streams")
     prefill_after = run(load(c.nodes["prefill"].address))
     r0, r1 = before["router"], after["router"]
     assert delta(r1, r0, "pdserve_requests_total", role="router", outcome="length") == 3
