@@ -14,14 +14,19 @@ from proto import pdserve_pb2
 
 
 def sampling_from_pb(pb: pdserve_pb2.SamplingParams) -> SamplingParams:
-    """Engine SamplingParams; unset optional fields keep the engine defaults (not validated)."""
-    params = SamplingParams(
-        min_p=pb.min_p, stop=list(pb.stop), stop_token_ids=list(pb.stop_token_ids),
-        ignore_eos=pb.ignore_eos)
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "logprobs"):
-        if pb.HasField(name):
-            setattr(params, name, getattr(pb, name))
-    return params
+    """Engine SamplingParams; unset optional fields keep the engine defaults. Not checked
+    here: the role checks them by the engine's rules (`SamplingParams.validate`)."""
+    d = SamplingParams()
+
+    def given(name: str, default):
+        return getattr(pb, name) if pb.HasField(name) else default
+
+    return SamplingParams(
+        max_tokens=given("max_tokens", d.max_tokens), temperature=given("temperature", d.temperature),
+        top_p=given("top_p", d.top_p), top_k=given("top_k", d.top_k), min_p=pb.min_p,
+        seed=given("seed", d.seed), n=given("n", d.n), stop=list(pb.stop),
+        stop_token_ids=list(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
+        logprobs=given("logprobs", d.logprobs))
 
 
 def _logprobs_pb(entries) -> list[pdserve_pb2.TokenLogprob]:

@@ -8,17 +8,26 @@ the first of `tags` to arrive. Invariants:
   an idle node polls nothing.
 - A tag nobody waits for yet is kept (a prefill node may finish before StartGeneration
   comes), up to `max_unclaimed` of them, oldest dropped first: memory stays bounded.
-- `interrupt(tags, value)` ends a wait early with `value` (an Abort, a settled release).
+- `interrupt(tags, why)` ends a wait early with an `Interrupted` reason (an Abort, a
+  settled release).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("pdserve.decode")
+
+
+class Interrupted(enum.Enum):
+    """Why a wait ended without a notification."""
+
+    SETTLED = "settled"  # no write can come any more (a settled Abort)
+    ABORTED = "aborted"  # the request was aborted; a write may still come
 
 
 class NotificationInbox:
@@ -31,8 +40,8 @@ class NotificationInbox:
         self._pump: asyncio.Task | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-notify")
 
-    async def wait(self, tags: tuple[bytes, ...], timeout_s: float) -> bytes | None:
-        """The first of `tags` that arrived (consumed), the value of an `interrupt`, or
+    async def wait(self, tags: tuple[bytes, ...], timeout_s: float) -> bytes | Interrupted | None:
+        """The first of `tags` that arrived (consumed), the reason of an `interrupt`, or
         None after `timeout_s`."""
         for tag in tags:
             if tag in self._unclaimed:
@@ -52,11 +61,11 @@ class NotificationInbox:
                 if self._waiters.get(tag) is future:
                     del self._waiters[tag]
 
-    def interrupt(self, tags: tuple[bytes, ...], value) -> None:
+    def interrupt(self, tags: tuple[bytes, ...], why: Interrupted) -> None:
         for tag in tags:
             future = self._waiters.get(tag)
             if future is not None and not future.done():
-                future.set_result(value)
+                future.set_result(why)
 
     async def _run_pump(self) -> None:
         loop = asyncio.get_running_loop()

@@ -14,12 +14,18 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import grpc
 
-class LeaseError(Exception):
-    """No live reservation matches; `missing` tells unknown id from wrong lease."""
+from runtime.errors import NodeError
+
+
+class LeaseError(NodeError):
+    """No live reservation matches: NOT_FOUND for an unknown request id (`missing`),
+    FAILED_PRECONDITION for a wrong lease id."""
 
     def __init__(self, message: str, missing: bool) -> None:
-        super().__init__(message)
+        super().__init__(message, grpc.StatusCode.NOT_FOUND if missing
+                         else grpc.StatusCode.FAILED_PRECONDITION)
         self.missing = missing
 
 
@@ -32,6 +38,7 @@ class Lease:
     kv_window_end: int
     expires_at: float
     engine_key: str = ""  # the engine's id of this reservation (unique per lease)
+    reserve_s: float = 0.0  # how long the reservation took (for the request's log line)
     # Local prefill (selective disaggregation): nothing reserved; at StartGeneration the
     # prompt enters the engine as an ordinary request with these ids and params.
     local_prompt: list[int] | None = None
@@ -56,7 +63,7 @@ class LeaseTable:
               **info) -> Lease:
         lease = Lease(request_id, lease_id or uuid.uuid4().hex,
                       expires_at=time.monotonic() + duration_s, **info)
-        lease.timer = asyncio.get_running_loop().call_later(duration_s, self._expire, lease)
+        lease.timer = asyncio.get_running_loop().call_later(duration_s, self.expire, lease)
         self._leases[request_id] = lease
         return lease
 
@@ -80,10 +87,12 @@ class LeaseTable:
             lease.timer.cancel()
         return lease
 
-    def _expire(self, lease: Lease) -> None:
+    def expire(self, lease: Lease) -> None:
+        """The lease ran out (its timer calls this): hand it to `on_expire`, once."""
         if self._leases.get(lease.request_id) is not lease:
             return
         del self._leases[lease.request_id]
+        lease.timer.cancel()  # when called before its time
         self.expired_total += 1
         task = asyncio.ensure_future(self._on_expire(lease))
         self._expiring.add(task)

@@ -21,12 +21,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from decode.inbox import NotificationInbox
+from decode.inbox import Interrupted, NotificationInbox
 from decode.leases import Lease
 from proto.tags import no_write_tag, notification_tag
 
 log = logging.getLogger("pdserve.decode")
-SETTLED = b"settled"
 
 
 class Quarantine:
@@ -52,7 +51,7 @@ class Quarantine:
         """Release every quarantined reservation of `request_id` now."""
         held = [lease for lease in self._held.values() if lease.request_id == request_id]
         for lease in held:
-            self.inbox.interrupt(tags(lease), SETTLED)
+            self.inbox.interrupt(tags(lease), Interrupted.SETTLED)
         return bool(held)
 
     async def _watch(self, lease: Lease) -> None:

@@ -8,11 +8,21 @@ straight back as INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 256 * 1024 * 1024
+
+
+# Bounds on what one request may make a node allocate (choices, stop lists, logprobs).
+MAX_CHOICES = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1 - MAX_CHOICES  # seed + i of sample i must fit a torch generator seed
 
 
 @dataclass
@@ -30,50 +40,67 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs of each chosen token; 0: only its own
 
     def validate(self, vocab_size: int | None = None, max_model_len: int | None = None) -> None:
+        """The one place sampling values are checked: every entry into the engine and every
+        role's edge calls it. Raises ValueError naming the field and the value."""
         def bad(name, value, why):
             raise ValueError(f"{name} must be {why}, got {value!r}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", self.max_tokens, "an integer >= 1")
         if max_model_len is not None and self.max_tokens > max_model_len:
-            bad("max_tokens", self.max_tokens, f"<= max_model_len ({max_model_len})")
-        if not self.temperature >= 0.0:
+            bad("max_tokens", self.max_tokens, f"in [1, {max_model_len}] (the model's context)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             bad("temperature", self.temperature, ">= 0")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", self.top_p, "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             bad("top_k", self.top_k, "-1, 0 (off) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", self.min_p, "in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", self.seed, "an integer or None")
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", self.n, "an integer >= 1")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", self.stop, "a list of non-empty strings")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            bad("seed", self.seed, f"None or an integer in [0, {MAX_SEED}]")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            bad("n", self.n, f"an integer in [1, {MAX_CHOICES}]")
+        if len(self.stop) > MAX_STOP_STRINGS or any(
+                not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            bad("stop", self.stop[:4], f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                f"{MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", len(self.stop_token_ids), f"at most {MAX_STOP_TOKEN_IDS} ids")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                bad("stop_token_ids", self.stop_token_ids, f"token ids in [0, {vocab_size})")
+            if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad("stop_token_ids", t, f"token ids in [0, {vocab_size})")
         if self.logprobs is not None:
-            if not isinstance(self.logprobs, int) or self.logprobs < 0:
-                bad("logprobs", self.logprobs, "None or an integer >= 0")
-            if vocab_size is not None and self.logprobs > vocab_size:
-                bad("logprobs", self.logprobs, f"<= vocab_size ({vocab_size})")
+            limit = MAX_LOGPROBS if vocab_size is None else min(MAX_LOGPROBS, vocab_size)
+            if not is_int(self.logprobs) or not 0 <= self.logprobs <= limit:
+                bad("logprobs", self.logprobs, f"None or an integer in [0, {limit}]")
+
+
+def _flag(default, help: str, **more):
+    """A field that is also a command-line flag of every worker (`runtime.options`)."""
+    return field(default=default, metadata={"help": help, **more})
 
 
 @dataclass
 class EngineConfig:
     model_dir: str
-    page_size: int = 16
-    num_pages: int | None = None  # None: as many as kv_cache_memory_bytes holds
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
-    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
-    max_num_seqs: int = 64  # sequences running at once
-    dtype: str = "float32"
-    attention_backend: str = "torch"
-    enable_prefix_cache: bool = True
-    num_threads: int | None = None  # torch.set_num_threads; threads are never pinned
-    device: str = "cpu"
+    page_size: int = _flag(16, "tokens per KV page")
+    num_pages: int | None = _flag(None, "KV pages in the pool (default: as many as "
+                                        "--kv-cache-mb holds)", type=int)
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES  # the flag is --kv-cache-mb
+    max_num_batched_tokens: int = _flag(512, "token budget of one engine step (prefill "
+                                             "chunks and decodes)")
+    max_num_seqs: int = _flag(64, "sequences running at once")
+    dtype: str = _flag("float32", "weights and KV dtype", choices=DTYPES)
+    attention_backend: str = _flag("torch", "attention kernels: torch (CPU) or triton (GPU)",
+                                   choices=ATTENTION_BACKENDS)
+    enable_prefix_cache: bool = _flag(True, "disable the prefix cache", flag="--no-prefix-cache")
+    num_threads: int | None = _flag(None, "torch threads for the engine (default: torch's "
+                                          "choice); threads are never pinned", type=int)
+    device: str = _flag("cpu", "torch device")
     max_model_len: int | None = None  # None: the model's max_position_embeddings
 
     def validate(self) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.json_format import MessageToDict
 
-from pdserve.server import channel
+from runtime.server import channel
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
 SAMPLING_FIELDS = {f.name for f in pdserve_pb2.SamplingParams.DESCRIPTOR.fields}

@@ -1,7 +1,9 @@
-"""Role `both`: the Generation service straight over the local engine, no router.
+"""Role `both`: the Generation service straight over this node's decode role, no router.
 
-The baseline disaggregation is measured against. Prompts are tokenized exactly as the
-router does (`tokenizer.encode`), so both paths see the same ids.
+The baseline disaggregation is measured against. A request is the decode role's local
+kind (`DecodeRole.generate_local`): this node prefills the whole prompt from its own prefix
+cache and generates. Prompts are tokenized by the router's own code (`router.validation`,
+`router.tokenizer`), so a prompt gives the same ids whichever way it is served.
 """
 
 from __future__ import annotations
@@ -9,55 +11,46 @@ from __future__ import annotations
 import time
 import uuid
 
-import grpc
-
 from decode.convert import sampling_from_pb, stream_responses
+from decode.role import DecodeRole, LocalPrefill
 from proto import pdserve_pb2, pdserve_pb2_grpc
-from proto.checks import check_request_id, check_sampling
-from router.servicer import prompt_ids
+from router.tokenizer import PromptTokenizer
+from router.validation import prompt_ids
+from runtime import metrics
+from runtime.checks import check_request_id
+from runtime.errors import abort_with
+from runtime.observe import StreamObserver, outcome_of
 
 
-class ColocatedGenerationServicer(pdserve_pb2_grpc.GenerationServicer):
-    def __init__(self, engine, tokenizer, model: str, vocab_size: int, max_model_len: int):
-        self.engine = engine  # AsyncEngine
-        self.tokenizer = tokenizer
-        self.model = model
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.active: set[str] = set()
+class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
+    def __init__(self, role: DecodeRole, model_dir: str) -> None:
+        self.role = role
+        self.tokenizer = PromptTokenizer(model_dir)
 
     async def Generate(self, request, context):
         arrived = time.perf_counter()
         request_id = request.request_id or uuid.uuid4().hex
-        params = sampling_from_pb(request.sampling)
+        observer = StreamObserver("both", request_id)
         try:
-            ids = prompt_ids(request, self.tokenizer)
             check_request_id(request_id)
-            check_sampling(request.sampling, self.vocab_size, self.max_model_len)
-            params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-            if request_id in self.active:
-                raise ValueError(f"duplicate request_id {request_id!r}")
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        self.active.add(request_id)
-        outputs = self.engine.generate(request_id, ids, params)
-        try:
-            async for msg in stream_responses(request_id, outputs, arrived):
+            local = LocalPrefill(request_id, prompt_ids(request, self.tokenizer),
+                                 sampling_from_pb(request.sampling))
+            outputs = self.role.generate_local(local, context.time_remaining())
+            async for msg in observer.watch(stream_responses(request_id, outputs, arrived)):
                 yield msg
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        finally:
-            self.active.discard(request_id)
-            await self.engine.abort(request_id)
+        except Exception as err:
+            observer.finish(outcome_of(err), error=str(err))  # no-op once watch recorded it
+            await abort_with(context, err)
+        if observer.usage is not None:
+            u = observer.usage
+            metrics.record_prefix_lookup("both", u.prompt_tokens, u.cached_prompt_tokens)
 
     async def Abort(self, request, context):
-        found = request.request_id in self.active
-        if found:
-            await self.engine.abort(request.request_id)
+        found = await self.role.abort(request.request_id, settled=True)
         return pdserve_pb2.AbortResponse(found=found)
 
     async def GetModelInfo(self, request, context):
-        eos = self.tokenizer.eos_token_id
+        card = self.tokenizer.card
         return pdserve_pb2.ModelInfo(
-            model=self.model, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-            eos_token_ids=[eos] if eos is not None else [], role="both")
+            model=card.model, vocab_size=card.vocab_size, max_model_len=card.max_model_len,
+            eos_token_ids=card.eos_token_ids, role="both")

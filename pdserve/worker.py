@@ -1,26 +1,50 @@
-"""A worker node: one engine, one NIXL agent, the Worker service, and for role `both` also
-the Generation service.
+"""A worker node: one engine, one NIXL agent, the roles it serves, and their gRPC services.
 
-The engine's KV pool is registered with the agent once at start. Role-specific RPCs go to
-the prefill or decode edge; a node without that role answers UNIMPLEMENTED naming its
-role. Abort reaches both roles; GetLoad merges the engine's page counts with each role's
-counters. With `--etcd`, the node registers itself once it serves (pdserve/membership.py)
-and deregisters first when it drains (SIGTERM or the Drain RPC).
+`pdserve prefill`, `decode` and `serve` (role `both`) all run `run_worker`. The engine's
+KV pool is registered with the agent once at start. The Worker service of a node is
+assembled from the services of its roles (`worker_servicer`): RemoteSend and DeliverWindow
+are the prefill role's, PrepareReceive and StartGeneration the decode role's, Abort,
+GetTransferInfo, GetLoad and Drain the node's own (`NodeService`); an RPC of a role the
+node lacks answers UNIMPLEMENTED naming its role. A `both` node also serves Generation
+itself (pdserve/colocated.py). With `--etcd` the node registers once it serves and
+deregisters first when it drains (SIGTERM or the Drain RPC).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import uuid
+from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.server import new_server, serve, wait_idle
+from decode.config import DecodeConfig
+from engine import EngineConfig
+from prefill.config import PrefillConfig
 from proto import pdserve_pb2, pdserve_pb2_grpc
+from runtime import metrics
+from runtime.membership import MembershipConfig
+from runtime.server import ServerConfig
 
 WORKER = pdserve_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 GENERATION = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+WORKER_RPCS = tuple(m.name for m in pdserve_pb2.DESCRIPTOR.services_by_name["Worker"].methods)
+ROLES = {"prefill": ("prefill",), "decode": ("decode",), "both": ("prefill", "decode")}
+DEFAULT_PORTS = {"prefill": 50061, "decode": 50062, "both": 50051}
+
+
+@dataclass
+class WorkerConfig:
+    role: str  # "prefill" | "decode" | "both"
+    engine: EngineConfig
+    server: ServerConfig = field(default_factory=ServerConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: none
+    test_gates: str = ""  # request id prefix stopped at test gates (runtime/gates.py)
 
 
 def agent_name(role: str) -> str:
@@ -28,179 +52,188 @@ def agent_name(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-class WorkerServicer(pdserve_pb2_grpc.WorkerServicer):
-    def __init__(self, role: str, model: str, engine, agent, layout, prefill=None, decode=None,
-                 model_hash: str = "", stop=None):
-        self.role, self.model, self.model_hash = role, model, model_hash
-        self.engine, self.agent, self.layout = engine, agent, layout
-        self.prefill, self.decode = prefill, decode  # PrefillEdge / DecodeEdge or None
-        self.stop = stop  # asyncio.Event that starts the drain (Drain RPC), or None
+class Node:
+    """What one worker process holds: engine, agent, KV layout, identity and roles."""
 
-    async def _lacks(self, rpc: str, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc}: this is a {self.role} node")
+    def __init__(self, role: str, engine, agent, layout, identity, prefill=None,
+                 decode=None) -> None:
+        self.role, self.engine, self.agent, self.layout = role, engine, agent, layout
+        self.identity = identity  # runtime.identity.NodeIdentity
+        self.prefill, self.decode = prefill, decode  # PrefillRole / DecodeRole or None
+        self.roles = [r for r in (prefill, decode) if r is not None]
+        self.stop = asyncio.Event()  # set by the Drain RPC (or a signal): drain, then exit
 
-    async def PrepareReceive(self, request, context):
-        if self.decode is None:
-            await self._lacks("PrepareReceive", context)
-        return await self.decode.prepare_receive(request, context)
 
-    async def RemoteSend(self, request, context):
-        if self.prefill is None:
-            await self._lacks("RemoteSend", context)
-        return await self.prefill.remote_send(request, context)
+class NodeService:
+    """The Worker RPCs of the node itself, whatever its roles."""
 
-    async def StartGeneration(self, request, context):
-        if self.decode is None:
-            await self._lacks("StartGeneration", context)
-        async for msg in self.decode.start_generation(request, context):
-            yield msg
+    def __init__(self, node: Node) -> None:
+        self.node = node
 
     async def Abort(self, request, context):
         found = False
-        for edge in (self.prefill, self.decode):
-            if edge is not None:
-                found = await edge.role.abort(request.request_id,
-                                              settled=request.kv_write_settled) or found
+        for role in self.node.roles:
+            found = await role.abort(request.request_id, settled=request.kv_write_settled) or found
         return pdserve_pb2.AbortResponse(found=found)
 
     async def GetTransferInfo(self, request, context):
+        n = self.node
         return pdserve_pb2.TransferInfo(
-            agent_name=self.agent.name, agent_metadata=self.agent.metadata(),
-            layout=pdserve_pb2.KVLayout(**self.layout.to_dict()), role=self.role, model=self.model,
-            model_hash=self.model_hash)
-
-    async def DeliverWindow(self, request, context):
-        if self.prefill is None:
-            await self._lacks("DeliverWindow", context)
-        return await self.prefill.deliver_window(request, context)
+            agent_name=n.agent.name, agent_metadata=n.agent.metadata(),
+            layout=pdserve_pb2.KVLayout(**n.layout.to_dict()), role=n.role,
+            model=n.identity.model, model_hash=n.identity.model_hash)
 
     async def Drain(self, request, context):
-        if self.stop is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node cannot drain by RPC")
-        self.stop.set()  # serve() turns health NOT_SERVING, deregisters, drains, exits
+        self.node.stop.set()  # serve() turns health NOT_SERVING, deregisters, drains, exits
         return pdserve_pb2.DrainResponse(draining=True)
 
     async def GetLoad(self, request, context):
-        free, total = await self.engine.run(lambda e: (e.num_free_pages(), e.num_total_pages()))
-        report = pdserve_pb2.LoadReport(role=self.role, free_pages=free, total_pages=total)
-        for edge in (self.prefill, self.decode):
-            if edge is not None:
-                for key, value in edge.role.stats().items():
-                    setattr(report, key, getattr(report, key) + value)
+        n = self.node
+        free, total = await n.engine.run(lambda e: (e.num_free_pages(), e.num_total_pages()))
+        report = pdserve_pb2.LoadReport(role=n.role, free_pages=free, total_pages=total)
+        if n.prefill is not None:
+            p = n.prefill.load()
+            report.num_running += p.num_running
+            report.remote_sends_total = p.remote_sends_total
+            report.last_kv_window_begin = p.last_kv_window_begin
+            report.kv_bytes_sent_total = p.kv_bytes_sent_total
+        if n.decode is not None:
+            d = n.decode.load()
+            report.num_running += d.num_running
+            report.num_parked = d.num_parked
+            report.requests_total = d.requests_total
+            report.prefix_hit_tokens_total = d.prefix_hit_tokens_total
+            report.leases_expired_total = d.leases_expired_total
+            report.num_quarantined = d.num_quarantined
+            report.late_writes_total = d.late_writes_total
         return report
 
 
-async def run_worker(role: str, prefill_config=None, decode_config=None,
-                     metrics_port: int | None = None, membership=None) -> None:
-    """Build and serve a `prefill`, `decode` or `both` node until SIGTERM/SIGINT or a Drain
-    RPC; with a `metrics_port`, also Prometheus /metrics over HTTP on it; with `membership`
-    (a `MembershipConfig`), registered in etcd while it serves."""
-    import asyncio
+def worker_servicer(role: str, *services) -> pdserve_pb2_grpc.WorkerServicer:
+    """The Worker service of a node: each RPC is the method of the first of `services`
+    that has it; an RPC none has answers UNIMPLEMENTED naming this node's role."""
+    servicer = pdserve_pb2_grpc.WorkerServicer()
+    for rpc in WORKER_RPCS:
+        owner = next((s for s in services if hasattr(s, rpc)), None)
+        setattr(servicer, rpc, getattr(owner, rpc) if owner else _lacking(rpc, role))
+    return servicer
 
+
+def _lacking(rpc: str, role: str):
+    async def unimplemented(request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc}: this is a {role} node")
+    return unimplemented
+
+
+async def sample_gauges(node: Node) -> None:
+    """This node's gauges, sampled when /metrics is scraped (an idle node does no work)."""
+    free, total, waiting, running = await node.engine.run(lambda e: (
+        e.num_free_pages(), e.num_total_pages(), len(e.scheduler.waiting),
+        len(e.scheduler.running)))
+    metrics.set_pages(node.role, free, total)
+    depth = metrics.QUEUE_DEPTH
+    depth.labels(role=node.role, queue="waiting").set(waiting)
+    depth.labels(role=node.role, queue="running").set(running)
+    if node.decode is not None:
+        load = node.decode.load()
+        depth.labels(role=node.role, queue="parked").set(load.num_parked)
+        metrics.LEASES_EXPIRED.set(load.leases_expired_total)
+    if node.prefill is not None:
+        depth.labels(role=node.role, queue="remote_send").set(node.prefill.load().num_running)
+
+
+async def run_worker(config: WorkerConfig) -> None:
+    """Build and serve a `prefill`, `decode` or `both` node until SIGTERM/SIGINT or a Drain
+    RPC; with a metrics port, also Prometheus /metrics over HTTP on it; with `--etcd`,
+    registered in etcd while it serves."""
+    from decode.role import DecodeRole
+    from decode.service import DecodeService
     from engine.async_engine import AsyncEngine
-    from pdserve.identity import model_hash
     from kvtransfer.agent import TransferAgent
     from kvtransfer.layout import KVLayout
+    from prefill.role import PrefillRole
+    from prefill.service import PrefillService
+    from runtime.gates import Gates, GatesService
+    from runtime.identity import NodeIdentity, model_hash
+    from runtime.server import new_server, serve, wait_idle
 
-    config = (prefill_config or decode_config)
-    engine_config = config.engine
-    engine = AsyncEngine(engine_config)
-    kv_cache, page_size, limits = await engine.run(
-        lambda e: (e.kv_cache, e.page_size, (e.vocab_size, e.max_model_len)))
+    role = config.role
+    engine = AsyncEngine(config.engine)
+    kv_cache, page_size, vocab_size, max_model_len = await engine.run(
+        lambda e: (e.kv_cache, e.page_size, e.vocab_size, e.max_model_len))
     agent = TransferAgent(agent_name(role), kv_cache)
     layout = KVLayout.from_tensor(kv_cache, page_size)
-
+    identity = NodeIdentity(
+        model=config.engine.model_dir, model_hash=model_hash(config.engine.model_dir),
+        dtype=layout.dtype, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim, page_size=layout.page_size, role=role)
+    gates = Gates(config.test_gates) if config.test_gates else None
     prefill = decode = None
-    if prefill_config is not None:
-        from prefill.peers import DecodePeers
-        from prefill.role import PrefillRole
-        from prefill.servicer import PrefillEdge
-
-        prefill = PrefillEdge(PrefillRole(engine, agent, layout, prefill_config),
-                              DecodePeers(agent, layout))
-    if decode_config is not None:
-        from decode.role import DecodeRole
-        from decode.servicer import DecodeEdge
-
-        decode = DecodeEdge(DecodeRole(engine, agent, decode_config), *limits)
-
-    from pdserve.worker_metrics import ObservedColocatedServicer, ObservedWorkerServicer
+    services: list = []
+    if "prefill" in ROLES[role]:
+        prefill = PrefillRole(engine, agent, layout, config.prefill, gates)
+        services.append(PrefillService(prefill))
+    if "decode" in ROLES[role]:
+        decode = DecodeRole(engine, agent, config.decode, vocab_size, max_model_len)
+        services.append(DecodeService(decode))
+    node = Node(role, engine, agent, layout, identity, prefill, decode)
 
     server = new_server()
-    services = [WORKER]
-    stop_event = asyncio.Event()
-    servicer = ObservedWorkerServicer(role, engine_config.model_dir, engine, agent, layout,
-                                      prefill, decode, model_hash=model_hash(engine_config.model_dir),
-                                      stop=stop_event)
-    registration = None
-    pdserve_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    names = [WORKER]
+    pdserve_pb2_grpc.add_WorkerServicer_to_server(
+        worker_servicer(role, NodeService(node), *services), server)
     if role == "both":
-        tokenizer = await engine.run(lambda e: e.tokenizer)
+        from pdserve.colocated import ColocatedService
+
         pdserve_pb2_grpc.add_GenerationServicer_to_server(
-            ObservedColocatedServicer(engine, tokenizer, engine_config.model_dir, *limits), server)
-        services.append(GENERATION)
-    http = await _start_metrics(servicer, config.host, metrics_port)
+            ColocatedService(decode, config.engine.model_dir), server)
+        names.append(GENERATION)
+    if gates is not None:
+        from proto import testing_pb2_grpc
+        from runtime.gates import SERVICE as GATES
+
+        testing_pb2_grpc.add_GatesServicer_to_server(GatesService(gates), server)
+        names.append(GATES)
+    http = await _start_metrics(node, config)
+    registration = None
+
+    async def register(port: int) -> None:
+        nonlocal registration
+        if config.membership.etcd:
+            from runtime.membership import WorkerRecord, advertised_address
+
+            address = config.membership.advertise_address or \
+                advertised_address(config.server.host, port)
+            record = WorkerRecord(address, ROLES[role][0], agent.name, identity)
+            registration = config.membership.registration(record)
+            await registration.start()
+
+    async def drain() -> None:  # SIGTERM or Drain: no new work, leave discovery, finish
+        for r in node.roles:
+            r.draining = True
+        if registration is not None:
+            await registration.withdraw()
+        await wait_idle(lambda: not any(r.busy() for r in node.roles),
+                        config.server.drain_timeout_s)
 
     async def stop() -> None:
         if http is not None:
             await http.cleanup()
-        for edge in (prefill, decode):
-            if edge is not None:
-                edge.role.close()
+        for r in node.roles:
+            r.close()
         engine.shutdown()
         agent.close()
 
-    roles = [edge.role for edge in (prefill, decode) if edge is not None]
-
-    async def register(port: int) -> None:
-        nonlocal registration
-        if membership is not None and membership.etcd:
-            registration = membership.registration(servicer, config.host, port)
-            await registration.start()
-
-    async def drain() -> None:  # SIGTERM or Drain: leave discovery, no new work, finish
-        if registration is not None:
-            await registration.withdraw()
-        for r in roles:
-            r.draining = True
-        await wait_idle(lambda: not any(r.busy() for r in roles), config.drain_timeout_s)
-
-    await serve(server, role=role, host=config.host, port=config.port,
-                service_names=services, on_stop=stop, drain=drain, on_start=register,
-                stop=stop_event)
+    await serve(server, role=role, host=config.server.host, port=config.server.port,
+                service_names=names, on_stop=stop, drain=drain, on_start=register,
+                stop=node.stop)
 
 
-async def _start_metrics(servicer: WorkerServicer, host: str, port: int | None):
-    if port is None:
+async def _start_metrics(node: Node, config: WorkerConfig):
+    if config.metrics_port is None:
         return None
-    from pdserve import metrics
-    from pdserve.http import metrics_app, start_http
-    from pdserve.worker_metrics import worker_refresh
+    from runtime.http import metrics_app, start_http
 
-    metrics.NODE.info({"role": servicer.role, "model": servicer.model})
-    return await start_http(metrics_app(lambda: worker_refresh(servicer)), host, port,
-                            f"{servicer.role} /metrics")
-
-
-class MembershipConfig:
-    """Where a worker registers itself (`--etcd`, `--etcd-prefix`, `--etcd-ttl-s`,
-    `--advertise-address`); `etcd` empty: no registration."""
-
-    def __init__(self, etcd: str = "", prefix: str = "", ttl_s: int = 5,
-                 advertise_address: str = "") -> None:
-        self.etcd, self.prefix, self.ttl_s = etcd, prefix, ttl_s
-        self.advertise_address = advertise_address
-
-    def registration(self, servicer: WorkerServicer, host: str, port: int):
-        from pdserve.identity import NodeIdentity
-        from pdserve.membership import DEFAULT_PREFIX, Registration, WorkerRecord, advertised_address
-
-        layout = servicer.layout
-        identity = NodeIdentity(model=servicer.model, model_hash=servicer.model_hash,
-                                dtype=layout.dtype, num_layers=layout.num_layers,
-                                num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                                page_size=layout.page_size, role=servicer.role)
-        address = self.advertise_address or advertised_address(host, port)
-        roles = ["prefill", "decode"] if servicer.role == "both" else [servicer.role]
-        record = WorkerRecord(address, roles[0], servicer.agent.name, identity)
-        return Registration(self.etcd, record, self.prefix or DEFAULT_PREFIX, self.ttl_s)
+    metrics.NODE.info({"role": node.role, "model": node.identity.model})
+    return await start_http(metrics_app(lambda: sample_gauges(node)), config.server.host,
+                            config.metrics_port, f"{node.role} /metrics")

@@ -1,8 +1,8 @@
 """Decode peers known to this prefill node: NIXL agent added once, layout checked once.
 
 Keyed by the decode agent's name, which is unique per process start: a restarted decode
-node has a new name, so a stale entry is never used for it. On a miss the peer's
-TransferInfo comes from the RemoteSend request or from GetTransferInfo on its address.
+node has a new name, so a stale entry is never used for it. On a miss the peer's transfer
+identity comes with the request (`PeerRef.info`) or from `GetTransferInfo` on its address.
 """
 
 from __future__ import annotations
@@ -10,23 +10,48 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import grpc
+
 from kvtransfer.layout import KVLayout
-from pdserve.server import channel
 from proto import pdserve_pb2, pdserve_pb2_grpc
+from runtime.errors import PeerUnavailable, Refused
+from runtime.server import channel
 
 
-class IncompatiblePeer(Exception):
-    """The decode node's KV layout cannot receive this node's KV."""
+class IncompatiblePeer(Refused):
+    """The decode node's KV layout cannot receive this node's KV (or it is not the node
+    the request named)."""
 
 
-@dataclass
+@dataclass(frozen=True)
+class PeerInfo:
+    """A decode node's transfer identity: its NIXL agent and where its KV pool lives."""
+
+    agent_name: str
+    agent_metadata: bytes
+    layout: KVLayout
+
+    @classmethod
+    def from_pb(cls, info: pdserve_pb2.TransferInfo) -> "PeerInfo":
+        layout = KVLayout.from_dict({f.name: getattr(info.layout, f.name)
+                                     for f in info.layout.DESCRIPTOR.fields})
+        return cls(info.agent_name, info.agent_metadata, layout)
+
+
+@dataclass(frozen=True)
+class PeerRef:
+    """How a request names its decode node: agent name, Worker address, and optionally the
+    identity itself (saves the GetTransferInfo round trip)."""
+
+    agent_name: str
+    address: str
+    info: PeerInfo | None = None
+
+
+@dataclass(frozen=True)
 class DecodePeer:
     agent_name: str
     layout: KVLayout
-
-
-def layout_from_pb(pb: pdserve_pb2.KVLayout) -> KVLayout:
-    return KVLayout.from_dict({f.name: getattr(pb, f.name) for f in pb.DESCRIPTOR.fields})
 
 
 class DecodePeers:
@@ -37,30 +62,32 @@ class DecodePeers:
         self._peers: dict[str, DecodePeer] = {}
         self._lock = asyncio.Lock()
 
-    async def get(self, agent_name: str, address: str,
-                  info: pdserve_pb2.TransferInfo | None) -> DecodePeer:
-        peer = self._peers.get(agent_name)
+    async def get(self, ref: PeerRef) -> DecodePeer:
+        peer = self._peers.get(ref.agent_name)
         if peer is not None:
             return peer
         async with self._lock:  # one handshake per peer, however many requests race
-            peer = self._peers.get(agent_name)
+            peer = self._peers.get(ref.agent_name)
             if peer is None:
-                if info is None or not info.agent_name:
-                    info = await self._fetch(address)
-                if info.agent_name != agent_name:
-                    raise IncompatiblePeer(f"decode node {address} runs agent {info.agent_name!r}, "
-                                           f"not {agent_name!r} (restarted?)")
-                layout = layout_from_pb(info.layout)
-                problems = self.local_layout.incompatibilities(layout)
+                info = ref.info or await self._fetch(ref.address)
+                if info.agent_name != ref.agent_name:
+                    raise IncompatiblePeer(f"decode node {ref.address} runs agent "
+                                           f"{info.agent_name!r}, not {ref.agent_name!r} "
+                                           "(restarted?)")
+                problems = self.local_layout.incompatibilities(info.layout)
                 if problems:
-                    raise IncompatiblePeer(f"decode node {address} cannot receive this node's KV: "
-                                           + "; ".join(problems))
+                    raise IncompatiblePeer(f"decode node {ref.address} cannot receive this "
+                                           "node's KV: " + "; ".join(problems))
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(None, self.agent.add_remote, info.agent_metadata)
-                peer = self._peers[agent_name] = DecodePeer(agent_name, layout)
+                peer = self._peers[ref.agent_name] = DecodePeer(ref.agent_name, info.layout)
         return peer
 
-    async def _fetch(self, address: str) -> pdserve_pb2.TransferInfo:
-        async with channel(address) as ch:
-            stub = pdserve_pb2_grpc.WorkerStub(ch)
-            return await stub.GetTransferInfo(pdserve_pb2.TransferInfoRequest(), timeout=self.timeout_s)
+    async def _fetch(self, address: str) -> PeerInfo:
+        try:
+            async with channel(address) as ch:
+                info = await pdserve_pb2_grpc.WorkerStub(ch).GetTransferInfo(
+                    pdserve_pb2.TransferInfoRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise PeerUnavailable(f"GetTransferInfo on {address}: {err.details()}") from None
+        return PeerInfo.from_pb(info)

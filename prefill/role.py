@@ -1,31 +1,27 @@
 """The prefill role: compute a prompt's KV and push the window [begin, end) to a decode node.
 
-Preconditions checked before any work: 0 <= begin < end < len(prompt), and the append
-metadata names exactly end - begin slots inside the decode node's pool. The engine never
-samples here (prefill_only); the request's pages stay pinned until the write has
-completed or failed, then are released (full pages stay in the prefix cache). The
-notification is posted by the agent only after every write completed.
+Two request kinds, one per method:
+- `remote_send(RemoteSend)`: the decode node D has reserved; the request carries the whole
+  window (begin, D's slots as append metadata, lease, D's identity).
+- `remote_send_overlapped(OverlappedSend)`: the router sends it before D has reserved, so
+  only `end` is known; the prefill of prompt[:end] starts at once and the rest of the window
+  arrives by `deliver_window` while it runs. A window that does not arrive before the
+  deadline, or an abort while waiting, ends the request without writing anything.
 
-No stale writes: a write starts only if the request was not aborted, the decode node's
-lease (`lease_expires_unix_s`, on D's clock) has not ended and the RemoteSend's deadline
-(its gRPC deadline, capped by `transfer_timeout_s`) has not passed, and it is bounded by
-the earlier of the two. D keeps a freed reservation's pages until the lease's end plus a
-grace period (decode/quarantine.py), so a late write can only land in pages nobody uses. A RemoteSend that ends before its write began tells the decode
-node so (`no_write_tag`), which lets it reuse the reservation's pages at once. A write
-that began is always awaited to its end, even when the call is cancelled: the source
-pages are never released while NIXL still reads them.
+Preconditions of every write: 0 <= begin < end < len(prompt), and the append metadata names
+exactly end - begin slots inside D's pool. The engine never samples here (prefill_only);
+the request's pages stay pinned until the write completed or failed, then are released
+(full pages stay in the prefix cache). The notification is posted by the agent only after
+every write completed.
 
-Overlap (`window_follows`): the router may send RemoteSend before the decode node has
-reserved. Then only `end` is known up front; the prefill of prompt[:end] starts at once, and
-the rest of the window (begin, append metadata, lease, peer) arrives by `deliver_window`
-while it runs. Every check above then runs when the window arrives, before any write; a
-window that does not arrive before the deadline, or an abort while waiting, ends the
-RemoteSend without writing anything.
-
-Test-only delays (hidden flags `--debug-delay-prefill-ms` and `--debug-delay-kv-write-ms`,
-for RemoteSends whose request id starts with `--debug-delay-prefix`) make the phases
-"prefill in progress" and "transfer in flight" long enough for fault tests to hit. The
-write delay comes after the deadline check, so it models a write that lands late.
+No stale writes: a write starts only if the request was not aborted, D's lease
+(`lease_expires_unix_s`, on D's clock) has not ended and the deadline (the call's,
+capped by `transfer_timeout_s`) has not passed, and it is bounded by the earlier of the
+two. D keeps a freed reservation's pages until the lease's end plus a grace period
+(decode/quarantine.py), so a late write can only land in pages nobody uses. A request that
+ends before its write began tells D so (`no_write_tag`), which lets D reuse the pages at
+once. A write that began is always awaited to its end, even when the call is cancelled:
+the source pages are never released while NIXL still reads them.
 """
 
 from __future__ import annotations
@@ -37,88 +33,153 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine import SamplingParams
+from kvtransfer.agent import TransferError
 from kvtransfer.metadata import decode_append_metadata, validate_append_metadata
 from kvtransfer.plan import plan_transfer
 from kvtransfer.window import resolve_kv_window
-from pdserve.errors import NodeDraining, NodeOverloaded, RequestAborted
 from prefill.config import PrefillConfig
+from prefill.peers import DecodePeer, DecodePeers, PeerRef
 from proto.tags import no_write_tag, notification_tag
+from runtime.errors import (NodeDraining, NodeOverloaded, PeerUnavailable, Refused,
+                            RequestAborted, TimedOut)
 
 log = logging.getLogger("pdserve.prefill")
 
 
-class DeadlinePassed(Exception):
-    """The RemoteSend's deadline passed before its write could start."""
-
-
-class LeaseEnded(Exception):
+class LeaseEnded(Refused):
     """The decode node's reservation lease ended: writing now could hit reused pages."""
 
 
 @dataclass
+class Window:
+    """What a send needs from the decode node's PrepareReceive."""
+
+    begin: int
+    kv_append_metadata: list[int]
+    lease_id: str
+    decode: PeerRef
+    lease_expires_unix_s: float
+
+
+@dataclass
+class RemoteSend:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_window_end: int  # Python-style
+    window: Window
+    timeout_s: float | None = None  # the caller's deadline
+
+
+@dataclass
+class OverlappedSend:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_window_end: int  # Python-style; the rest of the window comes by deliver_window
+    timeout_s: float | None = None
+
+
+@dataclass
 class SendResult:
-    num_tokens_sent: int
+    kv_window_begin: int  # absolute
+    kv_window_end: int
     num_bytes: int
     num_descriptors: int
     prefill_cached_tokens: int
     prefill_s: float
     transfer_s: float
 
-
-@dataclass
-class Window:
-    """What a RemoteSend needs from the decode node's PrepareReceive."""
-
-    begin: int
-    kv_append_metadata: list[int]
-    lease_id: str
-    peer: object  # prefill.peers.DecodePeer
-    lease_expires_unix_s: float
+    @property
+    def num_tokens_sent(self) -> int:
+        return self.kv_window_end - self.kv_window_begin
 
 
 @dataclass
-class Sending:
-    """A RemoteSend in progress: abort stops it unless its write already began."""
+class PrefillLoad:
+    num_running: int
+    remote_sends_total: int
+    last_kv_window_begin: int
+    kv_bytes_sent_total: int
+
+
+@dataclass
+class _Sending:
+    """A send in progress: abort stops it unless its write already began."""
 
     aborted: bool = False
     writing: bool = False
-    window: asyncio.Future | None = None  # set while waiting for `deliver_window`
+    window: asyncio.Future | None = None  # (Window, DecodePeer), while it may still come
+    delivered: tuple[Window, DecodePeer] | None = None
 
 
 class PrefillRole:
-    def __init__(self, engine, agent, layout, config: PrefillConfig) -> None:
+    def __init__(self, engine, agent, layout, config: PrefillConfig, gates=None) -> None:
         self.engine = engine  # AsyncEngine
         self.agent = agent    # TransferAgent
         self.layout = layout  # this node's KVLayout
         self.config = config
-        self.in_flight: dict[str, Sending] = {}
+        self.peers = DecodePeers(agent, layout)
+        self.gates = gates    # runtime.gates.Gates in fault tests, else None
+        self.in_flight: dict[str, _Sending] = {}
         self.draining = False
         self._writers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-write")
+        self._early_windows: dict[str, tuple[float, object]] = {}
         self.remote_sends_total = 0
         self.last_kv_window_begin = 0
         self.kv_bytes_sent_total = 0
-        self._early_windows: dict[str, tuple[float, Window | BaseException]] = {}
 
-    def _check_window(self, request_id: str, prompt_len: int, end: int, w: Window) -> list[int]:
-        """Every precondition of a write that depends on the window; D's slots."""
-        self._check_lease(request_id, w.lease_expires_unix_s)
-        begin, end = resolve_kv_window(w.begin, end, prompt_len)
-        validate_append_metadata(w.kv_append_metadata, end - begin, w.peer.layout.num_slots)
-        return decode_append_metadata(w.kv_append_metadata)
+    # ---- the two request kinds -------------------------------------------------------
+    async def remote_send(self, req: RemoteSend) -> SendResult:
+        n = len(req.prompt_token_ids)
+        _, end = resolve_kv_window(req.window.begin, req.kv_window_end, n)
+        peer = await self.peers.get(req.window.decode)
+        dst_slots = self._check_window(req.request_id, n, end, req.window, peer)
+        sending = self._admit(req.request_id)
+        sending.delivered = (req.window, peer)
+        return await self._send(req.request_id, req.prompt_token_ids, end, sending,
+                                self._deadline(req.timeout_s), dst_slots)
 
-    async def remote_send(self, request_id: str, prompt_token_ids: list[int], begin: int,
-                          end: int, kv_append_metadata: list[int], lease_id: str,
-                          peer, lease_expires_unix_s: float,
-                          timeout_s: float | None = None,
-                          window_follows: bool = False) -> SendResult:
-        deadline = time.monotonic() + min(self.config.transfer_timeout_s,
-                                          timeout_s if timeout_s is not None else float("inf"))
-        window = None
-        if window_follows:
-            _, end = resolve_kv_window(0, end, len(prompt_token_ids))
-        else:
-            window = Window(begin, kv_append_metadata, lease_id, peer, lease_expires_unix_s)
-            dst_slots = self._check_window(request_id, len(prompt_token_ids), end, window)
+    async def remote_send_overlapped(self, req: OverlappedSend) -> SendResult:
+        _, end = resolve_kv_window(0, req.kv_window_end, len(req.prompt_token_ids))
+        sending = self._admit(req.request_id)
+        sending.window = asyncio.get_running_loop().create_future()
+        early = self._early_windows.pop(req.request_id, None)
+        if early is not None:
+            _resolve(sending.window, early[1])
+        return await self._send(req.request_id, req.prompt_token_ids, end, sending,
+                                self._deadline(req.timeout_s), None)
+
+    async def deliver_window(self, request_id: str, window: Window | ValueError) -> bool:
+        """The rest of an overlapped send, or why it is malformed. A window that is bad or
+        whose decode node cannot be used fails the waiting send with the same reason (and
+        raises it); one that arrives before its send is kept briefly for it. Whether a send
+        was waiting for it."""
+        delivery: object = window
+        if not isinstance(window, ValueError):
+            try:
+                delivery = (window, await self.peers.get(window.decode))
+            except PeerUnavailable as err:  # D unreachable: the send cannot go there
+                delivery = Refused(str(err))
+            except Refused as err:
+                delivery = err
+        found = self._deliver(request_id, delivery)
+        if isinstance(delivery, Exception):
+            raise delivery
+        return found
+
+    async def abort(self, request_id: str, settled: bool = False) -> bool:
+        sending = self.in_flight.get(request_id)
+        if sending is None:
+            return False
+        sending.aborted = True
+        if sending.window is not None and not sending.window.done():
+            _resolve(sending.window, RequestAborted(
+                f"RemoteSend of {request_id!r} aborted while waiting for its KV window"))
+        if not sending.writing:
+            await self.engine.abort(request_id)
+        return True
+
+    # ---- one send ----------------------------------------------------------------------
+    def _admit(self, request_id: str) -> _Sending:
         if request_id in self.in_flight:
             raise ValueError(f"duplicate request_id {request_id!r}")
         if self.draining:
@@ -126,90 +187,63 @@ class PrefillRole:
         if len(self.in_flight) >= self.config.max_in_flight:
             raise NodeOverloaded(f"prefill node is at its limit of {self.config.max_in_flight} "
                                  "RemoteSends")
-        sending = self.in_flight[request_id] = Sending()
-        if window_follows:
-            sending.window = asyncio.get_running_loop().create_future()
-            early = self._early_windows.pop(request_id, None)
-            if early is not None:
-                self._resolve(sending.window, early[1])
+        sending = self.in_flight[request_id] = _Sending()
+        return sending
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        bound = self.config.transfer_timeout_s
+        return time.monotonic() + (bound if timeout_s is None else min(bound, timeout_s))
+
+    async def _send(self, request_id: str, prompt: list[int], end: int, sending: _Sending,
+                    deadline: float, dst_slots: list[int] | None) -> SendResult:
         try:
             t0 = time.perf_counter()
-            last = await self._prefill(request_id, prompt_token_ids[:end], sending)
-            if window is None:
-                window = await self._wait_window(request_id, sending, deadline)
-                dst_slots = self._check_window(request_id, len(prompt_token_ids), end, window)
-            begin, peer, lease_id = window.begin, window.peer, window.lease_id
-            lease_expires_unix_s = window.lease_expires_unix_s
+            last = await self._prefill(request_id, prompt[:end], sending)
+            if sending.delivered is None:
+                sending.delivered = await self._wait_window(request_id, sending, deadline)
+                dst_slots = self._check_window(request_id, len(prompt), end, *sending.delivered)
+            window, peer = sending.delivered
             t1 = time.perf_counter()
             try:
                 src_slots = await self.engine.run(lambda e: e.slots_of(request_id))
             except ValueError:  # an Abort freed it between prefill and here
                 raise RequestAborted(f"RemoteSend of {request_id!r} aborted") from None
-            plan = plan_transfer(self.layout, src_slots[begin:end], peer.layout, dst_slots)
+            plan = plan_transfer(self.layout, src_slots[window.begin:end], peer.layout, dst_slots)
             if sending.aborted:
                 raise RequestAborted(f"RemoteSend of {request_id!r} aborted before writing")
-            self._check_lease(request_id, lease_expires_unix_s)
-            remaining = min(deadline - time.monotonic(), lease_expires_unix_s - time.time())
+            _check_lease(request_id, window.lease_expires_unix_s)
+            remaining = min(deadline - time.monotonic(), window.lease_expires_unix_s - time.time())
             if remaining <= 0:
-                raise DeadlinePassed(f"RemoteSend of {request_id!r} reached its deadline "
-                                     "before writing")
+                raise TimedOut(f"RemoteSend of {request_id!r} reached its deadline before "
+                               "writing")
             sending.writing = True
-            await self._write(peer.agent_name, plan, notification_tag(request_id, lease_id),
-                              remaining, self._debug_delay_s(request_id, "kv_write"))
+            await self._write(request_id, peer.agent_name, plan,
+                              notification_tag(request_id, window.lease_id), remaining)
             t2 = time.perf_counter()
         finally:
             del self.in_flight[request_id]
             await asyncio.shield(self.engine.run(lambda e: e.release(request_id)))
-            if window is None and sending.window is not None and sending.window.done() \
-                    and sending.window.exception() is None:
-                window = sending.window.result()  # came, but the prefill ended first
-            if not sending.writing and window is not None:
-                self._tell_no_write(window.peer.agent_name, no_write_tag(request_id, window.lease_id))
+            delivered = sending.delivered or _delivered(sending.window)
+            if not sending.writing and delivered is not None:
+                window, peer = delivered
+                self._tell_no_write(peer.agent_name, no_write_tag(request_id, window.lease_id))
         self.remote_sends_total += 1
-        self.last_kv_window_begin = begin
+        self.last_kv_window_begin = window.begin
         self.kv_bytes_sent_total += plan.total_bytes
-        return SendResult(end - begin, plan.total_bytes, plan.num_descriptors,
+        return SendResult(window.begin, end, plan.total_bytes, plan.num_descriptors,
                           last.num_cached_tokens, t1 - t0, t2 - t1)
 
-    async def _wait_window(self, request_id: str, sending: Sending, deadline: float) -> Window:
-        try:
-            return await asyncio.wait_for(asyncio.shield(sending.window),
-                                          max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise DeadlinePassed(f"the KV window of RemoteSend {request_id!r} did not arrive "
-                                 "before its deadline; nothing was written") from None
+    def _check_window(self, request_id: str, prompt_len: int, end: int, window: Window,
+                      peer: DecodePeer) -> list[int]:
+        """Every precondition of a write that depends on the window; D's slots."""
+        _check_lease(request_id, window.lease_expires_unix_s)
+        begin, end = resolve_kv_window(window.begin, end, prompt_len)
+        validate_append_metadata(window.kv_append_metadata, end - begin, peer.layout.num_slots)
+        return decode_append_metadata(window.kv_append_metadata)
 
-    def deliver_window(self, request_id: str, window: Window | BaseException) -> bool:
-        """The rest of a `window_follows` RemoteSend (or why it cannot come). One that
-        arrives before its RemoteSend is kept briefly for it."""
-        sending = self.in_flight.get(request_id)
-        if sending is None:
-            now = time.monotonic()
-            self._early_windows = {k: v for k, v in self._early_windows.items() if now - v[0] < 30}
-            self._early_windows[request_id] = (now, window)
-            return False
-        if sending.window is None or sending.window.done():
-            return False
-        self._resolve(sending.window, window)
-        return True
-
-    @staticmethod
-    def _resolve(future: asyncio.Future, window: Window | BaseException) -> None:
-        if isinstance(window, BaseException):
-            future.set_exception(window)
-            future.exception()  # retrieved: the RemoteSend may have ended before waiting
-        else:
-            future.set_result(window)
-
-    @staticmethod
-    def _check_lease(request_id: str, lease_expires_unix_s: float) -> None:
-        late_s = time.time() - lease_expires_unix_s
-        if late_s >= 0:
-            raise LeaseEnded(f"the decode node's lease of request {request_id!r} ended "
-                             f"{late_s * 1000:.0f} ms ago; nothing was written")
-
-    async def _prefill(self, request_id: str, prompt: list[int], sending: Sending):
-        await asyncio.sleep(self._debug_delay_s(request_id, "prefill"))
+    async def _prefill(self, request_id: str, prompt: list[int], sending: _Sending):
+        if self.gates is not None:
+            await self.gates.passage("prefill", request_id)
         if sending.aborted:
             raise RequestAborted(f"RemoteSend of {request_id!r} aborted before prefill")
         last = None
@@ -223,14 +257,37 @@ class PrefillRole:
                                f"{getattr(last, 'finish_reason', None)!r}")
         return last
 
-    async def _write(self, agent_name: str, plan, tag: bytes, timeout_s: float,
-                     delay_s: float = 0.0) -> None:
-        """The NIXL write, awaited to its end even if this call is cancelled."""
-        def write_kv():
-            time.sleep(delay_s)  # test-only: a write that is slow to land
-            self.agent.write(agent_name, plan, tag, timeout_s)
+    async def _wait_window(self, request_id: str, sending: _Sending, deadline: float):
+        try:
+            return await asyncio.wait_for(asyncio.shield(sending.window),
+                                          max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise TimedOut(f"the KV window of RemoteSend {request_id!r} did not arrive before "
+                           "its deadline; nothing was written") from None
 
-        write = asyncio.get_running_loop().run_in_executor(self._writers, write_kv)
+    def _deliver(self, request_id: str, delivery: object) -> bool:
+        sending = self.in_flight.get(request_id)
+        if sending is None:
+            now = time.monotonic()
+            self._early_windows = {k: v for k, v in self._early_windows.items() if now - v[0] < 30}
+            self._early_windows[request_id] = (now, delivery)
+            return False
+        if sending.window is None or sending.window.done():
+            return False
+        _resolve(sending.window, delivery)
+        return True
+
+    async def _write(self, request_id: str, agent_name: str, plan, tag: bytes,
+                     timeout_s: float) -> None:
+        """The NIXL write, awaited to its end even if this call is cancelled (a test gate
+        holds it at its start, as a write that lands late)."""
+        async def write_kv():
+            if self.gates is not None:
+                await self.gates.passage("kv_write", request_id)
+            await asyncio.get_running_loop().run_in_executor(
+                self._writers, self.agent.write, agent_name, plan, tag, timeout_s)
+
+        write = asyncio.ensure_future(write_kv())
         try:
             await asyncio.shield(write)
         except asyncio.CancelledError:
@@ -239,6 +296,8 @@ class PrefillRole:
             except Exception:
                 pass
             raise
+        except TransferError as err:
+            raise PeerUnavailable(f"KV write failed: {err}") from None
 
     def _tell_no_write(self, agent_name: str, tag: bytes) -> None:
         def send():
@@ -248,31 +307,36 @@ class PrefillRole:
                 log.warning("no-write notice to %s failed: %s", agent_name, err)
         self._writers.submit(send)
 
-    def _debug_delay_s(self, request_id: str, phase: str) -> float:
-        delay_ms = getattr(self.config, f"debug_delay_{phase}_ms")
-        if delay_ms and request_id.startswith(self.config.debug_delay_prefix):
-            return delay_ms / 1000
-        return 0.0
-
-    async def abort(self, request_id: str, settled: bool = False) -> bool:
-        sending = self.in_flight.get(request_id)
-        if sending is None:
-            return False
-        sending.aborted = True
-        if sending.window is not None and not sending.window.done():
-            self._resolve(sending.window, RequestAborted(
-                f"RemoteSend of {request_id!r} aborted while waiting for its KV window"))
-        if not sending.writing:
-            await self.engine.abort(request_id)
-        return True
-
+    # ---- node ----------------------------------------------------------------------------
     def busy(self) -> bool:
         return bool(self.in_flight)
 
-    def stats(self) -> dict:
-        return {"num_running": len(self.in_flight), "remote_sends_total": self.remote_sends_total,
-                "last_kv_window_begin": self.last_kv_window_begin,
-                "kv_bytes_sent_total": self.kv_bytes_sent_total}
+    def load(self) -> PrefillLoad:
+        return PrefillLoad(len(self.in_flight), self.remote_sends_total,
+                           self.last_kv_window_begin, self.kv_bytes_sent_total)
 
     def close(self) -> None:
         self._writers.shutdown(wait=False, cancel_futures=True)
+
+
+def _check_lease(request_id: str, lease_expires_unix_s: float) -> None:
+    late_s = time.time() - lease_expires_unix_s
+    if late_s >= 0:
+        raise LeaseEnded(f"the decode node's lease of request {request_id!r} ended "
+                         f"{late_s * 1000:.0f} ms ago; nothing was written")
+
+
+def _resolve(future: asyncio.Future, delivery: object) -> None:
+    if isinstance(delivery, BaseException):
+        future.set_exception(delivery)
+        future.exception()  # retrieved: the send may have ended before waiting
+    else:
+        future.set_result(delivery)
+
+
+def _delivered(future: asyncio.Future | None):
+    """The (window, peer) a future holds, if it came (a window may come after the prefill
+    failed: its decode node must still hear that nothing will be written)."""
+    if future is not None and future.done() and future.exception() is None:
+        return future.result()
+    return None

@@ -1,7 +1,8 @@
 """Regenerates the Python stubs for `proto/pdserve.proto` with grpcio-tools.
 
-`python -m proto.generate` rewrites `proto/pdserve_pb2.py`, `pdserve_pb2.pyi` and
-`pdserve_pb2_grpc.py` in place. The proto is compiled with the repository root as include
+`python -m proto.generate` rewrites `proto/<name>_pb2.py`, `<name>_pb2.pyi` and
+`<name>_pb2_grpc.py` of every proto in place (`pdserve.proto`: the wire protocol;
+`testing.proto`: the test-only gates). The proto is compiled with the repository root as include
 path, so the generated gRPC module imports `from proto import pdserve_pb2` and the stubs
 work from an editable install. `tests/proto/test_stubs_in_sync.py` fails when the committed
 stubs differ from a fresh generation.
@@ -14,8 +15,9 @@ from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PROTO_DIR.parent
-PROTO_FILES = ["proto/pdserve.proto"]
-GENERATED = ["pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py"]
+PROTO_FILES = ["proto/pdserve.proto", "proto/testing.proto"]
+GENERATED = [f"{Path(f).stem}{suffix}" for f in PROTO_FILES
+             for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
 
 
 def generate(out_root: Path = REPO_ROOT) -> list[Path]:

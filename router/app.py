@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pdserve.server import new_server, serve
+from runtime.server import new_server, serve
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from router.config import RouterConfig
 from router.discovery import DnsDiscovery
@@ -17,7 +17,7 @@ from router.load import LoadMonitor
 from router.openai_http import start_router_http
 from router.policies import make_policy
 from router.registry import WorkerRegistry
-from router.servicer import GenerationServicer
+from router.service import GenerationService
 from router.tokenizer import PromptTokenizer
 
 log = logging.getLogger("pdserve.router")
@@ -51,7 +51,7 @@ async def run_router(config: RouterConfig) -> None:
     dispatcher.load_monitor = monitor
     server = new_server()
     tokenizer = PromptTokenizer(config.model)
-    pdserve_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(dispatcher, tokenizer), server)
+    pdserve_pb2_grpc.add_GenerationServicer_to_server(GenerationService(dispatcher, tokenizer), server)
     http = await start_router_http(config, dispatcher, tokenizer, registry)
 
     async def stop() -> None:
@@ -63,5 +63,5 @@ async def run_router(config: RouterConfig) -> None:
             await etcd.close()
         await registry.close()
 
-    await serve(server, role="router", host=config.host, port=config.port,
+    await serve(server, role="router", host=config.server.host, port=config.server.port,
                 service_names=[GENERATION], on_stop=stop, drain=dispatcher.drain)

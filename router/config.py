@@ -1,8 +1,18 @@
-"""Router configuration: one dataclass, built from `pdserve router` flags."""
+"""Router configuration: one dataclass; its fields are the `pdserve router` flags."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from runtime.options import option
+from runtime.server import ServerConfig
+
+POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
+
+
+def window_end(value: str) -> int | str:
+    """`--kv-window-end`: an int (-k) or `auto`."""
+    return value if value == "auto" else int(value)
 
 
 @dataclass
@@ -10,61 +20,77 @@ class RouterConfig:
     """Everything the router needs; defaults work on one laptop.
 
     `prefill` and `decode` are static lists of Worker endpoints (HOST:PORT, or
-    dns:///NAME:PORT); with `etcd`, the workers registered under `etcd_prefix` join them
-    (router/etcd_discovery.py). The router never runs a model: `model` is only read for its
-    tokenizer and config. Routing rules: router/policies.py; when D prefills by itself:
-    router/selective.py.
+    dns:///NAME:PORT, comma-separated lists allowed); with `etcd`, the workers registered
+    under `etcd_prefix` join them (router/etcd_discovery.py). The router never runs a
+    model: `model` is only read for its tokenizer and config. Routing rules:
+    router/policies.py; when D prefills by itself: router/selective.py.
     """
 
     model: str
-    prefill: list[str] = field(default_factory=list)
-    decode: list[str] = field(default_factory=list)
-    host: str = "0.0.0.0"
-    port: int = 50051
-    # OpenAI-compatible API and Prometheus /metrics over HTTP; None: no HTTP server.
-    http_port: int | None = None
-    # Where the prefill node's KV window ends, Python-style: -1 sends all but the last
-    # prompt token; -k lets the decode node prefill the last k tokens itself; "auto" picks
-    # k from the current load (router/selective.py).
-    kv_window_end: int | str = -1
-    prefill_policy: str = "round_robin"
-    decode_policy: str = "round_robin"
-    # prefix_aware: one queued request weighs as much as this many uncached prompt tokens.
-    prefix_load_tokens: int = 128
-    # Selective disaggregation (router/selective.py): D prefills the prompt itself when it
-    # lacks at most this many tokens of the window (0: only when it lacks none) ...
-    min_remote_prefill_tokens: int = 0
-    # ... or when every prefill node has at least this many requests queued (0: never).
-    prefill_saturated_queue: int = 64
-    # kv_window_end "auto": D prefills at most this fraction of the prompt.
-    auto_max_tail: float = 0.5
-    # Send RemoteSend before PrepareReceive so P computes while D reserves.
-    overlap_prefill: bool = True
-    # GetLoad polling of every node (router/load.py); slower while the router is idle.
-    load_interval_s: float = 0.1
-    load_idle_interval_s: float = 1.0
-    # etcd discovery: HOST:PORT of an etcd server ("" = none) and the key prefix.
-    etcd: str = ""
-    etcd_prefix: str = "/pdserve/workers"
-    # How long a decode node keeps a reservation without StartGeneration or Abort.
-    lease_ms: int = 30_000
-    # Deadlines for the inter-node calls (seconds).
-    prepare_timeout_s: float = 10.0
-    remote_send_timeout_s: float = 60.0
+    server: ServerConfig = field(default_factory=ServerConfig)
+    prefill: list[str] = option(
+        help="prefill worker endpoint (repeat or comma-separate for several)",
+        metavar="HOST:PORT", default_factory=list)
+    decode: list[str] = option(
+        help="decode worker endpoint (repeat or comma-separate for several); required "
+             "unless --etcd finds them", metavar="HOST:PORT", default_factory=list)
+    http_port: int | None = option(
+        None, "serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
+              "/v1/models) and Prometheus /metrics over HTTP on this port; 0 picks a free one "
+              "(default: no HTTP server)", type=int)
+    etcd: str = option("", "watch the workers registered in this etcd server, live, in "
+                           "addition to --prefill/--decode (default: none)", metavar="HOST:PORT")
+    etcd_prefix: str = option("/pdserve/workers", "key prefix the workers register under")
+    kv_window_end: int | str = option(
+        -1, "end of the KV window the prefill node computes, Python-style: -1 = all but the "
+            "last prompt token, -k = the decode node prefills the last k; auto = pick k from "
+            "the load: the longer prefill queues are relative to decode queues, the more of "
+            "the tail the decode node prefills (router/selective.py)", type=window_end)
+    prefill_policy: str = option(
+        "round_robin", "how to pick a prefill node: in turn, fewest queued requests, or "
+                       "longest cached prefix weighed against load (router/policies.py)",
+        choices=POLICY_NAMES)
+    decode_policy: str = option("round_robin", "how to pick a decode node (choices as "
+                                               "--prefill-policy)", choices=POLICY_NAMES)
+    prefix_load_tokens: int = option(
+        128, "prefix_aware: one queued request on a node weighs as much as this many prompt "
+             "tokens it would have to prefill")
+    min_remote_prefill_tokens: int = option(
+        0, "selective disaggregation: when the decode node lacks at most this many tokens of "
+           "the KV window (after its cached prefix), it prefills the prompt itself instead "
+           "of a RemoteSend")
+    prefill_saturated_queue: int = option(
+        64, "when every prefill node has at least this many requests queued, the decode "
+            "node prefills the prompt itself; 0 = never")
+    auto_max_tail: float = option(
+        0.5, "--kv-window-end auto: largest fraction of the prompt the decode node prefills "
+             "itself")
+    overlap_prefill: bool = option(
+        True, "send RemoteSend only after PrepareReceive answered (default: send them "
+              "together so the prefill node computes while the decode node reserves)")
+    load_interval_s: float = option(
+        0.1, "how often every node's load is polled while requests flow (see "
+             "--load-idle-interval-s)")
+    load_idle_interval_s: float = 1.0  # the same while the router has had no request
+    lease_ms: int = option(30_000, "lease of a decode node's reservation")
+    prepare_timeout_s: float = 10.0  # deadline of a PrepareReceive (and DeliverWindow)
+    remote_send_timeout_s: float = option(
+        60.0, "deadline of a RemoteSend call (never past the lease)")
     abort_timeout_s: float = 2.0
-    generation_timeout_s: float = 600.0  # a whole StartGeneration stream
-    # Prefill nodes tried for one request before the decode node prefills it itself.
-    max_prefill_attempts: int = 2
-    # While every decode node answers RESOURCE_EXHAUSTED, retry for this long.
-    full_retry_s: float = 5.0
-    # Requests dispatched at once, and how many more may wait for a turn; past both,
-    # RESOURCE_EXHAUSTED.
-    max_concurrent_requests: int = 256
-    max_queued_requests: int = 4096
-    # Health checks of a node that failed as if gone (every this many seconds while down).
-    health_interval_s: float = 1.0
-    # On SIGTERM: how long in-flight streams may take to finish before the router stops.
-    drain_timeout_s: float = 30.0
+    generation_timeout_s: float = option(600.0, "deadline of a whole StartGeneration stream")
+    max_prefill_attempts: int = option(
+        2, "prefill nodes tried for one request before the decode node prefills it itself")
+    full_retry_s: float = option(
+        5.0, "while every decode node is full, retry this long before RESOURCE_EXHAUSTED")
+    max_concurrent_requests: int = option(256, "requests dispatched at once")
+    max_queued_requests: int = option(
+        4096, "requests waiting for a turn; more get RESOURCE_EXHAUSTED")
+    health_interval_s: float = option(
+        1.0, "how often a node that failed is health-checked until it passes")
+
+    def __post_init__(self) -> None:
+        self.prefill = [e for v in self.prefill for e in v.split(",") if e]
+        self.decode = [e for v in self.decode for e in v.split(",") if e]
 
     def validate(self) -> None:
         if not self.decode and not self.etcd:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pdserve.membership import DEFAULT_PREFIX, WorkerRecord, new_client
+from runtime.membership import DEFAULT_PREFIX, WorkerRecord, new_client
 from router.registry import WorkerRegistry
 
 log = logging.getLogger("pdserve.router")

@@ -26,15 +26,14 @@ import uuid
 import grpc
 from aiohttp import web
 
-from pdserve import metrics
-from pdserve.observe import StreamObserver
 from proto import pdserve_pb2
 from router import validation
-from router.dispatch import DispatchError
 from router.openai_protocol import (
     ChoiceLogprobs, OpenAIError, chat_prompt, chunk, completion_prompt, invalid, now,
     sampling_from_body, usage_body)
-from router.registry import NoEndpointError
+from runtime import metrics
+from runtime.errors import NodeError
+from runtime.observe import StreamObserver
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -42,10 +41,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 def _as_openai_error(err: BaseException, chat: bool) -> OpenAIError:
     if isinstance(err, OpenAIError):
         return err
-    if isinstance(err, DispatchError):
+    if isinstance(err, NodeError):  # a dispatch failure, no node left, ...
         return OpenAIError.from_status(err.code, err.message, chat)
-    if isinstance(err, NoEndpointError):
-        return OpenAIError(503, str(err), None, "unavailable")
     raise err
 
 
@@ -99,6 +96,7 @@ class OpenAIFrontend:
             for pool in ("prefill", "decode"):
                 for e in getattr(self.registry, pool):
                     metrics.ENDPOINT_IN_FLIGHT.labels(pool=pool, endpoint=e.address).set(e.in_flight)
+                    metrics.ENDPOINT_QUEUE.labels(pool=pool, endpoint=e.address).set(e.queue)
                     metrics.ENDPOINT_ROUTABLE.labels(pool=pool, endpoint=e.address).set(int(e.routable))
         body, content_type = metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
@@ -135,7 +133,7 @@ class OpenAIFrontend:
         async with contextlib.aclosing(messages):
             try:
                 first = await anext(messages, None)
-            except (DispatchError, NoEndpointError) as err:
+            except NodeError as err:
                 raise _as_openai_error(err, chat) from None
             shape = _Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", self.model_id,
                            ChoiceLogprobs(self._token_text, chat))
@@ -147,7 +145,7 @@ class OpenAIFrontend:
                 while first is not None:
                     shape.add(first)
                     first = await anext(messages, None)
-            except (DispatchError, NoEndpointError) as err:
+            except NodeError as err:
                 raise _as_openai_error(err, chat) from None
             return web.json_response(shape.whole(), headers=headers)
 
@@ -165,7 +163,7 @@ class OpenAIFrontend:
                 for event in shape.chunks(msg, include_usage):
                     await send(event)
                 msg = await anext(messages, None)
-        except (DispatchError, NoEndpointError) as err:
+        except NodeError as err:
             await send(_as_openai_error(err, shape.chat).body())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -254,9 +252,9 @@ async def start_router_http(config, dispatcher, tokenizer, registry):
     """The router's HTTP server on `config.http_port`, or None when it has none."""
     if config.http_port is None:
         return None
-    from pdserve.http import start_http
+    from runtime.http import start_http
 
     metrics.NODE.info({"role": "router", "model": tokenizer.card.model})
     frontend = OpenAIFrontend(dispatcher, tokenizer, tokenizer.card.model, registry)
-    return await start_http(frontend.app(), config.host, config.http_port,
+    return await start_http(frontend.app(), config.server.host, config.http_port,
                             "router OpenAI API and /metrics")

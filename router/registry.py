@@ -35,8 +35,9 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.identity import NodeIdentity
-from pdserve.server import channel
+from runtime.errors import NodeError
+from runtime.identity import NodeIdentity
+from runtime.server import channel
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from router.policies import Policy
 from router.prefix_index import PrefixIndex
@@ -115,8 +116,10 @@ class Endpoint:
         self._channel = self._monitor_channel = None
 
 
-class NoEndpointError(RuntimeError):
+class NoEndpointError(NodeError):
     """No routable endpoint of the requested role."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class WorkerRegistry:

@@ -1,15 +1,18 @@
 """What the router checks of a Generate request before any node sees it.
 
-Everything here raises `ValueError` naming the field and the offending value (the
-servicer answers INVALID_ARGUMENT); the workers check again at their own edge. The prompt
-text is bounded before tokenizing (`max_prompt_chars`), so a huge string cannot stall the
-event loop in the tokenizer; messages over the gRPC size limit never get this far (the
-server answers RESOURCE_EXHAUSTED).
+Everything here raises `ValueError` naming the field and the offending value (the service
+answers INVALID_ARGUMENT). The prompt text is bounded before tokenizing
+(`max_prompt_chars`), so a huge string cannot stall the event loop in the tokenizer;
+messages over the gRPC size limit never get this far (the server answers
+RESOURCE_EXHAUSTED). Sampling values are the engine's to judge: the decode node checks them
+(`SamplingParams.validate`) before it reserves anything, and its INVALID_ARGUMENT comes
+back to the client.
 """
 
 from __future__ import annotations
 
-from proto.checks import check_prompt_ids, check_request_id, check_sampling, check_window_end
+from kvtransfer.window import resolve_kv_window_end
+from runtime.checks import check_request_id
 
 # A prompt text this many times the context (in characters) cannot fit: no tokenizer
 # averages that many characters per token.
@@ -33,10 +36,29 @@ def prompt_ids(request, tokenizer) -> list[int]:
     return tokenizer.encode(request.prompt)
 
 
+def check_prompt_ids(ids: list[int], vocab_size: int, max_prompt_len: int) -> None:
+    """A non-empty prompt of in-vocabulary ids that leaves room for one output token."""
+    if not ids:
+        raise ValueError("prompt is empty (0 tokens)")
+    if len(ids) > max_prompt_len:
+        raise ValueError(f"prompt of {len(ids)} tokens is longer than the model's context "
+                         f"allows ({max_prompt_len})")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
 def check_generate(request, ids: list[int], card) -> None:
+    """The router's checks of a Generate request whose prompt is `ids` (gRPC and HTTP)."""
     check_request_id(request.request_id, required=False)
     max_len = card.max_model_len if card.max_model_len > 1 else 2**31 - 1
     check_prompt_ids(ids, card.vocab_size, max_len - 1)
-    check_sampling(request.sampling, card.vocab_size, max_len)
     if request.HasField("kv_window_end"):
-        check_window_end(request.kv_window_end, len(ids))
+        resolve_kv_window_end(request.kv_window_end, len(ids))
+
+
+def checked_prompt_ids(request, tokenizer) -> list[int]:
+    """The prompt's ids after every router-side check."""
+    ids = prompt_ids(request, tokenizer)
+    check_generate(request, ids, tokenizer.card)
+    return ids

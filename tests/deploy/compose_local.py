@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from pdserve.up import exit_with_parent
+from pdserve.procs import NodeProcess, free_port, stop_all
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "deploy" / "docker-compose.yml"
@@ -90,43 +88,23 @@ def entrypoint() -> list[str]:
     return PDSERVE
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def health_command(test: list[str]) -> list[str]:
     """A compose/Dockerfile `CMD` health test as a local command line."""
     assert test[0] == "CMD" and test[1] == "pdserve", f"unexpected health test {test}"
     return [*PDSERVE, *test[2:]]
 
 
-class LocalService:
+class LocalService(NodeProcess):
     def __init__(self, name: str, spec: dict, env: dict[str, str], port: int, log: Path):
-        self.name, self.spec, self.env, self.port = name, spec, env, port
+        super().__init__([str(word) for word in spec.get("command", [])], log=log, env=env,
+                         program=entrypoint())
+        self.spec, self.env, self.port = spec, env, port
         self.address = f"127.0.0.1:{port}"
-        self.log = open(log, "w")
-        command = [str(word) for word in spec.get("command", [])]
-        self.proc = subprocess.Popen([*entrypoint(), *command], cwd=REPO, env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True,
-                                     preexec_fn=exit_with_parent(signal.SIGKILL))
 
     def healthcheck(self, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
         """Run the service's compose healthcheck command, in its environment."""
         return subprocess.run(health_command(self.spec["healthcheck"]["test"]), cwd=REPO,
                               env=self.env, capture_output=True, text=True, timeout=timeout_s)
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
 
 
 class LocalCompose:
@@ -192,16 +170,15 @@ class LocalCompose:
     def wait_healthy(self, name: str, deadline: float) -> None:
         service = self.services[name]
         while True:
-            if service.proc.poll() is not None:
+            if not service.alive():
                 raise RuntimeError(f"{name} exited with {service.proc.returncode}:\n"
-                                   + Path(service.log.name).read_text()[-3000:])
+                                   + service.log_path.read_text()[-3000:])
             if service.healthcheck().returncode == 0:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} not healthy in time:\n"
-                                   + Path(service.log.name).read_text()[-3000:])
-            time.sleep(1.0)
+                                   + service.log_path.read_text()[-3000:])
+            time.sleep(0.2)  # the next health check, as compose's `interval` would
 
     def down(self) -> None:
-        for name in reversed(list(self.services)):
-            self.services[name].stop()
+        stop_all(list(self.services.values())[::-1])

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvtransfer.agent import TransferAgent, TransferError
-from kvtransfer.bench import fragmented_pages, pages_to_slots
+from benchmarks.transfer import fragmented_pages, pages_to_slots
 from kvtransfer.layout import KVLayout
-from kvtransfer.peer import PoolSpec, ReceiverProcess, make_pool, slot_checksums
+from benchmarks.kv_receiver import PoolSpec, ReceiverProcess, make_pool, slot_checksums
 from kvtransfer.plan import plan_transfer
 
 # the receiver is page-major with pages of 8; senders: page-major with pages of 16 (the

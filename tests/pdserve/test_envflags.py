@@ -20,7 +20,7 @@ def test_environment_sets_flags_of_every_type(monkeypatch):
                  PDSERVE_NOTIFICATION_TIMEOUT_S="2.5", PDSERVE_DTYPE="bfloat16",
                  PDSERVE_NO_PREFIX_CACHE="true")
     assert (args.port, args.model, args.notification_timeout_s) == (7000, "/m", 2.5)
-    assert args.dtype == "bfloat16" and args.no_prefix_cache is True
+    assert args.dtype == "bfloat16" and args.enable_prefix_cache is False
 
 
 def test_command_line_wins_over_environment(monkeypatch):

@@ -1,4 +1,5 @@
-"""An in-process fake Worker node for router tests: records calls, streams canned tokens."""
+"""In-process fakes for router tests: a Worker node that records calls and streams canned
+tokens, a tokenizer of one id per character, and a router over such workers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import asyncio
 import grpc
 
 from proto import pdserve_pb2, pdserve_pb2_grpc
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.policies import RoundRobin
+from router.registry import WorkerRegistry
+from router.service import GenerationService
+from router.tokenizer import ModelCard
 
 
 class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
@@ -101,3 +108,38 @@ async def start_fake(worker: FakeWorker) -> tuple[grpc.aio.Server, str]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+class CharTokenizer:
+    card = ModelCard(model="fake", vocab_size=256, max_model_len=128, eos_token_ids=[2])
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+async def start_router(prefill: list[FakeWorker], decode: list[FakeWorker], **cfg):
+    """A router (Generation service) over fake workers: (address, dispatcher, stop)."""
+    servers, p_addr, d_addr = [], [], []
+    for w, addrs in [*((w, p_addr) for w in prefill), *((w, d_addr) for w in decode)]:
+        server, addr = await start_fake(w)
+        servers.append(server)
+        addrs.append(addr)
+    config = RouterConfig(model="fake", prefill=p_addr, decode=d_addr, **cfg)
+    registry = WorkerRegistry(p_addr, d_addr, RoundRobin(), RoundRobin())
+    dispatcher = Dispatcher(config, registry)
+    router = grpc.aio.server()
+    pdserve_pb2_grpc.add_GenerationServicer_to_server(GenerationService(dispatcher, CharTokenizer()), router)
+    port = router.add_insecure_port("127.0.0.1:0")
+    await router.start()
+    servers.append(router)
+
+    async def stop():
+        await registry.close()
+        for s in servers:
+            await s.stop(None)
+
+    return f"127.0.0.1:{port}", dispatcher, stop
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))

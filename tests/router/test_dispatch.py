@@ -8,54 +8,13 @@ import grpc
 import pytest
 
 from pdserve.client import Client
-from proto import pdserve_pb2_grpc
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.policies import RoundRobin
-from router.registry import WorkerRegistry
-from router.servicer import GenerationServicer
-from router.tokenizer import ModelCard
-from tests.router.fake_worker import FakeWorker, start_fake
-
-
-class CharTokenizer:
-    card = ModelCard(model="fake", vocab_size=256, max_model_len=128, eos_token_ids=[2])
-
-    def encode(self, text):
-        return [ord(c) for c in text]
-
-
-async def _cluster(prefill: list[FakeWorker], decode: list[FakeWorker], **cfg):
-    servers, p_addr, d_addr = [], [], []
-    for w, addrs in [*((w, p_addr) for w in prefill), *((w, d_addr) for w in decode)]:
-        server, addr = await start_fake(w)
-        servers.append(server)
-        addrs.append(addr)
-    config = RouterConfig(model="fake", prefill=p_addr, decode=d_addr, **cfg)
-    registry = WorkerRegistry(p_addr, d_addr, RoundRobin(), RoundRobin())
-    dispatcher = Dispatcher(config, registry)
-    router = grpc.aio.server()
-    pdserve_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(dispatcher, CharTokenizer()), router)
-    port = router.add_insecure_port("127.0.0.1:0")
-    await router.start()
-    servers.append(router)
-
-    async def stop():
-        await registry.close()
-        for s in servers:
-            await s.stop(None)
-
-    return f"127.0.0.1:{port}", dispatcher, stop
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
+from tests.router.fake_worker import FakeWorker, start_router, run
 
 
 def test_calls_prepare_then_remote_send_then_start_and_streams_back():
     async def go():
         p, d = FakeWorker("p"), FakeWorker("d", matched=2)
-        addr, _, stop = await _cluster([p], [d])
+        addr, _, stop = await start_router([p], [d])
         try:
             async with Client(addr) as client:
                 msgs = [m async for m in client.stream("hello", request_id="r1", temperature=0.0)]
@@ -85,7 +44,7 @@ def test_calls_prepare_then_remote_send_then_start_and_streams_back():
 def test_remote_send_skipped_when_decode_holds_the_whole_window():
     async def go():
         p, d = FakeWorker("p"), FakeWorker("d", matched=100)
-        addr, _, stop = await _cluster([p], [d])
+        addr, _, stop = await start_router([p], [d])
         try:
             async with Client(addr) as client:
                 out = await client.complete("hello")
@@ -102,7 +61,7 @@ def test_remote_send_skipped_when_decode_holds_the_whole_window():
 def test_per_request_kv_window_end_reaches_the_decode_node():
     async def go():
         p, d = FakeWorker("p"), FakeWorker("d")
-        addr, _, stop = await _cluster([p], [d], kv_window_end=-1)
+        addr, _, stop = await start_router([p], [d], kv_window_end=-1)
         try:
             async with Client(addr) as client:
                 await client.complete("hello world", kv_window_end=-3)
@@ -117,7 +76,7 @@ def test_per_request_kv_window_end_reaches_the_decode_node():
 def test_client_disconnect_aborts_on_the_decode_node():
     async def go():
         p, d = FakeWorker("p"), FakeWorker("d", tokens=range(100), token_delay_s=0.05)
-        addr, dispatcher, stop = await _cluster([p], [d])
+        addr, dispatcher, stop = await start_router([p], [d])
         try:
             async with Client(addr) as client:
                 async for msg in client.stream("hello", request_id="gone"):
@@ -138,7 +97,7 @@ def test_abort_during_remote_send_reaches_prefill_and_decode():
     async def go():
         p, d = FakeWorker("p"), FakeWorker("d")
         p.remote_send_gate = asyncio.Event()
-        addr, _, stop = await _cluster([p], [d])
+        addr, _, stop = await start_router([p], [d])
         try:
             async with Client(addr) as client:
                 task = asyncio.ensure_future(client.complete("hello", request_id="x"))
@@ -160,7 +119,7 @@ def test_abort_during_remote_send_reaches_prefill_and_decode():
 def test_decode_failure_is_unavailable_naming_the_node():
     async def go():
         p, d = FakeWorker("p"), FakeWorker("d", fail={"StartGeneration": grpc.StatusCode.UNAVAILABLE})
-        addr, _, stop = await _cluster([p], [d])
+        addr, _, stop = await start_router([p], [d])
         try:
             async with Client(addr) as client:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -175,7 +134,7 @@ def test_decode_failure_is_unavailable_naming_the_node():
 
 def test_bad_prompt_is_invalid_argument():
     async def go():
-        addr, _, stop = await _cluster([FakeWorker("p")], [FakeWorker("d")])
+        addr, _, stop = await start_router([FakeWorker("p")], [FakeWorker("d")])
         try:
             async with Client(addr) as client:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -191,7 +150,7 @@ def test_bad_prompt_is_invalid_argument():
 def test_round_robin_spreads_over_decode_nodes():
     async def go():
         d1, d2 = FakeWorker("d1", matched=100), FakeWorker("d2", matched=100)
-        addr, _, stop = await _cluster([], [d1, d2])
+        addr, _, stop = await start_router([], [d1, d2])
         try:
             async with Client(addr) as client:
                 for _ in range(4):

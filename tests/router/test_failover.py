@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.client import Client
 from tests.router.fake_worker import FakeWorker
-from tests.router.test_dispatch import _cluster, run
+from tests.router.fake_worker import start_router, run
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
@@ -32,7 +32,7 @@ def test_failed_remote_send_is_retried_on_another_prefill_node_with_a_fresh_rese
     async def go():
         p1, p2 = FakeWorker("p1", fail={"RemoteSend": UNAVAILABLE}), FakeWorker("p2")
         d = RecordingWorker("d")
-        addr, _, stop = await _cluster([p1, p2], [d])
+        addr, _, stop = await start_router([p1, p2], [d])
         try:
             async with Client(addr) as client:
                 out = await client.complete("hello", request_id="r")
@@ -52,7 +52,7 @@ def test_when_every_prefill_node_fails_the_decode_node_prefills_itself():
         p1 = FakeWorker("p1", fail={"RemoteSend": grpc.StatusCode.INVALID_ARGUMENT})
         p2 = FakeWorker("p2", fail={"RemoteSend": UNAVAILABLE})
         d = RecordingWorker("d")
-        addr, _, stop = await _cluster([p1, p2], [d])
+        addr, _, stop = await start_router([p1, p2], [d])
         try:
             async with Client(addr) as client:
                 out = await client.complete("hello world", request_id="r")
@@ -75,7 +75,7 @@ def test_unavailable_decode_node_is_skipped_and_marked_down():
     async def go():
         d1 = FakeWorker("d1", matched=100, fail={"PrepareReceive": UNAVAILABLE})
         d2 = FakeWorker("d2", matched=100)
-        addr, dispatcher, stop = await _cluster([], [d1, d2])
+        addr, dispatcher, stop = await start_router([], [d1, d2])
         try:
             async with Client(addr) as client:
                 outs = [await client.complete("hi") for _ in range(4)]
@@ -94,7 +94,7 @@ def test_unavailable_decode_node_is_skipped_and_marked_down():
 def test_past_the_queue_bound_requests_get_resource_exhausted():
     async def go():
         d = FakeWorker("d", matched=100, tokens=range(20), token_delay_s=0.05)
-        addr, _, stop = await _cluster([], [d], max_concurrent_requests=1, max_queued_requests=1)
+        addr, _, stop = await start_router([], [d], max_concurrent_requests=1, max_queued_requests=1)
         try:
             async with Client(addr) as client:
                 running = asyncio.ensure_future(client.complete("a"))

@@ -3,7 +3,7 @@ endpoints (no network)."""
 
 from __future__ import annotations
 
-from pdserve.identity import NodeIdentity
+from runtime.identity import NodeIdentity
 from router import selective
 from router.policies import LeastLoaded, PrefixAware, RoundRobin, make_policy
 from router.prefix_index import PrefixIndex

@@ -1,0 +1,12 @@
+"""pdserve's benchmarks: the top layer, importing whatever they measure.
+
+Each harness is a module run as a program (`python -m benchmarks.<name>`, or
+`pdserve bench <name>`), prints one JSON object with `--json`, and compares against a
+baseline measured in the same run, because these machines are noisy:
+- `engine`: the engine's `LLM` against transformers `generate` (greedy).
+- `transfer`: a KV window through the transfer plan against one raw NIXL descriptor, with
+  `kv_receiver` as the receiving process.
+- `router`: the router's added time to first token and its request rate.
+- `serve`: online serving (TTFT, TPOT, goodput), and 1P1D against colocated nodes.
+Committed results live in `results/`.
+"""

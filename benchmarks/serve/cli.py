@@ -1,0 +1,166 @@
+"""`pdserve bench serve`: load a running router or node and measure what clients see.
+
+Sends requests at a fixed or Poisson rate (or a fixed concurrency), from synthetic length
+ranges or a ShareGPT file, over pdserve's gRPC API or any OpenAI-compatible completions
+endpoint, and reports TTFT, TPOT, ITL and end-to-end latency (mean, median, p90, p99),
+throughput and goodput. `--rates` sweeps several rates; `--compare` starts 1P1D and two
+colocated nodes itself and compares them (see `benchmarks.serve.compare`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from benchmarks.serve import workload as wl
+from benchmarks.serve.runs import emit, make_backend, make_workload, run_row, workload_info
+
+EXAMPLES = """examples:
+  pdserve bench serve --server 127.0.0.1:50051 --num-prompts 50 --request-rate 0.5
+  pdserve bench serve --rates 0.2,0.4,0.8 --plot sweep.png --output sweep.json
+  pdserve bench serve --max-concurrency 8 --dataset ShareGPT_V3.json --tokenizer MODEL_DIR
+  pdserve bench serve --backend openai --url http://127.0.0.1:8000 --vocab-size 32000
+  pdserve bench serve --compare --rates 0.1,0.2,0.4 --output compare.json --plot compare.png
+"""
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(part) for part in text.split(",") if part.strip()]
+    if not rates or any(r <= 0 or math.isnan(r) for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be positive numbers or inf, got {text!r}")
+    return rates
+
+
+def parse_cores(text: str) -> tuple[int, int]:
+    cores = tuple(int(c) for c in text.split(","))
+    if len(cores) != 2 or cores[0] == cores[1]:
+        raise argparse.ArgumentTypeError(f"--cores takes two different cores, got {text!r}")
+    return cores
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.split("\n\n")[1],
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("target")
+    g.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+                   help="grpc: pdserve's Generation API; openai: POST /v1/completions with "
+                        "streaming (default: %(default)s)")
+    g.add_argument("--server", default="127.0.0.1:50051",
+                   help="gRPC HOST:PORT of a router or colocated node (default: %(default)s)")
+    g.add_argument("--url", help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000")
+    g.add_argument("--served-model", help="model name for --backend openai (default: the first "
+                                          "one /v1/models lists)")
+    g.add_argument("--timeout-s", type=float, default=600.0,
+                   help="deadline of one request; past it the request counts as failed "
+                        "(default: %(default)s)")
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", help="ShareGPT-format JSON file (default: synthetic prompts)")
+    g.add_argument("--num-prompts", type=int, default=100, help="requests per rate (default: %(default)s)")
+    g.add_argument("--input-len", type=wl.parse_range, default=(512, 1536), metavar="LO:HI",
+                   help="synthetic prompt length in tokens, uniform, inclusive (default: 512:1536)")
+    g.add_argument("--output-len", type=wl.parse_range, default=(64, 128), metavar="LO:HI",
+                   help="output length in tokens, uniform, inclusive (default: 64:128)")
+    g.add_argument("--vocab-size", type=int,
+                   help="synthetic prompt ids are drawn below this (default: the server's "
+                        "vocabulary; required with --backend openai)")
+    g.add_argument("--tokenizer", help="tokenizer directory used to count ShareGPT tokens "
+                                       "(default: the model directory the server reports)")
+    g.add_argument("--sharegpt-output-len", type=int,
+                   help="output length for every ShareGPT request (default: its answer's length)")
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default: %(default)s)")
+
+    g = p.add_argument_group("load")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second; inf sends all at once (default: inf)")
+    g.add_argument("--rates", type=parse_rates,
+                   help="comma-separated rates to sweep, lowest first (overrides --request-rate)")
+    g.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson",
+                   help="gaps between requests: exponential or constant (default: %(default)s)")
+    g.add_argument("--max-concurrency", type=int,
+                   help="at most this many in flight; with rate inf, a fixed concurrency")
+    g.add_argument("--warmup", type=int, default=1,
+                   help="requests sent first and not measured (default: %(default)s)")
+
+    g = p.add_argument_group("objectives (goodput)")
+    g.add_argument("--ttft-slo-ms", type=float, help="a request is good if its TTFT is at most this")
+    g.add_argument("--tpot-slo-ms", type=float, help="... and its TPOT at most this")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
+    g.add_argument("--output", metavar="FILE", help="also write the JSON results to FILE")
+    g.add_argument("--plot", metavar="FILE.png", help="draw latency percentiles against rate")
+    g.add_argument("--per-request", action="store_true",
+                   help="include every request's TTFT, TPOT and latency in the JSON")
+
+    g = p.add_argument_group("comparison (--compare)")
+    g.add_argument("--compare", action="store_true",
+                   help="start 1P1D and 2 colocated nodes on --cores, one after the other, "
+                        "sweep --rates against each and compare")
+    g.add_argument("--headline-rate", type=float, default=None,
+                   help="the swept rate whose ratios are copied to the JSON's `headline`")
+    g.add_argument("--model", help="checkpoint for --compare (default: the ~100M benchmark model "
+                                   "of `pdserve bench engine`)")
+    g.add_argument("--cores", type=parse_cores,
+                   help="two CPU cores A,B: 1P1D prefill on A, decode on B; colocated one node "
+                        "on each (default: the first two this process may use)")
+    g.add_argument("--node-args", default="", help="extra flags for every worker, one string "
+                                                   "(e.g. \"--kv-cache-mb 1024\")")
+    g.add_argument("--router-args", default="", help="extra flags for both routers, one string")
+    g.add_argument("--log-dir", help="where node logs go (default: a temporary directory)")
+    return p
+
+
+async def bench(args) -> dict:
+    from benchmarks.serve.load import sweep
+
+    backend = make_backend(args)
+    try:
+        limits = await backend.limits()
+        runs = await sweep(backend, make_workload(args, limits), args.rates, args.arrival,
+                           args.max_concurrency, args.seed, args.warmup)
+    finally:
+        await backend.close()
+    return {
+        "backend": args.backend, "target": args.url if args.backend == "openai" else args.server,
+        "model": limits.model, "workload": workload_info(args),
+        "objectives": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
+        "runs": [run_row(r, args, args.ttft_slo_ms, args.tpot_slo_ms) for r in runs],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import grpc
+
+    args = build_parser().parse_args(argv)
+    args.rates = args.rates or [args.request_rate]
+    try:
+        if args.compare:
+            from benchmarks.serve.compare import main_compare
+
+            return main_compare(args)
+        return _bench_and_report(args)
+    except (grpc.aio.AioRpcError, RuntimeError, OSError) as err:
+        detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else err
+        print(f"pdserve bench serve: {detail}", file=sys.stderr)
+        return 1
+
+
+def _bench_and_report(args) -> int:
+    import uvloop
+
+    from benchmarks.serve.report import sweep_table
+
+    result = uvloop.run(bench(args))
+    rows = result["runs"]
+    emit(result, args, [sweep_table(rows, f"{args.backend} {result['target']} ({result['model']})")])
+    if args.plot:
+        from benchmarks.serve.plot import plot_sweep
+
+        plot_sweep(rows, args.plot)
+    return 1 if any(r["completed"] == 0 for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""What every serving-benchmark run shares: the backend, the workload of each run, one
+row of results per run, and where the results go (JSON, file, tables)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.serve import workload as wl
+
+
+def make_backend(args):
+    from benchmarks.serve.backends import GrpcBackend, OpenAIBackend
+
+    if args.backend == "openai":
+        if not args.url:
+            raise SystemExit("pdserve bench serve: --backend openai needs --url")
+        return OpenAIBackend(args.url, args.served_model, args.timeout_s)
+    return GrpcBackend(args.server, args.timeout_s)
+
+
+def _count_tokens(args, limits):
+    path = args.tokenizer or (limits.model if limits.model and Path(limits.model).is_dir() else None)
+    if path is None:
+        print("pdserve bench serve: no tokenizer (give --tokenizer); estimating 4 characters "
+              "per token", file=sys.stderr)
+        return lambda text: max(1, len(text) // 4)
+    from router.tokenizer import PromptTokenizer
+
+    tokenizer = PromptTokenizer(path)
+    return lambda text: len(tokenizer.encode(text))
+
+
+def make_workload(args, limits):
+    """`workload_for(key)`: the requests of the warm-up ("warmup") or of run `key`."""
+    def size(key):
+        return args.warmup if key == "warmup" else args.num_prompts
+
+    if args.dataset:
+        pairs, count = wl.read_sharegpt(args.dataset), _count_tokens(args, limits)
+        return lambda key: wl.sample_sharegpt(pairs, size(key), count, f"{args.seed}-{key}",
+                                              limits.max_model_len or 0, args.sharegpt_output_len)
+    vocab = args.vocab_size or limits.vocab_size
+    if not vocab:
+        raise SystemExit("pdserve bench serve: synthetic prompts need --vocab-size")
+    longest = args.input_len[1] + args.output_len[1]
+    if limits.max_model_len and longest > limits.max_model_len:
+        raise SystemExit(f"pdserve bench serve: --input-len {args.input_len[1]} + --output-len "
+                         f"{args.output_len[1]} exceeds the model's {limits.max_model_len} tokens")
+    return lambda key: wl.synthetic(size(key), args.input_len, args.output_len, vocab,
+                                    f"{args.seed}-{key}")
+
+
+def workload_info(args) -> dict:
+    if args.dataset:
+        return {"dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed,
+                "output_len": args.sharegpt_output_len}
+    return {"dataset": "synthetic", "num_prompts": args.num_prompts, "seed": args.seed,
+            "input_len": list(args.input_len), "output_len": list(args.output_len)}
+
+
+def run_row(run, args, ttft_slo_ms=None, tpot_slo_ms=None) -> dict:
+    from benchmarks.serve.metrics import goodput, summarize
+
+    row = {**run.settings(), **summarize(run.results)}
+    if ttft_slo_ms is not None or tpot_slo_ms is not None:
+        row["goodput"] = goodput(run.results, row["duration_s"],
+                                 None if ttft_slo_ms is None else ttft_slo_ms / 1000,
+                                 None if tpot_slo_ms is None else tpot_slo_ms / 1000)
+    if args.per_request:
+        row["requests"] = [r.to_dict() for r in run.results]
+    return row
+
+
+def emit(result: dict, args, tables) -> None:
+    text = json.dumps(result, indent=2)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        from benchmarks.serve.report import show
+
+        show(*tables)

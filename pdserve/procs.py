@@ -1,0 +1,168 @@
+"""pdserve nodes as child processes: start one, learn its port, stop it, whatever happened.
+
+The one helper behind `pdserve up`, the benchmarks' clusters and the multi-process tests.
+A node prints `pdserve <role> listening on HOST:PORT` as its first stdout line, with the
+port it bound, so `--port 0` works everywhere. Invariants:
+- A child never outlives the process that started it: it gets a death signal when its
+  parent dies (Linux `PR_SET_PDEATHSIG`), so a SIGKILLed test run or `pdserve up` leaves no
+  node holding ports and memory.
+- `stop()` always ends the child: SIGTERM (a node then drains), SIGKILL after the grace
+  period; with `session=True` (the default) the signal goes to the child's whole process
+  group.
+- A node that exits or stays silent before listening raises RuntimeError naming it, with
+  the tail of its log when there is one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LISTENING = re.compile(r"pdserve (\w+)(?: listening on|: router on) (\S+):(\d+)")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A `preexec_fn` that has the child sent `sig` when its parent dies (Linux
+    `PR_SET_PDEATHSIG`); elsewhere it does nothing."""
+    def set_death_signal() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # 1 = PR_SET_PDEATHSIG
+        except (AttributeError, OSError):
+            pass
+    return set_death_signal
+
+
+class NodeProcess:
+    """`python -m pdserve.cli ARGS` (or another module) as a child process.
+
+    `log`: a file for its stderr (None: this process's stderr). `cores`: CPU cores it is
+    pinned to before it starts (its threads inherit them). `threads`: OpenMP/MKL threads.
+    `session`: its own process group, signalled as a whole (else it shares ours, so a
+    terminal's Ctrl-C reaches it too). `echo`: copy its other stdout lines to ours.
+    `program`: run this command instead of `python -m MODULE` (etcd in the tests).
+    `env`: its whole environment (default: ours).
+    """
+
+    def __init__(self, args: list[str], *, log: Path | None = None, cores: set[int] | None = None,
+                 threads: int | None = None, module: str = "pdserve.cli", session: bool = True,
+                 death_signal: int = signal.SIGKILL, echo: bool = False,
+                 program: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        self.args = list(args)
+        self.name = " ".join(self.args[:1]) or module
+        self.log_path = Path(log) if log is not None else None
+        self.echo = echo
+        self.session = session
+        self.port = 0
+        self.address = ""
+        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1",
+                   TOKENIZERS_PARALLELISM="false")
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        if threads is not None:
+            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        on_death = die_with_parent(death_signal)
+
+        def before_exec() -> None:
+            on_death()
+            if cores:
+                os.sched_setaffinity(0, cores)
+
+        self._log = open(self.log_path, "w") if self.log_path is not None else None
+        command = program or [sys.executable, "-m", module]  # `program`: another binary
+        self.proc = subprocess.Popen([*command, *self.args], cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
+                                     start_new_session=session, preexec_fn=before_exec)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> str:
+        """The node's `127.0.0.1:PORT` once it listens; raises RuntimeError if it exits or
+        does not listen within `timeout_s` (and stops it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if select.select([self.proc.stdout], [], [], 0.2)[0]:
+                line = self.proc.stdout.readline()
+                match = LISTENING.search(line)
+                if match:
+                    self.port = int(match.group(3))
+                    self.address = f"127.0.0.1:{self.port}"
+                    return self.address
+                if not line and self.proc.poll() is not None:
+                    break
+                if self.echo:
+                    sys.stdout.write(line)
+            elif self.proc.poll() is not None:
+                break
+        code = self.proc.poll()
+        self.stop()
+        tail = f"; {self.log_path}:\n{self.log_path.read_text()[-3000:]}" if self.log_path else ""
+        raise RuntimeError(f"pdserve {self.name} did not start (exit code {code}){tail}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def send_signal(self, sig: int) -> None:
+        """Send `sig` to the node (its whole group when it has its own session)."""
+        try:
+            if self.session:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def pids(self) -> list[int]:
+        """This process and all its descendants."""
+        out, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+                except OSError:
+                    pass
+        return out
+
+    def stop(self, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
+        """Signal the node and wait; SIGKILL if it has not exited within `grace_s`."""
+        if self.alive():
+            self.send_signal(sig)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.send_signal(signal.SIGKILL)
+                self.proc.wait()
+        self._close()
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def _close(self) -> None:
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        if self._log is not None:
+            self._log.close()
+
+
+def stop_all(nodes: list[NodeProcess], grace_s: float = 10.0) -> None:
+    """SIGTERM every node at once, then wait for all within one shared grace period."""
+    for node in nodes:
+        if node.alive():
+            node.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for node in nodes:
+        node.stop(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,238 @@
+"""How the router calls a worker: the messages, each call's deadline, and the one mapping
+from a node's failure to what the client sees.
+
+Invariants kept here:
+- Every call has a deadline: its configured bound, cut to the client's own deadline; a
+  RemoteSend's deadline never outlives D's lease, so a prefill node never writes into a
+  reservation after D may have stopped guarding it (decode/quarantine.py).
+- A node is recorded in the request's `holders` before a call that may create state on it.
+- A failure that may mean the node is gone (UNAVAILABLE, DEADLINE_EXCEEDED before the
+  client's own deadline) is reported to the registry, which stops routing to the node until
+  its health check passes, and reaches the client as UNAVAILABLE naming the node.
+- A failed RemoteSend is `settled` when the prefill node answered it without having begun
+  a write (`NO_WRITE_CODES`): D may then reuse the reservation's pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from proto import pdserve_pb2
+from router.config import RouterConfig
+from router.registry import Endpoint, WorkerRegistry
+from router.state import DispatchError, EarlySend, RequestState, Reserved
+
+log = logging.getLogger("pdserve.router")
+
+# Statuses a prefill node answers itself without having begun a write: after them no
+# write for that reservation can come.
+NO_WRITE_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
+# Statuses that may mean the node itself is gone: ask the registry to check its health.
+NODE_GONE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class NodeCalls:
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry) -> None:
+        self.config = config
+        self.registry = registry
+        self._cleanups: set[asyncio.Task] = set()
+
+    def error(self, state: RequestState, endpoint: Endpoint, call: str,
+              err: grpc.aio.AioRpcError) -> DispatchError:
+        """What the client sees of a failed call (see the module docstring)."""
+        if state.aborted:
+            return DispatchError(grpc.StatusCode.CANCELLED, f"request {state.request_id} aborted")
+        code = err.code()
+        client_deadline = state.deadline is not None and time.monotonic() >= state.deadline
+        if code in NODE_GONE_CODES and not client_deadline:
+            self.registry.report_failure(endpoint, f"{call}: {code.name}")
+            code = grpc.StatusCode.UNAVAILABLE
+        return DispatchError(code, f"{call} on {endpoint.role} node {endpoint.address}: "
+                                   f"{code.name}: {err.details()}")
+
+    # ---- step 1: PrepareReceive --------------------------------------------------------
+    async def prepare(self, decode: Endpoint, state: RequestState, prompt_token_ids, sampling,
+                      kv_window_end: int, local: bool = False) -> Reserved:
+        request = pdserve_pb2.PrepareReceiveRequest(
+            request_id=state.request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
+            kv_window_end=kv_window_end, lease_ms=self.config.lease_ms, local_prefill=local)
+        state.local = local
+        state.holders.add(decode)
+        try:
+            prep = await decode.stub.PrepareReceive(
+                request, timeout=state.timeout(self.config.prepare_timeout_s))
+        except grpc.aio.AioRpcError as err:
+            # No lease reached us, so no RemoteSend can write whatever D may have reserved.
+            self.abort_later(decode, state.request_id, settled=True)
+            state.holders.discard(decode)
+            raise self.error(state, decode, "PrepareReceive", err) from None
+        return Reserved(prep, time.monotonic() + prep.lease_ms / 1000)
+
+    # ---- step 2: RemoteSend, after D reserved ------------------------------------------
+    async def remote_send(self, state: RequestState, decode: Endpoint, prefill: Endpoint,
+                          reserved: Reserved, prompt_token_ids) -> pdserve_pb2.RemoteSendResponse:
+        prep = reserved.prep
+        state.holders.add(prefill)
+        prefill.in_flight += 1
+        request = pdserve_pb2.RemoteSendRequest(
+            request_id=state.request_id, prompt_token_ids=prompt_token_ids,
+            kv_window_begin=prep.prefix_matched_length, kv_window_end=prep.kv_window_end,
+            kv_append_metadata=prep.kv_append_metadata, lease_id=prep.lease_id,
+            decode_agent_name=prep.decode_agent_name, decode_address=decode.address,
+            lease_expires_unix_ms=prep.lease_expires_unix_ms)
+        # Never past the lease: D stops guarding the pages some time after it ends.
+        timeout = min(state.timeout(self.config.remote_send_timeout_s),
+                      reserved.lease_ends - time.monotonic())
+        state.kv_write_pending = True
+        try:
+            if timeout <= 0:
+                raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"lease of request {state.request_id} ended before RemoteSend",
+                                    settled=True)
+            reply = await prefill.stub.RemoteSend(request, timeout=timeout)
+            state.kv_write_pending = False  # P answered: its writes landed, notification sent
+        except grpc.aio.AioRpcError as err:
+            raise self._send_failed(state, prefill, err) from None
+        finally:
+            prefill.in_flight -= 1
+        state.holders.discard(prefill)  # P released its pages when it replied
+        return reply
+
+    def _send_failed(self, state: RequestState, prefill: Endpoint,
+                     err: grpc.aio.AioRpcError) -> DispatchError:
+        error = self.error(state, prefill, "RemoteSend", err)
+        error.settled = err.code() in NO_WRITE_CODES
+        state.kv_write_pending = not error.settled
+        return error
+
+    # ---- step 2, overlapped: RemoteSend before D reserved ------------------------------
+    def send_early(self, state: RequestState, prefill: Endpoint, prompt_token_ids,
+                   end: int) -> EarlySend:
+        """P prefills prompt[:end] while D reserves; D's half of the window follows."""
+        state.holders.add(prefill)
+        prefill.in_flight += 1
+        request = pdserve_pb2.RemoteSendRequest(
+            request_id=state.request_id, prompt_token_ids=prompt_token_ids, kv_window_end=end,
+            window_follows=True)
+        call = prefill.stub.RemoteSend(
+            request, timeout=state.timeout(self.config.remote_send_timeout_s))
+        return EarlySend(prefill, asyncio.ensure_future(call))
+
+    async def cancel_early(self, state: RequestState, early: EarlySend) -> None:
+        """No reservation came (or none is needed): P got no window, so it wrote nothing."""
+        await self.abort(early.prefill, state.request_id, settled=True)
+        try:
+            await early.call
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        finally:
+            early.prefill.in_flight -= 1
+            state.holders.discard(early.prefill)
+
+    async def finish_early(self, state: RequestState, decode: Endpoint, early: EarlySend,
+                           reserved: Reserved) -> pdserve_pb2.RemoteSendResponse:
+        """Give P D's half of the window, then wait for its writes."""
+        prep, prefill = reserved.prep, early.prefill
+        window = pdserve_pb2.RemoteSendWindow(
+            request_id=state.request_id, kv_window_begin=prep.prefix_matched_length,
+            kv_append_metadata=prep.kv_append_metadata, lease_id=prep.lease_id,
+            decode_agent_name=prep.decode_agent_name, decode_address=decode.address,
+            lease_expires_unix_ms=prep.lease_expires_unix_ms)
+        state.kv_write_pending = True  # from here P may write D's reservation
+        try:
+            try:
+                await prefill.stub.DeliverWindow(window, timeout=state.timeout(
+                    self.config.prepare_timeout_s))
+            except grpc.aio.AioRpcError:
+                pass  # the RemoteSend itself ends with what went wrong
+            # Never wait past the lease, as a sequential RemoteSend's deadline would not.
+            left = reserved.lease_ends - time.monotonic()
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(early.call), max(0.0, left))
+            except asyncio.TimeoutError:
+                early.call.cancel()  # P stops unless its write began (then it lands late)
+                raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"RemoteSend on prefill node {prefill.address}: the lease "
+                                    f"of request {state.request_id} ended first") from None
+            state.kv_write_pending = False
+        except grpc.aio.AioRpcError as err:
+            raise self._send_failed(state, prefill, err) from None
+        except asyncio.CancelledError:
+            early.call.cancel()
+            raise
+        finally:
+            prefill.in_flight -= 1
+        state.holders.discard(prefill)
+        return reply
+
+    # ---- step 3: StartGeneration -------------------------------------------------------
+    def start_request(self, state: RequestState, reserved: Reserved, sent: bool):
+        prep = reserved.prep
+        return pdserve_pb2.StartGenerationRequest(
+            request_id=state.request_id, kv_window_begin=prep.kv_window_end,
+            lease_id=prep.lease_id, expect_kv_notification=sent)
+
+    def start_local_request(self, state: RequestState, prompt_token_ids, sampling):
+        """D prefills the whole prompt: its PrepareReceive (local_prefill) rides inside
+        StartGeneration, so the request costs one call."""
+        prepare = pdserve_pb2.PrepareReceiveRequest(
+            request_id=state.request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
+            kv_window_end=0, lease_ms=self.config.lease_ms, local_prefill=True)
+        return pdserve_pb2.StartGenerationRequest(request_id=state.request_id, prepare=prepare)
+
+    async def start(self, decode: Endpoint, state: RequestState,
+                    request) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        """D's stream, ending with one usage message that carries the router's own time to
+        first token and the route taken."""
+        call = decode.stub.StartGeneration(
+            request, timeout=state.timeout(self.config.generation_timeout_s))
+        first = True
+        try:
+            async for msg in call:
+                if msg.HasField("usage"):
+                    if state.local:  # D's own prefix hit, known once it scheduled the prompt
+                        state.route.prefix_matched_length = msg.usage.cached_prompt_tokens
+                    if first:  # no token at all (e.g. max_tokens reached at once)
+                        msg.usage.time_to_first_token_s = time.perf_counter() - state.arrived
+                    else:
+                        msg.usage.time_to_first_token_s = state.ttft
+                    msg.usage.route.CopyFrom(state.route)
+                elif first and msg.token_ids:
+                    state.ttft = time.perf_counter() - state.arrived
+                    first = False
+                yield msg
+        except grpc.aio.AioRpcError as err:
+            raise self.error(state, decode, "StartGeneration", err) from None
+        finally:
+            call.cancel()
+
+    # ---- aborts ------------------------------------------------------------------------
+    async def abort(self, endpoint: Endpoint, request_id: str, settled: bool) -> None:
+        try:
+            await endpoint.stub.Abort(
+                pdserve_pb2.AbortRequest(request_id=request_id, kv_write_settled=settled),
+                timeout=self.config.abort_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            log.warning("Abort %s on %s failed: %s", request_id, endpoint.address, err.details())
+
+    def abort_later(self, endpoint: Endpoint, request_id: str, settled: bool) -> None:
+        task = asyncio.ensure_future(self.abort(endpoint, request_id, settled))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    def release(self, state: RequestState) -> None:
+        """Abort the request on every node still holding it, without blocking the caller."""
+        holders, state.holders = list(state.holders), set()
+        settled = not state.kv_write_pending
+        for endpoint in holders:
+            self.abort_later(endpoint, state.request_id, settled)

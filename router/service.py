@@ -1,0 +1,48 @@
+"""The router's `pdserve.v1.Generation` service: converts at the edge, dispatches.
+
+Client disconnects cancel the handler; the dispatcher's cleanup then aborts the request
+on every node holding it.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from proto import pdserve_pb2, pdserve_pb2_grpc
+from router import validation
+from router.dispatch import Dispatcher
+from router.tokenizer import PromptTokenizer
+from runtime.errors import abort_with
+from runtime.observe import StreamObserver
+
+
+class GenerationService(pdserve_pb2_grpc.GenerationServicer):
+    def __init__(self, dispatcher: Dispatcher, tokenizer: PromptTokenizer) -> None:
+        self.dispatcher = dispatcher
+        self.tokenizer = tokenizer
+
+    async def Generate(self, request, context):
+        request_id = request.request_id or uuid.uuid4().hex
+        observer = StreamObserver("router", request_id, api="grpc")
+        try:
+            ids = validation.checked_prompt_ids(request, self.tokenizer)
+        except ValueError as err:
+            observer.finish("invalid_argument", error=str(err))
+            await abort_with(context, err)
+        window_end = request.kv_window_end if request.HasField("kv_window_end") else None
+        stream = self.dispatcher.generate(request_id, ids, request.sampling, window_end,
+                                          timeout_s=context.time_remaining())
+        try:
+            async for msg in observer.watch(stream):
+                yield msg
+        except Exception as err:
+            await abort_with(context, err)
+
+    async def Abort(self, request, context):
+        return pdserve_pb2.AbortResponse(found=await self.dispatcher.abort(request.request_id))
+
+    async def GetModelInfo(self, request, context):
+        card = self.tokenizer.card
+        return pdserve_pb2.ModelInfo(
+            model=card.model, vocab_size=card.vocab_size, max_model_len=card.max_model_len,
+            eos_token_ids=card.eos_token_ids, role="router")

@@ -1,0 +1,82 @@
+"""Optional TLS for every gRPC endpoint and every channel a node opens.
+
+One `TLSConfig` per process, set once at start from the `--tls-*` flags (`configure`);
+`server_credentials()` and `channel_credentials()` read it, so the code that binds ports
+and opens channels (`runtime.server`) needs no TLS arguments threaded through it.
+- `cert`/`key`: this node's certificate; served on its endpoint, and presented to the
+  nodes it calls when they require client certificates (mutual TLS).
+- `ca`: the CA that signed the certificates of the nodes this process calls.
+- `require_client_cert`: the server only accepts callers whose certificate `ca` signed
+  (workers use it so that only the router and their peers may call them).
+Without a config everything is plaintext, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from runtime.options import option
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    cert: str | None = option(
+        None, "this node's certificate: served on its endpoint and presented to the nodes it "
+              "calls (mutual TLS)", flag="--tls-cert", type=str, metavar="PEM")
+    key: str | None = option(None, "private key of --tls-cert", flag="--tls-key", type=str,
+                             metavar="PEM")
+    ca: str | None = option(
+        None, "CA that signed the certificates of the nodes this process calls; setting it "
+              "turns on TLS for outgoing channels", flag="--tls-ca", type=str, metavar="PEM")
+    require_client_cert: bool = option(
+        False, "accept only callers with a certificate signed by --tls-ca (workers: only the "
+               "router and peer workers may call)", flag="--tls-require-client-cert")
+
+    def validate(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.require_client_cert and not (self.ca and self.cert):
+            raise ValueError("--tls-require-client-cert needs --tls-ca and --tls-cert/--tls-key")
+        for path in (self.cert, self.key, self.ca):
+            if path and not Path(path).is_file():
+                raise ValueError(f"TLS file not found: {path}")
+
+
+_config = TLSConfig()
+
+
+def configure(config: TLSConfig) -> None:
+    global _config
+    config.validate()
+    _config = config
+
+
+def current() -> TLSConfig:
+    return _config
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def server_credentials() -> grpc.ServerCredentials | None:
+    """Credentials for this node's endpoint, or None to serve plaintext."""
+    c = _config
+    if not c.cert:
+        return None
+    return grpc.ssl_server_credentials(
+        [(_read(c.key), _read(c.cert))],
+        root_certificates=_read(c.ca) if c.require_client_cert else None,
+        require_client_auth=c.require_client_cert)
+
+
+def channel_credentials() -> grpc.ChannelCredentials | None:
+    """Credentials for channels this node opens, or None for plaintext (no --tls-ca)."""
+    c = _config
+    if not c.ca:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(c.ca), private_key=_read(c.key), certificate_chain=_read(c.cert))

@@ -1,0 +1,68 @@
+"""The comparison's objectives and ratios, on hand-built results."""
+
+import pytest
+
+from benchmarks.serve.compare import compare_rows, objectives, ratio
+from benchmarks.serve.metrics import RequestResult, summarize
+
+
+def req(ttft: float, tpot: float, tokens: int = 3) -> RequestResult:
+    times = [ttft + i * tpot for i in range(tokens)]
+    return RequestResult(ok=True, prompt_len=8, output_tokens=tokens, start=0.0,
+                         end=times[-1], token_times=times)
+
+
+LIGHT = [req(0.1, 0.01), req(0.2, 0.02), req(0.3, 0.03)]
+
+
+def test_objectives_are_multiples_of_the_light_load_median_and_p90():
+    objs = objectives(LIGHT)
+    assert objs["strict"] == pytest.approx({"ttft_ms": 3 * 200, "tpot_ms": 1.5 * 20})
+    assert objs["loose"] == pytest.approx({"ttft_ms": 3 * 280, "tpot_ms": 1.5 * 28})
+
+
+def test_objectives_need_a_baseline_with_tokens():
+    with pytest.raises(RuntimeError, match="light-load baseline"):
+        objectives([RequestResult(ok=False, error="UNAVAILABLE")])
+
+
+def test_compare_rows_count_goodput_under_each_objective_and_divide_first_by_second():
+    # Strict: TTFT <= 0.6 s, TPOT <= 0.03 s. Loose: TTFT <= 0.84 s, TPOT <= 0.042 s.
+    colocated = [req(0.5, 0.04),   # loose only (TPOT over strict)
+                 req(0.9, 0.01),   # neither (TTFT over loose)
+                 req(0.2, 0.02)]   # both
+    disagg = [req(0.7, 0.01),      # loose only (TTFT over strict)
+              req(0.3, 0.02), req(0.3, 0.02)]  # both
+    results = {"1p1d": [LIGHT, disagg], "colocated": [LIGHT, colocated]}
+    rows = {name: [{**summarize(r, duration_s=10.0), "request_rate": rate}
+                   for r, rate in zip(runs, (0.1, 0.5))] for name, runs in results.items()}
+    table = compare_rows(rows, results, objectives(LIGHT))
+    heavy = table[1]
+    assert heavy["request_rate"] == 0.5
+    assert heavy["1p1d"]["goodput_strict"] == pytest.approx(0.2)
+    assert heavy["colocated"]["goodput_strict"] == pytest.approx(0.1)
+    assert heavy["1p1d"]["goodput_loose"] == pytest.approx(0.3)
+    assert heavy["colocated"]["goodput_loose"] == pytest.approx(0.2)
+    assert heavy["goodput_ratio_strict"] == pytest.approx(2.0)
+    assert heavy["goodput_ratio_loose"] == pytest.approx(1.5)
+    # p90 TPOT: 1P1D [10, 20, 20] ms -> 20; colocated [10, 20, 40] ms -> 36.
+    assert heavy["tpot_p90_ratio"] == pytest.approx(20 / 36)
+    assert table[0]["goodput_ratio_strict"] == pytest.approx(1.0)
+
+
+def test_a_ratio_over_nothing_is_null():
+    assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None and ratio(1.0, 4.0) == 0.25
+
+
+def test_headline_copies_the_ratios_of_the_named_rate_and_rejects_an_unswept_one():
+    import pytest
+
+    from benchmarks.serve.compare import headline
+
+    table = [{"request_rate": r, "tpot_p90_ratio": r / 10, "goodput_ratio_strict": r,
+              "goodput_ratio_loose": 2 * r, "1p1d": {}, "colocated": {}} for r in (0.5, 1.0)]
+    assert headline(table, 1.0) == {"request_rate": 1.0, "tpot_p90_ratio": 0.1,
+                                    "goodput_ratio_strict": 1.0, "goodput_ratio_loose": 2.0}
+    assert headline(table, None) is None
+    with pytest.raises(SystemExit, match="0.7"):
+        headline(table, 0.7)

@@ -1,0 +1,166 @@
+"""Cancel and abort at every phase of a disaggregated request; leases and deadlines.
+
+After each, every node's pool is full again with nothing parked or quarantined.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from pdserve.client import Client
+from proto import pdserve_pb2
+from runtime.server import channel
+from tests.cluster.conftest import GRACE_MS, SLOW
+from tests.cluster.nodes import (GREEDY, full, gate_open, load, open_gates, run, stopped_at,
+                                 wait_for, wait_pools_full, worker_stub)
+
+PROMPT = "the quick brown fox jumps over the lazy dog " * 3
+
+
+async def _parked(cluster) -> int:
+    return sum([(await load(cluster.address(d))).num_parked for d in ("d1", "d2")])
+
+
+@pytest.mark.parametrize("phase,how,router,bound_s", [
+    # A client gone during the prefill: the window may or may not have reached the prefill
+    # node (the router cancels its DeliverWindow too), so D may have to wait for the lease
+    # (router `short`: 2 s) plus the grace period before it can trust the pages again.
+    ("prefill", "disconnect", "short", 2 + GRACE_MS / 1000 + 2),
+    # An abort during the transfer: the write lands and D sees its notification at once.
+    ("kv_write", "abort", "main", GRACE_MS / 1000),
+], ids=["prefill-in-progress", "transfer-in-flight"])
+def test_cancel_during_remote_send_frees_pages_on_every_node(fault_cluster, phase, how, router,
+                                                             bound_s):
+    c = fault_cluster
+    request_id = f"{SLOW}{phase}-{how}"
+
+    async def go():
+        if phase == "kv_write":  # it passes the prefill on its way there
+            await open_gates(c, "prefill", request_id)
+        async with Client(c.address(router)) as client:
+            task = asyncio.ensure_future(client.complete(PROMPT, request_id=request_id,
+                                                         max_tokens=300, **GREEDY))
+            prefill = await stopped_at(c, phase, request_id)
+            busy = (await load(c.address(prefill))).num_running
+            parked = await wait_for(lambda: _parked(c), timeout_s=10)
+            if how == "abort":
+                assert await client.abort(request_id) is True
+            else:
+                task.cancel()  # the client disconnects
+            await gate_open(c.address(prefill), phase, request_id)
+            with pytest.raises((grpc.aio.AioRpcError, asyncio.CancelledError)) as err:
+                await task
+            if how == "abort":
+                assert err.value.code() == grpc.StatusCode.CANCELLED
+        t0 = time.monotonic()
+        reports = await wait_pools_full(c.workers, timeout_s=bound_s + 5)
+        return busy, parked, reports, time.monotonic() - t0
+
+    busy, parked, reports, took = run(go())
+    assert busy == 1 and parked == 1  # P working on it, D holding the parked reservation
+    assert all(full(r) for r in reports), reports
+    assert took < bound_s, f"pages came back only after {took:.1f}s"
+
+
+@pytest.mark.parametrize("how", ["disconnect", "abort"])
+def test_cancel_while_decoding_frees_pages_on_every_node(fault_cluster, how):
+    async def go():
+        async with Client(fault_cluster.address("main")) as client:
+            stream = client.stream(PROMPT, request_id=f"decoding-{how}", max_tokens=400, **GREEDY)
+            got = []
+            async for msg in stream:
+                got += msg.token_ids
+                if len(got) >= 3:
+                    break
+            running = sum([(await load(fault_cluster.address(d))).num_running
+                           for d in ("d1", "d2")])
+            if how == "abort":
+                assert await client.abort(f"decoding-{how}") is True
+            await stream.aclose()
+        return running, await wait_pools_full(fault_cluster.workers, timeout_s=6)
+
+    running, reports = run(go())
+    assert running == 1
+    assert all(full(r) for r in reports), reports
+
+
+def test_parked_reservation_abort_and_lease_expiry_on_the_worker_api(fault_cluster):
+    """Worker API straight: a settled Abort frees at once; an unsettled one and an expired
+    lease quarantine the pages until lease + grace; late calls get clear statuses."""
+    d1 = fault_cluster.address("d1")
+    p1 = fault_cluster.address("p1")
+    ids = list(range(10, 60))
+
+    async def prepare(ch, rid, lease_ms):
+        return await worker_stub(ch).PrepareReceive(pdserve_pb2.PrepareReceiveRequest(
+            request_id=rid, prompt_token_ids=ids, kv_window_end=-1, lease_ms=lease_ms),
+            timeout=10)
+
+    async def go():
+        out = {}
+        async with channel(d1) as ch, channel(p1) as pch:
+            stub = worker_stub(ch)
+            await prepare(ch, "parked-settled", 60_000)
+            out["held"] = await load(d1)
+            await stub.Abort(pdserve_pb2.AbortRequest(request_id="parked-settled",
+                                                      kv_write_settled=True), timeout=5)
+            out["after_settled"] = await load(d1)
+
+            await prepare(ch, "parked-unsettled", 500)
+            await stub.Abort(pdserve_pb2.AbortRequest(request_id="parked-unsettled"), timeout=5)
+            out["quarantined"] = await load(d1)
+
+            prep = await prepare(ch, "expiring", 300)
+
+            async def expired():  # the lease ends; its pages stay quarantined
+                report = await load(d1)
+                return report if report.num_quarantined == 2 else None
+
+            out["expired"] = await wait_for(expired, timeout_s=5)
+            with pytest.raises(grpc.aio.AioRpcError) as late_start:
+                async for _ in stub.StartGeneration(pdserve_pb2.StartGenerationRequest(
+                        request_id="expiring", kv_window_begin=prep.kv_window_end,
+                        lease_id=prep.lease_id), timeout=5):
+                    pass
+            out["late_start"] = late_start.value
+            with pytest.raises(grpc.aio.AioRpcError) as late_send:
+                await worker_stub(pch).RemoteSend(pdserve_pb2.RemoteSendRequest(
+                    request_id="expiring", prompt_token_ids=ids, kv_window_begin=0,
+                    kv_window_end=prep.kv_window_end, kv_append_metadata=prep.kv_append_metadata,
+                    lease_id=prep.lease_id, decode_agent_name=prep.decode_agent_name,
+                    decode_address=d1, lease_expires_unix_ms=prep.lease_expires_unix_ms),
+                    timeout=10)
+            out["late_send"] = late_send.value
+        out["final"] = await wait_pools_full([d1, p1], timeout_s=GRACE_MS / 1000 + 5)
+        return out
+
+    out = run(go())
+    assert out["held"].num_parked == 1 and out["held"].free_pages < out["held"].total_pages
+    assert full(out["after_settled"]), out["after_settled"]
+    assert out["quarantined"].num_quarantined == 1 and out["quarantined"].num_parked == 0
+    assert out["expired"].num_quarantined == 2 and out["expired"].leases_expired_total >= 1
+    assert out["late_start"].code() == grpc.StatusCode.NOT_FOUND
+    assert "expiring" in out["late_start"].details()
+    assert out["late_send"].code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "lease" in out["late_send"].details() and "nothing was written" in out["late_send"].details()
+    assert all(full(r) for r in out["final"]), out["final"]
+
+
+def test_client_deadline_is_honoured_and_frees_pages(fault_cluster):
+    async def go():
+        async with Client(fault_cluster.address("main")) as client:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.complete(PROMPT, request_id=f"{SLOW}deadline", timeout=1.0,
+                                      max_tokens=8, **GREEDY)
+            took = time.monotonic() - t0
+        return err.value, took, await wait_pools_full(fault_cluster.workers, timeout_s=8)
+
+    err, took, reports = run(go())
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert took < 2.0
+    assert all(full(r) for r in reports), reports

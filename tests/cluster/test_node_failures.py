@@ -1,0 +1,268 @@
+"""Nodes dying and prefill nodes writing late, with real processes.
+
+- SIGKILL of a prefill node mid-transfer: the router retries the other prefill node (or
+  lets the decode node prefill) and the client gets one normal, correct stream.
+- SIGKILL of a decode node: its stream ends UNAVAILABLE naming it, a stream on the other
+  decode node is unaffected, the next requests succeed there, and once the node is back
+  (same port) and passes its health check the router uses it again.
+- A lease that runs out while a prefill node is still writing: the late write lands in
+  quarantined pages, and no other request's output changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.client import Client
+from proto import pdserve_pb2
+from runtime.server import channel
+from tests.cluster.conftest import GRACE_MS, SLOW
+from tests.cluster.nodes import (GREEDY, full, gate_open, gate_reached, load, open_gates, run,
+                                 stopped_at, wait_for, wait_pools_full, worker_stub)
+
+LONG_IDS = [(i * 37) % 480 + 20 for i in range(300)]
+
+
+async def _fresh(client, prompt, max_tokens):
+    """The answer computed from scratch on a decode node (no transfer, no prefix cache)."""
+    return await client.complete(prompt, kv_window_end=0, max_tokens=max_tokens, **GREEDY)
+
+
+def test_sigkill_prefill_node_during_transfer_still_gives_the_right_answer(fault_cluster):
+    """Router `short` (2 s leases): the reservation the dead node was writing is
+    quarantined until its lease plus the grace period, then comes back."""
+    c = fault_cluster
+    request_id = f"{SLOW}kill-prefill"
+
+    async def go():
+        await open_gates(c, "prefill", request_id)
+        async with Client(c.address("short")) as client:
+            task = asyncio.ensure_future(client.complete(
+                LONG_IDS, request_id=request_id, max_tokens=8, **GREEDY))
+            victim = await stopped_at(c, "kv_write", request_id)
+            survivor = "p2" if victim == "p1" else "p1"
+            await gate_open(c.address(survivor), "kv_write", request_id)  # the retry goes on
+            assert (await load(c.address(victim))).num_running == 1
+            c.kill(victim)
+            out = await task
+            expected = await _fresh(client, LONG_IDS, 8)
+        survivors = [c.address(n) for n in ("p1", "p2", "d1", "d2") if n != victim]
+        # D's reservation written by the dead node never gets a notification: it stays
+        # quarantined until its lease (2 s) plus the grace period.
+        reports = await wait_pools_full(survivors, timeout_s=2 + GRACE_MS / 1000 + 5)
+        return victim, out, expected, reports
+
+    try:
+        victim, out, expected, reports = run(go())
+    finally:
+        for name in ("p1", "p2"):
+            if not c.nodes[name].alive():
+                c.restart(name)
+    assert out.token_ids == expected.token_ids and len(out.token_ids) == 8
+    assert out.finish_reason == "length"
+    route = out.usage["route"]
+    assert route["prefill_endpoint"] in ("", c.address("p2" if victim == "p1" else "p1"))
+    assert all(full(r) for r in reports), reports
+
+
+def test_sigkill_decode_node_is_unavailable_naming_it_and_traffic_moves_on(fault_cluster):
+    c = fault_cluster
+
+    async def running_on() -> dict[str, int]:
+        return {d: (await load(c.address(d))).num_running for d in ("d1", "d2")}
+
+    async def first_tokens(client, request_id, max_tokens):
+        stream = client.stream(f"a long story {request_id}", request_id=request_id,
+                               max_tokens=max_tokens, **GREEDY)
+        msg = await stream.__anext__()
+        return stream, list(msg.token_ids)
+
+    async def drain(stream):
+        tokens, reason = [], ""
+        async for msg in stream:
+            tokens += msg.token_ids
+            reason = msg.finish_reason or reason
+        return tokens, reason
+
+    async def go():
+        async with Client(c.address("main")) as client:
+            doomed, _ = await first_tokens(client, "doomed", 500)
+            victim = next(d for d, n in (await running_on()).items() if n == 1)
+            other = "d2" if victim == "d1" else "d1"
+            for i in range(4):  # round robin: one of the next streams lands on the other node
+                bystander, got = await first_tokens(client, f"bystander-{i}", 120)
+                if (await running_on())[other] == 1:
+                    break
+                await stream_close(bystander)
+            else:
+                pytest.fail("no stream landed on the other decode node")
+            c.kill(victim)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await drain(doomed)
+            rest, reason = await drain(bystander)
+            after = [await client.complete(f"next request {i}", max_tokens=4, **GREEDY)
+                     for i in range(4)]
+            survivors = await wait_pools_full(
+                [c.address(n) for n in ("p1", "p2", other)], timeout_s=10)
+            c.restart(victim)
+
+            async def routed_to_victim():
+                out = await client.complete("welcome back", max_tokens=2, **GREEDY)
+                return out.usage["route"]["decode_endpoint"] == c.address(victim)
+
+            await wait_for(routed_to_victim, timeout_s=15, poll_s=0.2)
+        return victim, other, err.value, got + rest, reason, after, survivors
+
+    victim, other, err, bystander_tokens, reason, after, survivors = run(go(), timeout_s=180)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"decode node {c.address(victim)}" in err.details()
+    assert len(bystander_tokens) == 120 and reason == "length"
+    assert all(len(o.token_ids) == 4 for o in after)
+    assert all(o.usage["route"]["decode_endpoint"] == c.address(other) for o in after)
+    assert all(full(r) for r in survivors), survivors
+
+
+async def stream_close(stream):
+    await stream.aclose()
+
+
+def test_lease_expiry_while_prefill_node_still_writes_changes_no_other_output(fault_cluster):
+    """Router `short` leases for 2 s. The slow request's write is held at the `kv_write`
+    gate of both prefill nodes it tries until each lease has ended (the router then lets
+    the decode node prefill it itself); then both writes land, late, into quarantined
+    pages. Meanwhile other requests run on the same decode nodes; their outputs must equal
+    a fresh recomputation."""
+    c = fault_cluster
+    decodes = [c.address(d) for d in ("d1", "d2")]
+    request_id = f"{SLOW}late-writer"
+
+    def bystander(i):  # distinct from the first token on: no prefix sharing, 8 fresh pages
+        return [(i * 13 + j * 7) % 480 + 20 for j in range(64)]
+
+    async def quarantined() -> int:
+        return sum([(await load(d)).num_quarantined for d in decodes])
+
+    async def none_quarantined() -> bool:
+        return await quarantined() == 0
+
+    async def go():
+        before = sum([(await load(d)).late_writes_total for d in decodes])
+        await open_gates(c, "prefill", request_id)
+        async with Client(c.address("short")) as short, Client(c.address("main")) as main:
+            slow = asyncio.ensure_future(short.complete(
+                LONG_IDS[:120], request_id=request_id, max_tokens=6, **GREEDY))
+            outs = []
+            stop = asyncio.Event()
+
+            async def bystanders():
+                while not stop.is_set():
+                    batch = [bystander(len(outs) + k) for k in range(6)]
+                    outs.extend(zip(batch, await asyncio.gather(*(
+                        main.complete(p, max_tokens=6, **GREEDY) for p in batch))))
+
+            traffic = asyncio.ensure_future(bystanders())
+            for attempt in range(2):  # one prefill node, then the other
+                prefill = await stopped_at(c, "kv_write", request_id)
+                await wait_for(quarantined, timeout_s=10)  # its lease ended: D quarantined
+                await gate_open(c.address(prefill), "kv_write", request_id)  # lands late
+                await wait_for(none_quarantined, timeout_s=10)  # D saw it land
+            out = await slow
+            stop.set()
+            await traffic
+            expected = []
+            for i in range(0, len(outs), 8):
+                expected += await asyncio.gather(*(_fresh(main, p, 6) for p, _ in outs[i:i + 8]))
+            slow_expected = await _fresh(main, LONG_IDS[:120], 6)
+        reports = await wait_pools_full([*c.workers], timeout_s=GRACE_MS / 1000 + 8)
+        after = sum([r.late_writes_total for r in reports if r.role == "decode"])
+        return out, slow_expected, outs, expected, after - before, reports
+
+    out, slow_expected, outs, expected, late_writes, reports = run(go(), timeout_s=120)
+    assert late_writes == 2  # both prefill nodes really wrote after their leases ended
+    assert out.token_ids == slow_expected.token_ids
+    assert out.usage["route"]["remote_send_skipped"]  # both prefill attempts ran out of lease
+    assert len(outs) >= 12
+    mismatched = [i for i, ((_, o), e) in enumerate(zip(outs, expected)) if o.token_ids != e.token_ids]
+    assert not mismatched, f"{len(mismatched)} of {len(outs)} bystanders changed: {mismatched}"
+    assert all(full(r) for r in reports), reports
+
+
+def test_pages_of_an_expired_lease_are_not_reused_until_the_late_write_lands(fault_cluster):
+    """Worker API straight, deterministic: a prefill node's write is held at its gate until
+    the lease has ended. With the pool otherwise full, no reservation may get the expired
+    one's pages until that write has landed; then they come back."""
+    c = fault_cluster
+    d1, p1 = c.address("d1"), c.address("p1")
+    x_id = f"{SLOW}x"
+
+    def ids(i, n):
+        return [(i * 11 + j * 7) % 480 + 20 for j in range(n)]
+
+    async def prepare(stub, rid, prompt, lease_ms):
+        return await stub.PrepareReceive(pdserve_pb2.PrepareReceiveRequest(
+            request_id=rid, prompt_token_ids=prompt, kv_window_end=-1, lease_ms=lease_ms),
+            timeout=10)
+
+    async def go():
+        async with channel(d1) as dch, channel(p1) as pch:
+            d, p = worker_stub(dch), worker_stub(pch)
+            before = (await load(d1)).late_writes_total
+            await gate_open(p1, "prefill", x_id)
+            x_ids = ids(999, 121)
+            x = await prepare(d, x_id, x_ids, 1000)
+            x_slots = set(slots(x.kv_append_metadata))
+            send = asyncio.ensure_future(p.RemoteSend(pdserve_pb2.RemoteSendRequest(
+                request_id=x_id, prompt_token_ids=x_ids, kv_window_begin=x.prefix_matched_length,
+                kv_window_end=x.kv_window_end, kv_append_metadata=x.kv_append_metadata,
+                lease_id=x.lease_id, decode_agent_name=x.decode_agent_name, decode_address=d1,
+                lease_expires_unix_ms=x.lease_expires_unix_ms), timeout=30))
+            await gate_reached(p1, "kv_write", x_id)  # its write has begun, held
+            fillers, i = [], 0
+            while True:  # fill the pool with reservations until D refuses one
+                try:
+                    fillers.append(await prepare(d, f"fill-{i}", ids(i, 65), 60_000))
+                except grpc.aio.AioRpcError as err:
+                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                    break
+                i += 1
+            await wait_for(lambda: _quarantined(d1), timeout_s=5)  # X's lease has ended
+            during = []
+            for k in range(3):  # nobody gets X's pages while its write may still land
+                try:
+                    r = await prepare(d, f"during-{k}", ids(500 + k, 17), 60_000)
+                    during.append(set(slots(r.kv_append_metadata)))
+                except grpc.aio.AioRpcError as err:
+                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+            await gate_open(p1, "kv_write", x_id)
+            sent = await send  # the late write landed (the prefill node says so)
+            await wait_for(lambda: _not_quarantined(d1), timeout_s=5)
+            late = (await load(d1)).late_writes_total - before
+            after = await prepare(d, "after", ids(700, 121), 60_000)
+            for rid in [f"fill-{j}" for j in range(len(fillers))] + \
+                    [f"during-{k}" for k in range(3)] + ["after"]:
+                await d.Abort(pdserve_pb2.AbortRequest(request_id=rid, kv_write_settled=True),
+                              timeout=5)
+        return x_slots, during, sent, late, after, await wait_pools_full([d1, p1])
+
+    x_slots, during, sent, late, after, reports = run(go())
+    assert sent.num_tokens_sent == 120 and late == 1
+    assert all(not (s & x_slots) for s in during), "an expired reservation's pages were reused"
+    assert set(slots(after.kv_append_metadata)) & x_slots  # back in the pool once it landed
+    assert all(full(r) for r in reports), reports
+
+
+async def _quarantined(address):
+    return (await load(address)).num_quarantined == 1
+
+
+async def _not_quarantined(address):
+    return (await load(address)).num_quarantined == 0
+
+
+def slots(meta) -> list[int]:
+    from kvtransfer.metadata import decode_append_metadata
+
+    return decode_append_metadata(list(meta))

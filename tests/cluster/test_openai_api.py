@@ -1,0 +1,162 @@
+"""The OpenAI-compatible HTTP API of a running router, through the official `openai` client:
+streamed chat completions and completions match the non-streamed answer and the gRPC one,
+and failures come back in OpenAI's error shape with the HTTP status of their gRPC status."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from pdserve.client import Client
+from tests.cluster.nodes import run, sample, wait_until
+
+GREEDY = dict(temperature=0.0, max_tokens=6, extra_body={"ignore_eos": True})
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a fox"}]
+
+
+@pytest.fixture(scope="module")
+def api(cluster):
+    client = openai.OpenAI(base_url=cluster.http + "/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def model(api):
+    return api.models.list().data[0].id
+
+
+def test_models_lists_the_served_model(api, cluster):
+    models = api.models.list().data
+    assert [m.id for m in models] == [cluster.model]
+
+
+def test_openai_client_streams_a_chat_completion(api, model):
+    stream = api.chat.completions.create(model=model, messages=MESSAGES, stream=True,
+                                         stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    roles = [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert roles == ["assistant"]
+    assert finish == ["length"]
+    assert usage.completion_tokens == 6 and usage.prompt_tokens > 0
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].object == "chat.completion.chunk"
+
+    whole = api.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+    assert whole.choices[0].message.content == text
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == usage.prompt_tokens
+
+
+def test_chat_prompt_is_rendered_by_the_tokenizer_chat_template(api, model, cluster):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok.encode(tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+
+    async def grpc_answer():
+        async with Client(cluster.grpc) as client:
+            return await client.complete(ids, temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    whole = api.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+    assert whole.usage.prompt_tokens == len(ids)
+    assert whole.choices[0].message.content == run(grpc_answer()).text
+
+
+def test_openai_client_streams_a_completion(api, model, cluster):
+    prompt = "the quick brown fox"
+    chunks = list(api.completions.create(model=model, prompt=prompt, stream=True, **GREEDY))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "text_completion" for c in chunks)
+
+    async def grpc_answer():
+        async with Client(cluster.grpc) as client:
+            return await client.complete(prompt, temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    assert text == run(grpc_answer()).text
+    whole = api.completions.create(model=model, prompt=prompt, logprobs=2, **GREEDY)
+    assert whole.choices[0].text == text
+    assert len(whole.choices[0].logprobs.token_logprobs) == 6
+    assert whole.usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_invalid_sampling_value_is_a_400_naming_the_field(api, model, stream):
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model=model, prompt="hello", top_p=1.5, stream=stream)
+    assert err.value.status_code == 400
+    body = err.value.body
+    assert body["type"] == "invalid_request_error" and body["param"] == "top_p"
+    assert body["code"] == "invalid_argument" and "1.5" in body["message"]
+
+
+def test_unknown_model_is_a_404(api):
+    with pytest.raises(openai.NotFoundError) as err:
+        api.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+
+
+def _post(url: str, data: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", b"{not json", None),
+    ("/v1/completions", b'{"model": "M", "prompt": ""}', "prompt"),
+    ("/v1/completions", b'{"model": "M", "prompt": "hi", "temperature": "hot"}', "temperature"),
+    ("/v1/chat/completions", b'{"model": "M", "messages": []}', "messages"),
+    ("/v1/completions", b'{"model": "M", "prompt": [1, 99999]}', "prompt"),
+])
+def test_bad_requests_are_400s_in_openai_error_shape(cluster, model, path, body, param):
+    status, reply = _post(cluster.http + path, body.replace(b'"M"', json.dumps(model).encode()))
+    assert status == 400
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    assert reply["error"]["type"] == "invalid_request_error"
+    assert reply["error"]["param"] == param
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_request_on_every_node(cluster, model):
+    import http.client
+
+    c = cluster
+    before = c.scrape("router")
+    conn = http.client.HTTPConnection("127.0.0.1", c.metrics_ports["router"], timeout=30)
+    body = {"model": model, "prompt": "keep going", "max_tokens": 400, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json", "X-Request-Id": "leaves-early"})
+    reply = conn.getresponse()
+    assert reply.status == 200 and reply.getheader("X-Request-Id") == "leaves-early"
+    assert reply.read(6) == b"data: "  # the first event has begun: hang up
+    conn.sock.shutdown(2)
+    conn.close()
+
+    def aborted_everywhere():
+        router, decode = c.scrape("router"), c.scrape("decode")
+        cancelled = sample(router, "pdserve_requests_total", role="router", outcome="cancelled") - \
+            sample(before, "pdserve_requests_total", role="router", outcome="cancelled")
+        done = cancelled == 1 and sample(decode, "pdserve_kv_pages_used", role="decode") == 0
+        return (router, decode, cancelled) if done else None
+
+    router, decode, cancelled = wait_until(aborted_everywhere, "the request to end as cancelled "
+                                           "with every decode page free", 15)
+    assert cancelled == 1
+    assert sample(decode, "pdserve_kv_pages_used", role="decode") == 0
+    assert sample(router, "pdserve_queue_depth", role="router", queue="in_flight") == 0
+    logged = [json.loads(line) for line in c.log_lines("router") if "leaves-early" in line]
+    assert [r["outcome"] for r in logged] == ["cancelled"]
+    assert logged[0]["completion_tokens"] < 400
