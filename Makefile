@@ -21,6 +21,7 @@ serve: $(STAMP)
 	$(VENV)/bin/pdserve up
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 
 proto: $(STAMP)

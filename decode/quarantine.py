@@ -35,6 +35,7 @@ class Quarantine:
         self.free = free  # frees the engine request of a reservation (by its engine key)
         self.grace_s = grace_s
         self._held: dict[str, Lease] = {}  # engine key -> lease
+        self._settled: set[str] = set()  # engine keys settled before their watch began
         self._tasks: set[asyncio.Task] = set()
         self.late_writes_total = 0
 
@@ -51,6 +52,7 @@ class Quarantine:
         """Release every quarantined reservation of `request_id` now."""
         held = [lease for lease in self._held.values() if lease.request_id == request_id]
         for lease in held:
+            self._settled.add(lease.engine_key)  # a watch that has not begun yet sees it
             self.inbox.interrupt(tags(lease), Interrupted.SETTLED)
         return bool(held)
 
@@ -58,7 +60,10 @@ class Quarantine:
         kv_tag = notification_tag(lease.request_id, lease.lease_id)
         until = lease.expires_at + self.grace_s
         try:
-            why = await self.inbox.wait(tags(lease), until - time.monotonic())
+            if lease.engine_key in self._settled:
+                why = Interrupted.SETTLED
+            else:
+                why = await self.inbox.wait(tags(lease), until - time.monotonic())
             if why == kv_tag:
                 self.late_writes_total += 1
                 log.warning("late KV write for freed reservation %s landed in quarantine",
@@ -66,6 +71,7 @@ class Quarantine:
             await self.free(lease.engine_key)
         finally:
             self._held.pop(lease.engine_key, None)
+            self._settled.discard(lease.engine_key)
 
 
 def tags(lease: Lease) -> tuple[bytes, bytes]:

@@ -6,7 +6,8 @@ Two request kinds, one per method:
 - `remote_send_overlapped(OverlappedSend)`: the router sends it before D has reserved, so
   only `end` is known; the prefill of prompt[:end] starts at once and the rest of the window
   arrives by `deliver_window` while it runs. A window that does not arrive before the
-  deadline, or an abort while waiting, ends the request without writing anything.
+  deadline, or an abort while waiting, ends the request without writing anything; a window that comes after its send ended is
+never written, and its decode node is told so at once.
 
 Preconditions of every write: 0 <= begin < end < len(prompt), and the append metadata names
 exactly end - begin slots inside D's pool. The engine never samples here (prefill_only);
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -38,67 +40,18 @@ from kvtransfer.metadata import decode_append_metadata, validate_append_metadata
 from kvtransfer.plan import plan_transfer
 from kvtransfer.window import resolve_kv_window
 from prefill.config import PrefillConfig
-from prefill.peers import DecodePeer, DecodePeers, PeerRef
+from prefill.peers import DecodePeer, DecodePeers
+from prefill.requests import OverlappedSend, PrefillLoad, RemoteSend, SendResult, Window
 from proto.tags import no_write_tag, notification_tag
 from runtime.errors import (NodeDraining, NodeOverloaded, PeerUnavailable, Refused,
                             RequestAborted, TimedOut)
 
 log = logging.getLogger("pdserve.prefill")
+_MAX_ENDED = 4096  # sends remembered after their end (a window may still come for them)
 
 
 class LeaseEnded(Refused):
     """The decode node's reservation lease ended: writing now could hit reused pages."""
-
-
-@dataclass
-class Window:
-    """What a send needs from the decode node's PrepareReceive."""
-
-    begin: int
-    kv_append_metadata: list[int]
-    lease_id: str
-    decode: PeerRef
-    lease_expires_unix_s: float
-
-
-@dataclass
-class RemoteSend:
-    request_id: str
-    prompt_token_ids: list[int]
-    kv_window_end: int  # Python-style
-    window: Window
-    timeout_s: float | None = None  # the caller's deadline
-
-
-@dataclass
-class OverlappedSend:
-    request_id: str
-    prompt_token_ids: list[int]
-    kv_window_end: int  # Python-style; the rest of the window comes by deliver_window
-    timeout_s: float | None = None
-
-
-@dataclass
-class SendResult:
-    kv_window_begin: int  # absolute
-    kv_window_end: int
-    num_bytes: int
-    num_descriptors: int
-    prefill_cached_tokens: int
-    prefill_s: float
-    transfer_s: float
-
-    @property
-    def num_tokens_sent(self) -> int:
-        return self.kv_window_end - self.kv_window_begin
-
-
-@dataclass
-class PrefillLoad:
-    num_running: int
-    remote_sends_total: int
-    last_kv_window_begin: int
-    kv_bytes_sent_total: int
 
 
 @dataclass
@@ -123,6 +76,9 @@ class PrefillRole:
         self.draining = False
         self._writers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-write")
         self._early_windows: dict[str, tuple[float, object]] = {}
+        # Sends that ended, most recent last: a window that comes for one of them is never
+        # written, and its decode node hears so at once instead of after lease + grace.
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self.remote_sends_total = 0
         self.last_kv_window_begin = 0
         self.kv_bytes_sent_total = 0
@@ -188,6 +144,7 @@ class PrefillRole:
             raise NodeOverloaded(f"prefill node is at its limit of {self.config.max_in_flight} "
                                  "RemoteSends")
         sending = self.in_flight[request_id] = _Sending()
+        self._ended.pop(request_id, None)
         return sending
 
     def _deadline(self, timeout_s: float | None) -> float:
@@ -222,6 +179,9 @@ class PrefillRole:
             t2 = time.perf_counter()
         finally:
             del self.in_flight[request_id]
+            self._ended[request_id] = None
+            while len(self._ended) > _MAX_ENDED:
+                self._ended.popitem(last=False)
             await asyncio.shield(self.engine.run(lambda e: e.release(request_id)))
             delivered = sending.delivered or _delivered(sending.window)
             if not sending.writing and delivered is not None:
@@ -267,6 +227,11 @@ class PrefillRole:
 
     def _deliver(self, request_id: str, delivery: object) -> bool:
         sending = self.in_flight.get(request_id)
+        if sending is None and request_id in self._ended:
+            if isinstance(delivery, tuple):  # its send is over: this window is never written
+                window, peer = delivery
+                self._tell_no_write(peer.agent_name, no_write_tag(request_id, window.lease_id))
+            return False
         if sending is None:
             now = time.monotonic()
             self._early_windows = {k: v for k, v in self._early_windows.items() if now - v[0] < 30}

@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 
 from prefill.peers import PeerInfo, PeerRef
-from prefill.role import OverlappedSend, PrefillRole, RemoteSend, Window
+from prefill.requests import OverlappedSend, RemoteSend, Window
+from prefill.role import PrefillRole
 from proto import pdserve_pb2
 from runtime import metrics
 from runtime.checks import check_request_id

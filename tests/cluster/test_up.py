@@ -11,8 +11,8 @@ from pdserve.client import Client
 from pdserve.procs import NodeProcess
 from tests.cluster.nodes import run
 
-IDLE_WINDOW_S = 5.0
-SETTLE_S = 2.0  # start-up work (imports, first allocations) is not idle time
+IDLE_WINDOW_S = 3.0
+SETTLE_S = 1.0  # start-up work (imports, first allocations) is not idle time
 
 
 def cpu_seconds(pids: list[int]) -> float:

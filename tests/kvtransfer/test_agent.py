@@ -121,19 +121,21 @@ def test_a_remote_that_disappears_mid_transfer_gives_an_error_not_a_hang():
                              receiver.layout, random_slots(rng, big, n, 1.0))
         agent.write(remote, plan, b"warm", timeout_s=20)
         outcome = {}
+        writing = threading.Event()
 
         def keep_writing():
             try:
                 for i in range(10_000):
                     agent.write(remote, plan, f"w{i}".encode(), timeout_s=5)
+                    writing.set()
                 outcome["result"] = "never failed"
             except TransferError as e:
                 outcome["result"] = e
 
         writer = threading.Thread(target=keep_writing, daemon=True)
         writer.start()
-        time.sleep(0.3)
-        receiver.kill()
+        assert writing.wait(20), "no write completed"
+        receiver.kill()  # while writes follow each other
         writer.join(30)
         assert not writer.is_alive(), "write hung after the remote died"
         assert isinstance(outcome["result"], TransferError)

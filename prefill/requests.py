@@ -1,0 +1,60 @@
+"""What the prefill role is asked and what it answers: one dataclass per request kind
+(`RemoteSend`, `OverlappedSend`), the decode node's half of a send (`Window`), the result
+of a send and the role's load. Plain data; the role checks every value it uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefill.peers import PeerRef
+
+
+@dataclass
+class Window:
+    """What a send needs from the decode node's PrepareReceive."""
+
+    begin: int
+    kv_append_metadata: list[int]
+    lease_id: str
+    decode: PeerRef
+    lease_expires_unix_s: float
+
+
+@dataclass
+class RemoteSend:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_window_end: int  # Python-style
+    window: Window
+    timeout_s: float | None = None  # the caller's deadline
+
+
+@dataclass
+class OverlappedSend:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_window_end: int  # Python-style; the rest of the window comes by deliver_window
+    timeout_s: float | None = None
+
+
+@dataclass
+class SendResult:
+    kv_window_begin: int  # absolute
+    kv_window_end: int
+    num_bytes: int
+    num_descriptors: int
+    prefill_cached_tokens: int
+    prefill_s: float
+    transfer_s: float
+
+    @property
+    def num_tokens_sent(self) -> int:
+        return self.kv_window_end - self.kv_window_begin
+
+
+@dataclass
+class PrefillLoad:
+    num_running: int
+    remote_sends_total: int
+    last_kv_window_begin: int
+    kv_bytes_sent_total: int

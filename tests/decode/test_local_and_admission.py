@@ -1,0 +1,187 @@
+"""Local prefill, and every check before a reservation.
+
+The set-up, and how a phase is reached without waiting for time: tests/decode/world.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from decode.role import LocalPrefill
+from engine import SamplingParams
+from runtime.errors import NodeDraining, NodeOverloaded, RequestAborted, status_of
+from tests.decode.world import (
+    BAD_SAMPLING,
+    END,
+    GREEDY,
+    PAGES,
+    PROMPT,
+    PROMPT_LEN,
+    RESERVED_PAGES,
+    BlockedEngine,
+    collect,
+    free_pages,
+    prepare,
+    prompt_of,
+    start,
+    tokens_of,
+    within,
+)
+
+# ---- local prefill ---------------------------------------------------------------------
+
+def test_prepare_local_reserves_nothing_and_its_start_generates_colocated_tokens(node):
+    async def go():
+        role = node.role()
+        expected = await node.colocated()
+        prepared = await role.prepare_local(LocalPrefill("l", PROMPT, GREEDY))
+        assert prepared.kv_append_metadata == [0] and prepared.lease.kv_window_end == 0
+        assert await free_pages(node.decode) == PAGES and role.load().num_parked == 1
+        outs = await within(collect(role.start_generation(start(prepared, expect_kv=False))))
+        assert tokens_of(outs) == expected
+
+        # generate_local, both in one call, and served from this node's prefix cache
+        outs = await within(collect(role.generate_local(LocalPrefill("l2", PROMPT, GREEDY))))
+        assert tokens_of(outs) == expected
+        assert outs[-1].num_cached_tokens > 0
+        assert role.load().requests_total == 2 and not role.busy()
+
+    asyncio.run(go())
+
+
+def test_prepare_local_of_an_empty_prompt_is_refused(node):
+    async def go():
+        role = node.role()
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await role.prepare_local(LocalPrefill("l", [], GREEDY))
+        assert len(role.leases) == 0
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD_SAMPLING)
+def test_sampling_values_outside_the_engine_rules_are_refused_before_anything_is_reserved(
+        node, bad, message):
+    async def go():
+        role = node.role()
+        params = SamplingParams(**{**dict(max_tokens=8, temperature=0.0), **bad})
+        async with BlockedEngine(node.decode):  # reaching the engine would hang the call
+            with pytest.raises(ValueError, match=message):
+                await within(role.prepare_receive(prepare("r", params=params)), 2.0)
+            with pytest.raises(ValueError, match=message):
+                await within(role.prepare_local(LocalPrefill("l", PROMPT, params)), 2.0)
+        assert len(role.leases) == 0 and role.preparing == {} and role.load().requests_total == 0
+        assert await free_pages(node.decode) == PAGES
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    pytest.param(dict(end=PROMPT_LEN), f"kv_window_end={PROMPT_LEN} is outside the prompt", id="end"),
+    pytest.param(dict(lease_ms=700_000), r"lease_ms must be in \[0, 600000\].*got 700000", id="lease-long"),
+    pytest.param(dict(lease_ms=-5), "got -5", id="lease-negative"),
+])
+def test_bad_window_end_or_lease_is_refused_before_anything_is_reserved(node, kw, message):
+    async def go():
+        role = node.role()
+        async with BlockedEngine(node.decode):
+            with pytest.raises(ValueError, match=message):
+                await within(role.prepare_receive(prepare("r", **kw)), 2.0)
+        assert len(role.leases) == 0 and role.preparing == {}
+        assert await free_pages(node.decode) == PAGES
+
+    asyncio.run(go())
+
+
+def test_duplicate_request_id_is_refused_while_parked_or_reserving(node):
+    async def go():
+        role = node.role()
+        await role.prepare_receive(prepare("r"))
+        with pytest.raises(ValueError, match="duplicate request_id 'r'"):
+            await role.prepare_receive(prepare("r"))
+        with pytest.raises(ValueError, match="duplicate request_id 'r'"):
+            await role.prepare_local(LocalPrefill("r", PROMPT, GREEDY))
+        async with BlockedEngine(node.decode):
+            reserving = asyncio.ensure_future(role.prepare_receive(prepare("s")))
+            await asyncio.sleep(0)  # one pass of the loop (no time passes): it is reserving
+            assert "s" in role.preparing
+            with pytest.raises(ValueError, match="duplicate request_id 's'"):
+                await role.prepare_receive(prepare("s"))
+        await within(reserving)
+        assert role.load().num_parked == 2
+        assert await role.abort("r", settled=True) and await role.abort("s", settled=True)
+
+    asyncio.run(go())
+
+
+def test_abort_while_reserving_fails_the_prepare_and_frees_the_reservation(node):
+    async def go():
+        role = node.role()
+        async with BlockedEngine(node.decode):
+            reserving = asyncio.ensure_future(role.prepare_receive(prepare("r")))
+            await asyncio.sleep(0)  # one pass of the loop (no time passes): it is reserving
+            assert "r" in role.preparing
+            assert await role.abort("r") is True
+        with pytest.raises(RequestAborted, match="aborted while reserving"):
+            await within(reserving)
+        assert await free_pages(node.decode) == PAGES
+        assert role.load().num_quarantined == 0 and not role.busy()
+
+    asyncio.run(go())
+
+
+def test_max_parked_gives_node_overloaded_until_a_reservation_ends(node):
+    async def go():
+        role = node.role(max_parked=2)
+        await role.prepare_receive(prepare("a"))
+        await role.prepare_local(LocalPrefill("b", PROMPT, GREEDY))
+        with pytest.raises(NodeOverloaded, match="limit of 2 parked") as err:
+            await role.prepare_receive(prepare("c"))
+        assert status_of(err.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(NodeOverloaded):
+            await role.prepare_local(LocalPrefill("c", PROMPT, GREEDY))
+        assert await free_pages(node.decode) == PAGES - RESERVED_PAGES
+        assert await role.abort("a", settled=True)
+        third = await role.prepare_receive(prepare("c"))
+        assert third.lease.kv_window_end == END
+        assert await role.abort("b", settled=True) and await role.abort("c", settled=True)
+
+    asyncio.run(go())
+
+
+def test_reservation_that_does_not_fit_the_pool_gives_node_overloaded_and_holds_nothing(node):
+    long_prompt = prompt_of(300, seed=9)  # 38 pages of the 64
+
+    async def go():
+        role = node.role()
+        await role.prepare_receive(prepare("a", long_prompt, end=299))
+        with pytest.raises(NodeOverloaded, match="need 38 pages, 26 free"):
+            await role.prepare_receive(prepare("b", prompt_of(300, seed=10), end=299))
+        assert role.preparing == {} and role.load().num_parked == 1
+        assert await free_pages(node.decode) == PAGES - 38
+        assert await role.abort("a", settled=True)
+
+    asyncio.run(go())
+
+
+def test_draining_node_refuses_new_reservations_and_still_serves_parked_ones(node):
+    async def go():
+        role = node.role()
+        expected = await node.colocated()
+        prepared = await role.prepare_receive(prepare("r"))
+        role.draining = True
+        for call in (role.prepare_receive(prepare("x")),
+                     role.prepare_local(LocalPrefill("y", PROMPT, GREEDY)),
+                     collect(role.generate_local(LocalPrefill("z", PROMPT, GREEDY)))):
+            with pytest.raises(NodeDraining, match="draining") as err:
+                await call
+            assert status_of(err.value) == grpc.StatusCode.UNAVAILABLE
+        assert role.busy()
+        await node.write_kv(prepared)
+        assert tokens_of(await within(collect(role.start_generation(start(prepared))))) == expected
+        assert not role.busy()
+
+    asyncio.run(go())
