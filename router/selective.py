@@ -24,13 +24,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from kvtransfer.window import KVWindowError, resolve_kv_window_end
+
 AUTO = "auto"
 
 
 @dataclass(frozen=True)
 class Plan:
     kv_window_end: int        # what PrepareReceive gets, as given (-k stays -k; 0 when local)
-    end: int                  # the same, absolute (what a RemoteSend sent early computes)
+    end: int                  # the same, absolute (-1: out of range, D refuses it)
     local: bool = False       # D prefills the whole prompt; no RemoteSend
     reason: str = ""          # why local (RouteInfo.skip_reason)
 
@@ -58,9 +60,10 @@ def plan(prompt_token_ids: Sequence[int], kv_window_end: int | str, decode, pref
     if kv_window_end == AUTO:
         kv_window_end = -auto_tail(n, _mean_queue(prefill_pool), _mean_queue(decode_pool),
                                    max_tail)
-    end = kv_window_end + n if kv_window_end < 0 else kv_window_end
-    if not 0 <= end < n:  # out of range: D answers INVALID_ARGUMENT naming it
-        return Plan(kv_window_end, end)
+    try:
+        end = resolve_kv_window_end(kv_window_end, n)
+    except KVWindowError:  # out of range: D answers INVALID_ARGUMENT naming it
+        return Plan(kv_window_end, -1)
     if end == 0:  # a one-token prompt: nothing to send
         return Plan(0, 0, True, "short_window")
     hit = min(decode.prefixes.match(prompt_token_ids), end - 1)

@@ -26,14 +26,12 @@ from runtime.errors import status_of
 from runtime.logs import log_request
 
 
-def outcome_of(err: BaseException | None, context=None) -> str:
+def outcome_of(err: BaseException | None) -> str:
     """The gRPC status an error ends a request with, as a lower-case name."""
     if err is None:
         return "ok"
     code = status_of(err)
-    if context is not None and isinstance(err, grpc.aio.AbortError):
-        code = context.code()  # set by context.abort before it raised
-    elif isinstance(err, grpc.aio.AioRpcError):
+    if isinstance(err, grpc.aio.AioRpcError):
         code = err.code()
     elif isinstance(err, (asyncio.CancelledError, GeneratorExit)):
         code = grpc.StatusCode.CANCELLED
@@ -120,21 +118,19 @@ class StreamObserver:
                       kv_window=f"{route.kv_window_begin}:{route.kv_window_end}",
                       remote_send_skipped=route.remote_send_skipped)
 
-    async def watch(self, stream: AsyncIterator, context=None) -> AsyncIterator:
+    async def watch(self, stream: AsyncIterator) -> AsyncIterator:
         """Pass `stream` through, seeing every message; record when it ends."""
         try:
             async for msg in stream:
                 self.see(msg)
                 yield msg
         except BaseException as err:
-            self.finish(outcome_of(err, context), error=_describe(err, context))
+            self.finish(outcome_of(err), error=_describe(err))
             raise
         self.finish("ok")
 
 
-def _describe(err: BaseException, context=None) -> str:
-    if context is not None and isinstance(err, grpc.aio.AbortError):
-        return context.details() or ""
+def _describe(err: BaseException) -> str:
     if isinstance(err, (asyncio.CancelledError, GeneratorExit)):
         return "cancelled by the caller"
     return getattr(err, "message", None) or str(err) or type(err).__name__

@@ -7,6 +7,7 @@ import asyncio
 
 import grpc
 
+from kvtransfer.window import resolve_kv_window_end
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
@@ -36,8 +37,7 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
     async def PrepareReceive(self, request, context):
         self.calls.append(("PrepareReceive", request))
         await self._maybe_fail("PrepareReceive", context)
-        end = request.kv_window_end + len(request.prompt_token_ids) if request.kv_window_end < 0 \
-            else request.kv_window_end
+        end = resolve_kv_window_end(request.kv_window_end, len(request.prompt_token_ids))
         return pdserve_pb2.PrepareReceiveResponse(
             request_id=request.request_id, prefix_matched_length=min(self.matched, end),
             kv_window_end=end, kv_append_metadata=[1, 0, end - min(self.matched, end)],
