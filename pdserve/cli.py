@@ -38,8 +38,9 @@ def _model(args) -> str:
     return str(ensure_demo_model())
 
 
-def _add_node_flags(p: argparse.ArgumentParser, port: int) -> None:
-    """What every server takes: its model, where it listens, logs and TLS."""
+def _add_node_flags(p: argparse.ArgumentParser, port: int | None = None) -> None:
+    """What every server takes: its model, where it listens (`port`: this command's default,
+    else ServerConfig's), logs and TLS."""
     from runtime.logs import LogConfig
     from runtime.options import add_options
     from runtime.server import ServerConfig
@@ -47,7 +48,7 @@ def _add_node_flags(p: argparse.ArgumentParser, port: int) -> None:
 
     p.add_argument("--model", default=None,
                    help="Hugging Face checkpoint directory (default: the built-in demo model)")
-    add_options(p, ServerConfig, defaults={"port": port})
+    add_options(p, ServerConfig, defaults={} if port is None else {"port": port})
     add_options(p, LogConfig)
     add_options(p.add_argument_group("TLS (runtime/tls.py; all optional, default plaintext)"),
                 TLSConfig)
@@ -195,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("router", help="client-facing router over prefill and decode workers")
     p.__class__ = _RouterParser
-    _add_node_flags(p, 50051)
+    _add_node_flags(p)
     add_options(p, RouterConfig)
     p.set_defaults(func=cmd_router)
 

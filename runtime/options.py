@@ -38,13 +38,11 @@ def default_of(f: dataclasses.Field) -> Any:
     return None
 
 
-def add_options(parser, cls, *, skip: tuple[str, ...] = (), defaults: dict | None = None) -> None:
-    """Add a flag for every option field of `cls` (but `skip`); `defaults` replaces a
-    field's default for this parser (a port that depends on the command)."""
+def add_options(parser, cls, *, defaults: dict | None = None) -> None:
+    """Add a flag for every option field of `cls`; `defaults` replaces a field's default
+    for this parser (a port that depends on the command)."""
     defaults = defaults or {}
     for f in flag_fields(cls):
-        if f.name in skip:
-            continue
         meta = f.metadata
         default = defaults.get(f.name, default_of(f))
         if isinstance(default, bool) and "type" not in meta:
