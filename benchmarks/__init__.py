@@ -8,5 +8,6 @@ baseline measured in the same run, because these machines are noisy:
   `kv_receiver` as the receiving process.
 - `router`: the router's added time to first token and its request rate.
 - `serve`: online serving (TTFT, TPOT, goodput), and 1P1D against colocated nodes.
-Committed results live in `results/`.
+`model_choice` is the `--model` of `engine` and `serve --compare`: SmolLM2-135M-Instruct by
+default, random-weight checkpoints as an option. Committed results live in `results/`.
 """

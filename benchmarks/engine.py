@@ -8,48 +8,26 @@ request (min_new_tokens = max_new_tokens, so EOS never ends one early), and the 
 beyond a prompt's own request are padding, not counted. pdserve gets `ignore_eos` and each
 prompt's own `max_tokens`.
 
-The model is a randomly initialised Llama of about 100M parameters (hidden 1024, 8 layers,
-16 query / 4 KV heads, intermediate 2816) with a vocabulary of 8192. Its tokenizer is the
-small one `engine.checkpoint` trains, which has far fewer entries than 8192; prompts are
-therefore token ids drawn uniformly from the vocabulary, not text. The checkpoint is
-written once into the pdserve cache directory.
+The model is `--model` (`benchmarks.model_choice`): SmolLM2-135M-Instruct by default, or
+`bench-random-100m`, the random-weight ~100M Llama of the first figures. Prompts are token
+ids drawn uniformly from the vocabulary above its special tokens, not text (the random
+models' tokenizer has far fewer entries than their vocabulary); the longest prompt and
+answer (512 + 256 tokens) fit every model's context. The JSON names the model measured:
+catalogue name, directory and dtype.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-BENCH_MODEL_VERSION = "bench-llama-100m-v1"
-BENCH_MODEL = dict(
-    vocab_size=8192,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    max_position_embeddings=2048,
-    initializer_range=0.02,
-)
-QUICK_MODEL = dict(
-    vocab_size=1024,
-    hidden_size=128,
-    intermediate_size=344,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.02,
-)
-FIRST_PROMPT_TOKEN = 6  # ids below are the tokenizer's special tokens
+# Ids below are special tokens: 0-5 in engine.checkpoint's tokenizers, 0-16 in SmolLM2's.
+FIRST_PROMPT_TOKEN = 17
 HF_BATCH_SIZE = 32
-KV_CACHE_BYTES = 1 << 30  # the mixed workload's 64 contexts of up to 768 tokens fit at once
 
 
 @dataclass
@@ -96,26 +74,15 @@ def make_workloads(names: list[str], vocab_size: int, quick: bool, seed: int = 0
     return out
 
 
-def ensure_model(quick: bool, cache_dir: str | None = None) -> Path:
-    """The benchmark checkpoint, written once (into a temporary directory renamed into
-    place, so a concurrent first run never sees half of it)."""
-    from engine.checkpoint import default_cache_dir, write_checkpoint
-
-    version = BENCH_MODEL_VERSION + ("-quick" if quick else "")
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = root / version
-    if (target / "config.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{version}.{os.getpid()}.tmp"
-    write_checkpoint(tmp, family="llama", seed=0, **(QUICK_MODEL if quick else BENCH_MODEL))
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+def kv_cache_bytes(config, dtype: str, workloads: list[Workload], page_size: int) -> int:
+    """Room for every context of the largest workload at once (plus one page each), so
+    pdserve never waits for KV memory, as transformers never does."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+                 * (4 if dtype == "float32" else 2))
+    tokens = max(sum(len(p) + n + page_size for p, n in zip(w.prompts, w.output_lens))
+                 for w in workloads)
+    return per_token * tokens
 
 
 def run_engine(llm, workload: Workload) -> tuple[float, list[list[int]]]:
@@ -151,39 +118,48 @@ def run_transformers(model, workload: Workload, pad_id: int, progress) -> tuple[
     return time.perf_counter() - start, tokens
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from benchmarks.model_choice import add_model_flag
+
     parser = argparse.ArgumentParser(
         prog="pdserve bench engine",
         description="Throughput of pdserve's engine against transformers generate (greedy).",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_model_flag(parser)
+    parser.add_argument("--model-dir", dest="model", metavar="DIR", default=argparse.SUPPRESS,
+                        help="the same as --model")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="weights and activations of both engines (default float32)")
     parser.add_argument("--workload", choices=["mixed", "uniform", "all"], default="all",
                         help="which workload to run (default all)")
     parser.add_argument("--quick", action="store_true",
-                        help="a tiny model and a few short prompts: a smoke test, not a measurement")
-    parser.add_argument("--model-dir", default=None,
-                        help="benchmark this checkpoint instead of the built-in ~100M model")
+                        help="a few short prompts: a smoke test, not a measurement (pair it with "
+                             "--model bench-random-tiny for the fastest run)")
     parser.add_argument("--page-size", type=int, default=16, help="pdserve page size (default 16)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     import torch
     from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from benchmarks.model_choice import resolve_or_exit
     from engine import LLM
 
-    model_dir = Path(args.model_dir) if args.model_dir else ensure_model(args.quick)
-    config = AutoConfig.from_pretrained(model_dir)
+    model = resolve_or_exit(args.model, "pdserve bench engine")
+    config = AutoConfig.from_pretrained(model.dir)
     names = ["mixed", "uniform"] if args.workload == "all" else [args.workload]
     workloads = make_workloads(names, config.vocab_size, args.quick)
     dtype = getattr(torch, args.dtype)
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model.dir, dtype=dtype).eval()
     num_params = sum(p.numel() for p in hf.parameters())
-    llm = LLM(str(model_dir), page_size=args.page_size, dtype=args.dtype,
-              kv_cache_memory_bytes=KV_CACHE_BYTES)
+    llm = LLM(model.dir, page_size=args.page_size, dtype=args.dtype,
+              kv_cache_memory_bytes=kv_cache_bytes(config, args.dtype, workloads, args.page_size))
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
 
     # One short run each first, so one-time set-up costs stay out of the measurement.
@@ -215,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             ))
 
     report = {
-        "model": {"dir": str(model_dir), "parameters": num_params, "vocab_size": config.vocab_size,
-                  "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers},
+        "model": {**model.record(args.dtype), "parameters": num_params,
+                  "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+                  "num_layers": config.num_hidden_layers},
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "quick": args.quick,
@@ -239,8 +216,9 @@ def _print_table(report: dict) -> None:
     from rich.table import Table
 
     m = report["model"]
-    table = Table(title=f"pdserve vs transformers generate: {m['parameters'] / 1e6:.0f}M params, "
-                        f"{report['dtype']}, {report['threads']} threads")
+    table = Table(title=f"pdserve vs transformers generate: {m['name']} "
+                        f"({m['parameters'] / 1e6:.0f}M params), {report['dtype']}, "
+                        f"{report['threads']} threads")
     for col in ("workload", "prompts", "generated", "pdserve tok/s", "transformers tok/s", "speedup",
                 "greedy match"):
         table.add_column(col, justify="right")

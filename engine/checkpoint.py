@@ -1,9 +1,9 @@
 """Writes small Hugging Face checkpoint directories: config.json, safetensors weights and a
 trained tokenizer.
 
-Tests build their models with this (nothing is downloaded), and the built-in demo model is
-written by it on first use. Everything is deterministic for a given seed: the same call
-writes byte-identical weights and the same tokenizer.
+Tests build their models with this (nothing is downloaded), and the random-weight demo
+model (`demo-random`) is written by it on first use. Everything is deterministic for a given
+seed: the same call writes byte-identical weights and the same tokenizer.
 """
 
 from __future__ import annotations
@@ -149,28 +149,24 @@ def write_checkpoint(
     return out
 
 
-DEMO_MODEL_VERSION = "demo-llama-v1"
-
-
 def default_cache_dir() -> Path:
     root = os.environ.get("PDSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pdserve"
-    )
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pdserve")
     return Path(root)
 
 
-def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The built-in demo model: a small Llama checkpoint written once into the cache.
+def ensure_demo_model(target: str | os.PathLike, extra_files: dict[str, str] | None = None) -> Path:
+    """The random-weight demo model: a small Llama checkpoint written once into `target`
+    (with `extra_files`, name -> text, beside it).
 
     Written into a temporary directory and renamed into place, so concurrent first starts
     (router, prefill and decode at once) never see half a checkpoint.
     """
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = root / DEMO_MODEL_VERSION
+    target = Path(target)
     if (target / "config.json").exists():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{DEMO_MODEL_VERSION}.{os.getpid()}.tmp"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
     write_checkpoint(
         tmp,
         family="llama",
@@ -183,7 +179,8 @@ def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
         num_key_value_heads=2,
         initializer_range=0.05,
     )
-    (tmp / "pdserve_demo.json").write_text(json.dumps({"version": DEMO_MODEL_VERSION}))
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
     try:
         os.rename(tmp, target)
     except OSError:

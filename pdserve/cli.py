@@ -6,11 +6,14 @@
     pdserve serve    [--port P]                                     colocated worker (role both)
     pdserve up       [--port P]            router + one prefill + one decode on localhost
     pdserve generate --server HOST:PORT --prompt TEXT               stream an answer
+    pdserve chat     --server HOST:PORT [--system TEXT]             chat in the terminal
     pdserve bench engine|transfer|serve|router ...                  benchmarks
     pdserve health   [--server HOST:PORT]                           exit 0 if the node is SERVING
+    pdserve models   list|fetch|path [NAME]                         the known models
 
-Every server takes `--model DIR`; without it, the built-in demo model is written once into
-the cache (`engine.checkpoint.ensure_demo_model`) and used. A server's flags are the
+Every server takes `--model NAME|DIR`: a checkpoint directory or a known model name
+(`pdserve models list`); the default, smollm2-135m-instruct, is fetched and converted once
+into the cache on first use (`pdserve.models`). A server's flags are the
 fields of its configuration dataclasses (`runtime.options`): each flag's default and help
 are written once, on its field.
 
@@ -31,23 +34,21 @@ WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 
 def _model(args) -> str:
-    if args.model:
-        return args.model
-    from engine.checkpoint import ensure_demo_model
+    from pdserve.models import model_or_exit
 
-    return str(ensure_demo_model())
+    return model_or_exit(args.model)
 
 
 def _add_node_flags(p: argparse.ArgumentParser, port: int | None = None) -> None:
     """What every server takes: its model, where it listens (`port`: this command's default,
     else ServerConfig's), logs and TLS."""
+    from pdserve.models import add_model_flag
     from runtime.logs import LogConfig
     from runtime.options import add_options
     from runtime.server import ServerConfig
     from runtime.tls import TLSConfig
 
-    p.add_argument("--model", default=None,
-                   help="Hugging Face checkpoint directory (default: the built-in demo model)")
+    add_model_flag(p)
     add_options(p, ServerConfig, defaults={} if port is None else {"port": port})
     add_options(p, LogConfig)
     add_options(p.add_argument_group("TLS (runtime/tls.py; all optional, default plaintext)"),
@@ -182,6 +183,8 @@ def cmd_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from decode.config import DecodeConfig
+    from pdserve.chat import add_chat_parser
+    from pdserve.models import add_model_flag, add_models_parser
     from pdserve.up import UpConfig
     from pdserve.worker import DEFAULT_PORTS
     from prefill.config import PrefillConfig
@@ -220,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("up", help="router + one prefill + one decode on localhost; Ctrl-C stops all")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    add_model_flag(p)
     add_options(p, UpConfig)
     p.add_argument("worker_args", nargs=argparse.REMAINDER,
                    help="after `--`: extra flags for both workers (e.g. -- --page-size 8)")
@@ -240,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     add_options(p.add_argument_group("TLS (runtime/tls.py)"), TLSConfig)
     p.set_defaults(func=cmd_generate)
+    add_chat_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks: `bench engine --help`, `bench transfer --help`, "
                                      "`bench serve --help`, `bench router --help`")
@@ -255,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="service name to check; empty = the whole node (default: empty)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds (default: %(default)s)")
     p.set_defaults(func=cmd_health)
+
+    add_models_parser(sub)
     return apply_env_defaults(parser)
 
 

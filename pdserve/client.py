@@ -1,7 +1,9 @@
 """A small client for the `pdserve.v1.Generation` service (router or colocated node).
 
 `Client.stream()` yields the raw `GenerateResponse` messages as they come;
-`Client.complete()` gathers one whole answer into a `Completion`.
+`Client.complete()` gathers one whole answer into a `Completion`. A request's prompt is text,
+token ids, or a conversation, `messages=[{"role": ..., "content": ...}]`, which the server
+renders with the model's chat template (and stops at its end of turn).
 """
 
 from __future__ import annotations
@@ -53,10 +55,17 @@ class Client:
     async def close(self) -> None:
         await self._channel.close()
 
-    def request(self, prompt: str | list[int], *, request_id: str = "",
+    def request(self, prompt: str | list[int] | None = None, *,
+                messages: list[dict] | None = None, request_id: str = "",
                 kv_window_end: int | None = None, **sampling) -> pdserve_pb2.GenerateRequest:
+        """A GenerateRequest of exactly one of `prompt` (text or token ids) or `messages`.
+        A message's missing role or content stays unset: the server names it."""
+        if (prompt is None) == (messages is None):
+            raise TypeError("give exactly one of prompt or messages")
         msg = pdserve_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling))
-        if isinstance(prompt, str):
+        if messages is not None:
+            msg.messages.extend(chat_message(m) for m in messages)
+        elif isinstance(prompt, str):
             msg.prompt = prompt
         else:
             msg.prompt_token_ids.extend(prompt)
@@ -64,7 +73,7 @@ class Client:
             msg.kv_window_end = kv_window_end
         return msg
 
-    async def stream(self, prompt, *, timeout: float | None = None, **kwargs
+    async def stream(self, prompt=None, *, timeout: float | None = None, **kwargs
                      ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         call = self.stub.Generate(self.request(prompt, **kwargs), timeout=timeout)
         try:
@@ -73,7 +82,7 @@ class Client:
         finally:
             call.cancel()  # a consumer that stops early disconnects, freeing the request
 
-    async def complete(self, prompt, **kwargs) -> Completion:
+    async def complete(self, prompt=None, **kwargs) -> Completion:
         """The whole answer of choice 0 (other choices are ignored)."""
         out = Completion()
         async for msg in self.stream(prompt, **kwargs):
@@ -91,6 +100,14 @@ class Client:
 
     async def model_info(self) -> pdserve_pb2.ModelInfo:
         return await self.stub.GetModelInfo(pdserve_pb2.ModelInfoRequest())
+
+
+def chat_message(message: dict) -> pdserve_pb2.ChatMessage:
+    """One {"role", "content"} dict as a ChatMessage (a None content stays unset)."""
+    out = pdserve_pb2.ChatMessage(role=message.get("role") or "")
+    if message.get("content") is not None:
+        out.content = message["content"]
+    return out
 
 
 def usage_dict(usage: pdserve_pb2.Usage) -> dict:

@@ -2,8 +2,9 @@
 
 The baseline disaggregation is measured against. A request is the decode role's local
 kind (`DecodeRole.generate_local`): this node prefills the whole prompt from its own prefix
-cache and generates. Prompts are tokenized by the router's own code (`router.validation`,
-`router.tokenizer`), so a prompt gives the same ids whichever way it is served.
+cache and generates. Prompts and conversations (`messages`) are tokenized by the router's
+own code (`router.validation`, `router.tokenizer`), so a request gives the same ids, and a
+conversation the same end-of-turn stop, whichever way it is served.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from decode.convert import sampling_from_pb, stream_responses
 from decode.role import DecodeRole, LocalPrefill
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from router.tokenizer import PromptTokenizer
-from router.validation import prompt_ids
+from router.validation import prompt_ids, sampling_of
 from runtime import metrics
 from runtime.checks import check_request_id
 from runtime.errors import abort_with
@@ -34,7 +35,7 @@ class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
         try:
             check_request_id(request_id)
             local = LocalPrefill(request_id, prompt_ids(request, self.tokenizer),
-                                 sampling_from_pb(request.sampling))
+                                 sampling_from_pb(sampling_of(request, self.tokenizer)))
             outputs = self.role.generate_local(local, context.time_remaining())
             async for msg in observer.watch(stream_responses(request_id, outputs, arrived)):
                 yield msg

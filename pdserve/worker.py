@@ -151,6 +151,7 @@ async def run_worker(config: WorkerConfig) -> None:
     from engine.async_engine import AsyncEngine
     from kvtransfer.agent import TransferAgent
     from kvtransfer.layout import KVLayout
+    from models.catalogue import served_name
     from prefill.role import PrefillRole
     from prefill.service import PrefillService
     from runtime.gates import Gates, GatesService
@@ -164,7 +165,7 @@ async def run_worker(config: WorkerConfig) -> None:
     agent = TransferAgent(agent_name(role), kv_cache)
     layout = KVLayout.from_tensor(kv_cache, page_size)
     identity = NodeIdentity(
-        model=config.engine.model_dir, model_hash=model_hash(config.engine.model_dir),
+        model=served_name(config.engine.model_dir), model_hash=model_hash(config.engine.model_dir),
         dtype=layout.dtype, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim, page_size=layout.page_size, role=role)
     gates = Gates(config.test_gates) if config.test_gates else None

@@ -114,12 +114,14 @@ class OpenAIFrontend:
         try:
             body = await self._body(request)
             if chat:
-                ids = chat_prompt(body, self.tokenizer.tokenizer)
+                ids = chat_prompt(body, self.tokenizer)
                 default_max = max(1, self.tokenizer.card.max_model_len - len(ids))
             else:
                 ids = completion_prompt(body, self.tokenizer.encode)
                 default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
             sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max)
+            if chat:  # stops at the template's end of turn, as a gRPC conversation does
+                sampling = validation.chat_sampling(sampling, self.tokenizer)
             try:  # the very checks a gRPC Generate gets, so both APIs fail alike
                 validation.check_generate(pdserve_pb2.GenerateRequest(
                     request_id=request_id, sampling=sampling), ids, self.tokenizer.card)

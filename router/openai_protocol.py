@@ -144,30 +144,12 @@ def completion_prompt(body: dict, encode) -> list[int]:
 
 
 def chat_prompt(body: dict, tokenizer) -> list[int]:
-    """Token ids of `messages` rendered by the model's chat template (which adds any special
-    tokens itself, so none are added again)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list", "messages")
-    rendered = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise invalid(f"messages[{i}] must be an object with a role", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is supported
-            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                raise invalid(f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p.get("text", "") for p in content)
-        elif content is not None and not isinstance(content, str):
-            raise invalid(f"messages[{i}].content must be a string or a list of parts", "messages")
-        rendered.append({"role": m["role"], "content": content or ""})
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise invalid("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    """Token ids of `messages` as the model's chat template renders them: the very function
+    (and checks) a gRPC request's messages go through (`PromptTokenizer.chat_ids`)."""
     try:
-        text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
-    except Exception as err:  # the template itself rejects the conversation
-        raise invalid(f"chat template: {err}", "messages") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+        return tokenizer.chat_ids(body.get("messages"))
+    except ValueError as err:
+        raise invalid(str(err), "messages") from None
 
 
 def usage_body(usage: pdserve_pb2.Usage | None) -> dict | None:

@@ -29,8 +29,9 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
         except ValueError as err:
             observer.finish("invalid_argument", error=str(err))
             await abort_with(context, err)
+        sampling = validation.sampling_of(request, self.tokenizer)
         window_end = request.kv_window_end if request.HasField("kv_window_end") else None
-        stream = self.dispatcher.generate(request_id, ids, request.sampling, window_end,
+        stream = self.dispatcher.generate(request_id, ids, sampling, window_end,
                                           timeout_s=context.time_remaining())
         try:
             async for msg in observer.watch(stream):

@@ -5,7 +5,8 @@ tokenize the same way (`encode` with the tokenizer's special tokens), so a promp
 same ids whichever way it is served. The router never runs a model, so it loads the fast
 tokenizer class directly when the checkpoint has a `tokenizer.json` (the same ids as
 `AutoTokenizer`, without importing torch: a router starts in about a second) and reads the
-limits from `config.json`.
+limits from `config.json`. A conversation becomes ids in one place, `chat_ids` (router/chat.py),
+for the gRPC and the OpenAI API alike.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from models.catalogue import served_name
+from router import chat
+from router.validation import max_prompt_chars
 
 
 @dataclass
@@ -40,12 +45,21 @@ class PromptTokenizer:
         config = json.loads((path / "config.json").read_text())
         eos = config.get("eos_token_id", self.tokenizer.eos_token_id)
         self.card = ModelCard(
-            model=str(model_dir),
+            model=served_name(model_dir),
             vocab_size=int(config["vocab_size"]),
             max_model_len=int(config.get("max_position_embeddings", 0)),
             eos_token_ids=list(eos) if isinstance(eos, (list, tuple)) else
             ([eos] if eos is not None else []),
         )
+        # What ends a chat answer; a conversation's request also stops there (validation.py).
+        self.end_of_turn_ids = chat.end_of_turn_ids(self.tokenizer, path, config)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
+
+    def chat_ids(self, messages) -> list[int]:
+        """Prompt ids of a conversation ([{"role", "content"}], checked here) as the model's
+        chat template renders it, the assistant's turn opened. Raises ValueError naming the
+        bad message or value, or the model when it has no chat template."""
+        checked = chat.check_messages(messages, max_prompt_chars(self.card))
+        return chat.render(self.tokenizer, checked, self.card.model)

@@ -7,6 +7,10 @@ messages over the gRPC size limit never get this far (the server answers
 RESOURCE_EXHAUSTED). Sampling values are the engine's to judge: the decode node checks them
 (`SamplingParams.validate`) before it reserves anything, and its INVALID_ARGUMENT comes
 back to the client.
+
+A request's prompt is exactly one of text, token ids or a conversation (`messages`, rendered
+by the model's chat template: `PromptTokenizer.chat_ids`). A conversation also stops at the
+template's end of turn (`chat_sampling`).
 """
 
 from __future__ import annotations
@@ -24,16 +28,44 @@ def max_prompt_chars(card) -> int:
 
 
 def prompt_ids(request, tokenizer) -> list[int]:
-    """The prompt as token ids (exactly one of text or ids); raises ValueError."""
-    if request.prompt and request.prompt_token_ids:
-        raise ValueError("give either prompt or prompt_token_ids, not both")
+    """The prompt as token ids (exactly one of text, ids or messages); raises ValueError."""
+    given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
+    if len(given) > 1:
+        raise ValueError(f"give exactly one of prompt, prompt_token_ids or messages, "
+                         f"got {' and '.join(given)}")
     if request.prompt_token_ids:
         return list(request.prompt_token_ids)
+    if request.messages:
+        return tokenizer.chat_ids([message_dict(m) for m in request.messages])
     limit = max_prompt_chars(tokenizer.card)
     if len(request.prompt) > limit:
         raise ValueError(f"prompt of {len(request.prompt)} characters is longer than the model's "
                          f"context can hold (at most {limit} characters)")
     return tokenizer.encode(request.prompt)
+
+
+def message_dict(message) -> dict:
+    """A `ChatMessage` as the chat code takes it; an unset content is None (an error there)."""
+    return {"role": message.role,
+            "content": message.content if message.HasField("content") else None}
+
+
+def chat_sampling(sampling, tokenizer):
+    """A copy of `sampling` (a pdserve_pb2.SamplingParams) that also stops where the model
+    ends its turn (`tokenizer.end_of_turn_ids`), even where that is not the config's eos.
+    Not under ignore_eos: to a conversation the end of its turn is its eos, and ignore_eos
+    means generating past it (benchmarks rely on that for fixed lengths)."""
+    out = type(sampling)()
+    out.CopyFrom(sampling)
+    if not sampling.ignore_eos:
+        out.stop_token_ids.extend(t for t in tokenizer.end_of_turn_ids
+                                  if t not in sampling.stop_token_ids)
+    return out
+
+
+def sampling_of(request, tokenizer):
+    """The sampling a Generate request runs with: a conversation's stops at its end of turn."""
+    return chat_sampling(request.sampling, tokenizer) if request.messages else request.sampling
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int, max_prompt_len: int) -> None:

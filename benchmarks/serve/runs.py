@@ -20,8 +20,21 @@ def make_backend(args):
     return GrpcBackend(args.server, args.timeout_s)
 
 
+def _served_dir(model: str) -> str | None:
+    """The local directory of a served model: the directory itself, or a catalogue name's
+    converted directory in this machine's cache (None if it has none)."""
+    from models.catalogue import cached
+
+    if not model:
+        return None
+    if Path(model).is_dir():
+        return model
+    found = cached(model)
+    return str(found) if found else None
+
+
 def _count_tokens(args, limits):
-    path = args.tokenizer or (limits.model if limits.model and Path(limits.model).is_dir() else None)
+    path = args.tokenizer or _served_dir(limits.model)
     if path is None:
         print("pdserve bench serve: no tokenizer (give --tokenizer); estimating 4 characters "
               "per token", file=sys.stderr)

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-# Ids below this are the special tokens of pdserve's own tokenizers (pad, bos, eos, roles);
-# synthetic prompts avoid them so no prompt contains an end-of-sequence.
-LOW_TOKEN_ID = 6
+# Ids below this are special tokens: 0-5 in pdserve's own tokenizers (pad, bos, eos, roles),
+# 0-16 in SmolLM2's; synthetic prompts avoid them so no prompt contains an end-of-sequence.
+LOW_TOKEN_ID = 17
 
 
 @dataclass(frozen=True)

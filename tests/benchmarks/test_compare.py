@@ -66,3 +66,29 @@ def test_headline_copies_the_ratios_of_the_named_rate_and_rejects_an_unswept_one
     assert headline(table, None) is None
     with pytest.raises(SystemExit, match="0.7"):
         headline(table, 0.7)
+
+
+def test_compare_records_the_model_name_directory_and_workers_dtype(tmp_path, monkeypatch,
+                                                                    capsys):
+    import json
+
+    from benchmarks.serve import compare
+    from benchmarks.serve.cli import main
+    from models.catalogue import CARD_FILE
+
+    (tmp_path / CARD_FILE).write_text(json.dumps({"name": "smollm2-135m-instruct"}))
+    served = []
+
+    def run_system(name, args, model, cores, log_dir):
+        served.append(model)
+        rows = [{**summarize(LIGHT, duration_s=10.0), "request_rate": 0.5, "arrival": "poisson",
+                 "max_concurrency": None}]
+        return rows, [LIGHT]
+
+    monkeypatch.setattr(compare, "run_system", run_system)
+    assert main(["--compare", "--model", str(tmp_path), "--cores", "0,1", "--rates", "0.5",
+                 "--node-args", "--dtype bfloat16", "--log-dir", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert served == [str(tmp_path)] * 2  # both systems serve the resolved directory
+    assert out["model"] == {"name": "smollm2-135m-instruct", "dir": str(tmp_path),
+                            "dtype": "bfloat16"}

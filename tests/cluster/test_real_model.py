@@ -1,0 +1,75 @@
+"""Router + prefill + decode as separate processes serving real weights
+(SmolLM2-135M-Instruct): every chat prompt, the one of over 1,000 tokens included, is
+prefilled on the prefill node, its KV written into the decode node through NIXL, and the
+greedy answer equals transformers' token for token (tests/real_model_oracle.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.client import Client
+from tests.cluster.nodes import WORKER_FLAGS, Cluster, load, run, wait_pools_full
+from tests.real_model_oracle import EOS, MAX_NEW, chat_prompts, chat_texts, greedy_reference
+
+
+@pytest.fixture(scope="module")
+def real_cluster(real_model, tmp_path_factory):
+    nodes = Cluster(tmp_path_factory.mktemp("real-cluster-logs"), real_model)
+    common = ["--model", real_model, "--host", "127.0.0.1"]
+    try:
+        for role in ("prefill", "decode"):  # start both, then wait: their start-ups overlap
+            nodes.start(role, [role, *common, *WORKER_FLAGS], wait=False)
+        nodes.wait("prefill", "decode")
+        # 0: every prompt whose KV window the decode node lacks goes through RemoteSend.
+        nodes.start("router", ["router", *common, "--min-remote-prefill-tokens", "0",
+                               "--prefill", nodes.address("prefill"),
+                               "--decode", nodes.address("decode")])
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """K and V of one token in every layer, fp32 (the workers' default dtype)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 4
+
+
+def test_remote_prefill_greedy_equals_transformers_and_pools_refill(real_cluster, real_model):
+    expected = greedy_reference(real_model)  # before the requests: both use the 2 cores
+    prompts, texts = chat_prompts(real_model), chat_texts(real_model)
+    prefill, decode = real_cluster.address("prefill"), real_cluster.address("decode")
+
+    async def go():
+        before = await load(prefill)
+        async with Client(real_cluster.address("router")) as client:
+            outs = await asyncio.gather(*(
+                client.complete(text, temperature=0.0, max_tokens=MAX_NEW) for text in texts))
+        return before, outs, await load(prefill)
+
+    before, outs, after = run(go(), timeout_s=300)
+    for prompt, want, out in zip(prompts, expected, outs):
+        assert out.usage["prompt_tokens"] == len(prompt)
+        assert out.token_ids == list(want), f"prompt of {len(prompt)} tokens: {out.text!r}"
+        assert out.finish_reason == ("stop" if want[-1] == EOS else "length")
+        route = out.usage["route"]
+        assert not route["remote_send_skipped"], route
+        assert route["prefill_endpoint"] == prefill and route["decode_endpoint"] == decode
+        assert route["kv_window_end"] == len(prompt) - 1  # all but the last prompt token
+        assert route["kv_window_begin"] == route["prefix_matched_length"]
+    long_route = outs[-1].usage["route"]
+    assert long_route["kv_window_end"] - long_route["kv_window_begin"] > 1000  # KV moved
+
+    sent_tokens = sum(o.usage["route"]["kv_window_end"] - o.usage["route"]["kv_window_begin"]
+                      for o in outs)
+    assert after.remote_sends_total - before.remote_sends_total == len(prompts)
+    assert after.kv_bytes_sent_total - before.kv_bytes_sent_total == \
+        sent_tokens * kv_bytes_per_token(real_model)
+
+    for report in run(wait_pools_full([prefill, decode])):
+        assert report.free_pages == report.total_pages, report
+        assert report.num_parked == report.num_quarantined == report.num_running == 0, report
