@@ -146,14 +146,29 @@ def test_abort_while_slots_are_looked_up_stops_the_write_from_freed_pages(nodes)
     asyncio.run(go())
 
 
+async def send_held_in_its_write(nodes):
+    """Request "w" sent with its write in flight, held until `hold.release()`: the role, the
+    reservation, the decode KV before, the hold, the send task and the KV it is writing."""
+    role = nodes.role()
+    res = await nodes.reserve("w")
+    before = await kv_of(nodes.decode)
+    hold = nodes.p_agent.hold_writes()
+    send = asyncio.ensure_future(role.remote_send(RemoteSend("w", PROMPT, END, nodes.window(res))))
+    sent = await nodes.sent_kv_while_held(hold, "w", 0)
+    return role, res, before, hold, send, sent
+
+
+async def assert_write_landed(nodes, res, before, sent) -> None:
+    """The held write reached the decode pages, notified once, and "w" is unreserved."""
+    assert torch.equal(await kv_of(nodes.decode), with_slots(before, res.slots, D_PAGE, sent))
+    assert nodes.d_agent.take_notifications() == [
+        ("prefill-agent", notification_tag("w", LEASE))]
+    await nodes.unreserve("w")
+
+
 def test_abort_during_write_lets_it_land_and_releases_source_pages_only_after_it(nodes):
     async def go():
-        role = nodes.role()
-        res = await nodes.reserve("w")
-        before = await kv_of(nodes.decode)
-        hold = nodes.p_agent.hold_writes()
-        send = asyncio.ensure_future(role.remote_send(RemoteSend("w", PROMPT, END, nodes.window(res))))
-        sent = await nodes.sent_kv_while_held(hold, "w", 0)
+        role, res, before, hold, send, sent = await send_held_in_its_write(nodes)
         assert await role.abort("w") is True
         # The write is in flight: its source pages stay pinned and nothing has landed yet.
         assert len(await nodes.prefill.run(lambda e: e.slots_of("w"))) == END
@@ -162,23 +177,15 @@ def test_abort_during_write_lets_it_land_and_releases_source_pages_only_after_it
         hold.release()
         result = await within(send)
         assert result.num_tokens_sent == END
-        assert torch.equal(await kv_of(nodes.decode), with_slots(before, res.slots, D_PAGE, sent))
-        assert nodes.d_agent.take_notifications() == [
-            ("prefill-agent", notification_tag("w", LEASE))]
         assert await free_pages(nodes.prefill) == (P_PAGES, P_PAGES)
-        await nodes.unreserve("w")
+        await assert_write_landed(nodes, res, before, sent)
 
     asyncio.run(go())
 
 
 def test_cancelled_send_waits_for_its_write_in_flight_before_releasing_source_pages(nodes):
     async def go():
-        role = nodes.role()
-        res = await nodes.reserve("w")
-        before = await kv_of(nodes.decode)
-        hold = nodes.p_agent.hold_writes()
-        send = asyncio.ensure_future(role.remote_send(RemoteSend("w", PROMPT, END, nodes.window(res))))
-        sent = await nodes.sent_kv_while_held(hold, "w", 0)
+        _, res, before, hold, send, sent = await send_held_in_its_write(nodes)
         send.cancel()
         # An engine round trip lets the send process its cancellation (anything it would
         # then ask the engine comes before the next command); its pages stay pinned.
@@ -189,10 +196,7 @@ def test_cancelled_send_waits_for_its_write_in_flight_before_releasing_source_pa
         with pytest.raises(asyncio.CancelledError):
             await within(send)
         assert await free_pages(nodes.prefill) == (P_PAGES, P_PAGES)
-        assert torch.equal(await kv_of(nodes.decode), with_slots(before, res.slots, D_PAGE, sent))
-        assert nodes.d_agent.take_notifications() == [
-            ("prefill-agent", notification_tag("w", LEASE))]
-        await nodes.unreserve("w")
+        await assert_write_landed(nodes, res, before, sent)
 
     asyncio.run(go())
 
