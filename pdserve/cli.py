@@ -7,7 +7,7 @@
     pdserve up       [--port P]            router + one prefill + one decode on localhost
     pdserve generate --server HOST:PORT --prompt TEXT               stream an answer
     pdserve chat     --server HOST:PORT [--system TEXT]             chat in the terminal
-    pdserve bench engine|transfer|serve|router ...                  benchmarks
+    pdserve bench engine|step|transfer|serve|router ...             benchmarks
     pdserve health   [--server HOST:PORT]                           exit 0 if the node is SERVING
     pdserve models   list|fetch|path [NAME]                         the known models
 
@@ -29,7 +29,7 @@ import sys
 from pdserve.envflags import apply_env_defaults
 
 BENCHMARKS = {"engine": "benchmarks.engine", "transfer": "benchmarks.transfer",
-              "serve": "benchmarks.serve", "router": "benchmarks.router"}
+              "serve": "benchmarks.serve", "router": "benchmarks.router", "step": "benchmarks.step"}
 WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks: `bench engine --help`, `bench transfer --help`, "
-                                     "`bench serve --help`, `bench router --help`")
+                                     "`bench serve --help`, `bench router --help`, `bench step --help`")
     p.add_argument("target", choices=sorted(BENCHMARKS), help="what to benchmark")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags for that benchmark")
     p.set_defaults(func=cmd_bench)

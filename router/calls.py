@@ -131,6 +131,10 @@ class NodeCalls:
     async def cancel_early(self, state: RequestState, early: EarlySend) -> None:
         """No reservation came (or none is needed): P got no window, so it wrote nothing."""
         await self.abort(early.prefill, state.request_id, settled=True)
+        # The abort and the RemoteSend are two calls and may reach P in either order: one the
+        # abort overtook would wait for its window until its deadline. Cancelling it ends it
+        # on P as a caller gone away, and nothing is waited for.
+        early.call.cancel()
         try:
             await early.call
         except (grpc.aio.AioRpcError, asyncio.CancelledError):

@@ -4,88 +4,39 @@ Why: torch has no paged attention for CPU. The torch path gathers every decode's
 a padded copy and then runs SDPA. At batch 32 with 384 context tokens (GQA 16/4 heads,
 head_dim 64, fp32) on the 2-core dev machine the kernel took 5.1 ms against 6.3 ms for
 gather + SDPA with 1 thread, and 2.7 ms against 12.3 ms with 2 threads (best of 40 each;
-torch's several parallel ops per group suffer most when the cores are shared).
+torch's several parallel ops per group suffer most when the cores are shared). With its
+dot products eight K rows per horizontal sum (AVX2 intrinsics) and its weighted V sums held
+in registers, one layer at batch 32, 300 tokens each (SmolLM2's 9/3 heads, head_dim 64,
+fp32) takes 0.38 ms when the pages are in cache, against 0.62 ms for the plain-loop
+version; from memory it takes ~1.0 ms either way (~15 GB/s: reading scattered 12 KB page
+rows is bound by memory latency, not arithmetic; software prefetch of the next page gains
+~6%).
 
-The kernel is compiled on first use with the system C compiler (a second or two, no torch
-headers) into the pdserve cache directory, keyed by the source, the flags and the CPU, and
-called through ctypes. If there is no compiler or the build fails, the system is not
-Linux, the dtype is not float32/bfloat16, or PDSERVE_NO_C_KERNELS is set, `kernel_for`
-returns None and callers use the torch path.
+The kernel is built and loaded by `engine.native` (compiled on first use, a second or
+two). If that fails, or the dtype is not float32/bfloat16, `kernel_for` returns None and
+callers use the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from .. import native
+
 _SOURCE = Path(__file__).with_name("paged_decode.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-shared", "-fPIC", "-std=c11"]
+# Reassociation lets the dot products and softmax sums vectorize.
+_FLAGS = [*native.BASE_FLAGS, "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+          "-freciprocal-math"]
 _SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
-_library: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cpu_id() -> str:
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
-def _build() -> ctypes.CDLL | None:
-    from ..checkpoint import default_cache_dir
-
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or platform.system() != "Linux":
-        return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
-    target = default_cache_dir() / "kernels" / f"paged_decode-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Compile into a temporary name and rename: concurrent first uses never load half a file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    # torch already loaded its libgomp.so.1, so the kernel's OpenMP binds to the same runtime
-    # (one thread pool, not two spinning against each other).
-    lib = ctypes.CDLL(str(target))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in _SYMBOLS.values():
-        fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return lib
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, ctypes.c_int]
 
 
 def _load() -> ctypes.CDLL | None:
-    global _library, _tried
-    if not _tried:
-        _tried = True
-        if os.environ.get("PDSERVE_NO_C_KERNELS"):
-            return None
-        try:
-            _library = _build()
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", b"") or b""
-            log.warning("paged decode kernel unavailable, using the torch path: %s %s", e, detail.decode()[-500:])
-            _library = None
-    return _library
+    return native.load(_SOURCE, _FLAGS, {name: _ARGTYPES for name in _SYMBOLS.values()})
 
 
 def kernel_for(dtype: torch.dtype, device: torch.device):

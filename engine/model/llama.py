@@ -5,7 +5,9 @@ Tokens of all sequences in a step are one flat batch [T]: every linear layer is 
 matmul for the whole step, whatever mix of prefill chunks and decodes it holds. Per
 architecture differences are data, not classes: QKV biases (Qwen2, `attention_bias`),
 q/k RMS norm (Qwen3), tied embeddings, rope scaling. Weights are fused at load time
-(q|k|v and gate|up) so each layer runs four matmuls.
+(q|k|v and gate|up) so each layer runs four matmuls; between them run four fused
+operations (`fused`: add + norm, rotary + KV store, SiLU-and-multiply, add + norm), so a
+layer is about nine calls.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .fused import FusedOps
 from .linear import Linear
-from .rope import RotaryTables, apply_rope
+from .rope import RotaryTables
 
 
 @dataclass
@@ -58,12 +61,15 @@ class LlamaModel:
         self.vocab_size = c.vocab_size
         self.dtype = dtype
         self.rope = RotaryTables(c, self.head_dim, max_positions, dtype, device)
+        self.ops = FusedOps.for_model(dtype, torch.device(device), self.rope, self.num_heads, self.num_kv_heads,
+                                      self.head_dim, self.eps)
 
         def take(name):
-            return state.pop(name)
+            return state.pop(name).contiguous()
 
         def maybe(name):
-            return state.pop(name, None)
+            t = state.pop(name, None)
+            return t.contiguous() if t is not None else None
 
         def fuse(*tensors):
             if all(t is None for t in tensors):
@@ -105,43 +111,26 @@ class LlamaModel:
         self.lm_head = Linear(self.embed if tied else lm_head)
         self.intermediate_size = self.layers[0].down.in_features if self.layers else 0
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """Final hidden states [T, hidden] of `input_ids` [T] at `positions` [T], writing
         every layer's K/V into the page-major `kv_cache` [pages, layers, 2, page_size, Hkv, D]
         at step.slot_mapping."""
-        T = input_ids.shape[0]
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q_size, kv_size = H * D, Hkv * D
-        cos, sin = self.rope.lookup(positions)
-        x = F.embedding(input_ids, self.embed)
+        ops = self.ops
+        q_size = self.num_heads * self.head_dim
+        residual = F.embedding(input_ids, self.embed)
+        h, residual = ops.add_rms_norm(residual, None, self.layers[0].input_norm if self.layers else self.norm)
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm)
-            qkv = layer.qkv(h)
-            v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
-            if layer.q_norm is not None:
-                q = self._rms_norm(qkv[:, :q_size].view(T, H, D), layer.q_norm)
-                k = self._rms_norm(qkv[:, q_size : q_size + kv_size].view(T, Hkv, D), layer.k_norm)
-                q = apply_rope(q, cos, sin)
-                k = apply_rope(k, cos, sin)
-            else:
-                # q and k heads side by side: one rope (elementwise, so the same numbers) for both.
-                qk = apply_rope(qkv[:, : q_size + kv_size].view(T, H + Hkv, D), cos, sin)
-                q, k = qk[:, :H], qk[:, H:]
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # [pages, page_size, Hkv, D]
-            step.store_kv(k_cache, v_cache, k, v, step.slot_mapping)
+            q = ops.rope_store(layer.qkv(h), positions, layer.q_norm, layer.k_norm, k_cache, v_cache,
+                               step.slot_mapping, step.store_kv)
             if step.layer_hook is not None:
                 step.layer_hook(i)
             attn = step.attend(q, k_cache, v_cache, self.scale)
-            x = x + layer.o(attn.view(T, q_size))
-            h = self._rms_norm(x, layer.post_norm)
-            gate_up = layer.gate_up(h)
-            inter = gate_up.shape[1] // 2
-            h = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            x = x + layer.down(h)
-        return self._rms_norm(x, self.norm)
+            h, residual = ops.add_rms_norm(layer.o(attn.view(-1, q_size)), residual, layer.post_norm)
+            x = layer.down(ops.silu_mul(layer.gate_up(h)))
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            h, residual = ops.add_rms_norm(x, residual, following)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [S, vocab] of hidden states [S, hidden]."""

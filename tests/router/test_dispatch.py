@@ -160,3 +160,41 @@ def test_round_robin_spreads_over_decode_nodes():
         assert d1.rpcs().count("StartGeneration") == 2 == d2.rpcs().count("StartGeneration")
 
     run(go())
+
+
+class _LateRemoteSend(FakeWorker):
+    """A prefill node that sees the router's Abort before its overlapped RemoteSend: the two
+    calls race, and here the abort always wins."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.abort_seen = asyncio.Event()
+
+    async def Abort(self, request, context):
+        response = await super().Abort(request, context)
+        self.abort_seen.set()
+        return response
+
+    async def RemoteSend(self, request, context):
+        await self.abort_seen.wait()
+        return await super().RemoteSend(request, context)
+
+
+def test_a_refused_reservation_ends_an_overlapped_remote_send_the_abort_overtook():
+    # D refuses the reservation; the router aborts the early RemoteSend on P, which arrives
+    # after the abort and would wait for a window that never comes (10 s in the fake). The
+    # client hears D's refusal at once instead of when the RemoteSend gives up.
+    async def go():
+        p = _LateRemoteSend("p")
+        d = FakeWorker("d", fail={"PrepareReceive": grpc.StatusCode.INVALID_ARGUMENT})
+        addr, _, stop = await start_router([p], [d])
+        try:
+            async with Client(addr) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.complete("hello", timeout=5)
+        finally:
+            await stop()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert p.aborted and not p.windows
+
+    run(go())

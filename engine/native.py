@@ -1,0 +1,111 @@
+"""Small C kernels for the CPU, compiled on first use and called through ctypes.
+
+Why ctypes and not a torch C++ extension: a C file with no torch headers compiles in a
+second or two, so a cold start still answers within seconds; a C++ extension takes
+minutes. Each library is compiled with the system C compiler into the pdserve cache
+directory, keyed by its source, its flags and the CPU, into a temporary name and renamed,
+so concurrent first uses never load half a file. torch has already loaded its libgomp, so
+the kernels' OpenMP shares torch's thread pool (one pool, not two spinning against each
+other).
+
+`load(source, flags, signatures)` returns the library, or None when there is no compiler,
+the build fails, the system is not Linux or PDSERVE_NO_C_KERNELS is set: callers then use
+their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Every kernel library: OpenMP, position independent, -march=native (the key holds the CPU).
+BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_libraries: dict[str, ctypes.CDLL | None] = {}
+_HEADERS = Path(__file__).parent  # engine/*.h, shared by the kernels
+
+
+def _cpu_id() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
+    from .checkpoint import default_cache_dir
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or platform.system() != "Linux":
+        return None
+    # The source and every header beside it in the engine package (what it may #include).
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(_HEADERS.glob("*.h")))
+    key = hashlib.sha256(text + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
+    target = default_cache_dir() / "kernels" / f"{source.stem}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return ctypes.CDLL(str(target))
+
+
+def load(source: Path, flags: list[str], signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """The library built from `source` with `flags`, its functions typed by `signatures`
+    (name -> argtypes; every function returns int), or None (use the torch path)."""
+    key = str(source)
+    if key not in _libraries:
+        lib = None
+        if not os.environ.get("PDSERVE_NO_C_KERNELS"):
+            try:
+                lib = _build(source, flags)
+                if lib is not None:
+                    for name, argtypes in signatures.items():
+                        fn = getattr(lib, name)
+                        fn.argtypes = argtypes
+                        fn.restype = ctypes.c_int
+            except (OSError, AttributeError, subprocess.SubprocessError) as e:
+                detail = getattr(e, "stderr", b"") or b""
+                log.warning("C kernels of %s unavailable, using the torch path: %s %s", source.name, e, detail.decode()[-500:])
+                lib = None
+        _libraries[key] = lib
+    return _libraries[key]
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def zeros_on_huge_pages(shape, dtype, device="cpu"):
+    """torch.zeros(shape) whose memory is backed by transparent huge pages where the system
+    allows it (Linux, CPU; THP in "madvise" or "always" mode). Large tables read at random
+    pages (the KV cache) then cost one TLB entry per 2 MiB instead of per 4 KiB. The memory
+    is marked before its first touch, so zeroing it faults in huge pages directly."""
+    import torch
+
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.device.type == "cpu" and platform.system() == "Linux" and t.numel():
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        begin = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+        stop = end // _HUGE_PAGE * _HUGE_PAGE
+        if stop > begin:
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(stop - begin), _MADV_HUGEPAGE)
+            except (OSError, AttributeError):
+                pass  # an advice, not a requirement
+    return t.zero_()
