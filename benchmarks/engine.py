@@ -211,12 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     # One short run each first, so one-time set-up costs stay out of the measurement.
     warmup = Workload("warmup", [[FIRST_PROMPT_TOKEN] * 8] * 2, [2, 2], 2)
 
-    peer = None
+    peer = peer_env = None
     if args.peer:
         # The peer runs first and alone: its child has exited before pdserve's engine starts.
         job = peers.build_job(model.dir, args.dtype, workloads, warmup)
         try:
-            peer = peers.run_peer(peer_python, job, peers.peer_env(kv_bytes, peer_python))
+            peer_env = peers.peer_env(kv_bytes, peer_python)
+            peer = peers.run_peer(peer_python, job, peer_env)
         except peers.PeerFailed as err:
             print(f"pdserve bench engine: error: {err}", file=sys.stderr)
             return 1
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if peer is not None:
         report["peer"] = {"name": peer.peer, "version": peer.version, "python": str(peer_python),
                           "startup_s": round(peer.startup_s, 3), "prefix_caching": False,
-                          "env": peers.peer_env(kv_bytes, peer_python)}
+                          "env": peer_env}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
