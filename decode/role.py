@@ -109,8 +109,9 @@ class _Started:
 
 class DecodeRole:
     def __init__(self, engine, agent, config: DecodeConfig, vocab_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, gates=None) -> None:
         self.engine = engine  # AsyncEngine
+        self.gates = gates    # runtime.gates.Gates in fault tests, else None
         self.agent = agent    # TransferAgent (or one with the same notification calls)
         self.config = config
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
@@ -191,8 +192,12 @@ class DecodeRole:
                                               lease.local_params)
             else:
                 stream = self.engine.start_generation(lease.engine_key)
+            first = True
             async for out in stream:
                 yield out
+                if first and self.gates is not None:  # fault tests hold a stream here
+                    first = False
+                    await self.gates.passage("stream", req.request_id)
         except BaseException as err:
             if not streaming:  # still parked in the engine, with the lease already taken
                 kv_may_come = started.waiting_for_kv and not started.settled \

@@ -175,7 +175,7 @@ async def run_worker(config: WorkerConfig) -> None:
         prefill = PrefillRole(engine, agent, layout, config.prefill, gates)
         services.append(PrefillService(prefill))
     if "decode" in ROLES[role]:
-        decode = DecodeRole(engine, agent, config.decode, vocab_size, max_model_len)
+        decode = DecodeRole(engine, agent, config.decode, vocab_size, max_model_len, gates)
         services.append(DecodeService(decode))
     node = Node(role, engine, agent, layout, identity, prefill, decode)
 

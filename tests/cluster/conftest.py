@@ -6,8 +6,8 @@ tests/cluster/nodes.py and stopped at the end whatever happened:
 - `colocated`: one role-`both` node (the baseline the disaggregated path must equal).
 - `fault_cluster`: 2 prefill + 2 decode nodes and 2 routers (`main` leases reservations for
   8 s, `short` for 2 s); prefill nodes stop requests whose id starts with `slow-` at their
-  test gates (`--test-gates`), decode nodes quarantine freed reservations until 3 s past
-  their lease. Tests that kill a node restart it on the same port before they end.
+  test gates (`--test-gates`), decode nodes those whose id starts with `held-`; decode nodes
+  quarantine freed reservations until 3 s past their lease. Tests that kill a node restart it on the same port before they end.
 - `scale_cluster`: a real etcd, 2 prefill + 2 decode nodes registered in it (2 s lease),
   and routers `rr`, `ll`, `px` that find them only through etcd.
 """
@@ -25,7 +25,8 @@ import pytest
 from pdserve.procs import NodeProcess, free_port
 from tests.cluster.nodes import WORKER_FLAGS, Cluster, scrape
 
-SLOW = "slow-"
+SLOW = "slow-"  # prefill nodes stop these at their gates
+HELD = "held-"  # decode nodes stop these at theirs
 GRACE_MS = 3000
 FAULT_WORKER_FLAGS = ["--num-threads", "1", "--num-pages", "128", "--page-size", "8",
                       "--max-num-seqs", "64"]
@@ -63,7 +64,7 @@ class FaultCluster(Cluster):
         for name in ("p1", "p2", "d1", "d2"):
             role = "prefill" if name[0] == "p" else "decode"
             extra = ["--test-gates", SLOW] if role == "prefill" else \
-                ["--quarantine-grace-ms", str(GRACE_MS)]
+                ["--test-gates", HELD, "--quarantine-grace-ms", str(GRACE_MS)]
             self.start(name, [role, "--model", model, "--host", "127.0.0.1",
                               *FAULT_WORKER_FLAGS, *extra], wait=False)
         self.wait("p1", "p2", "d1", "d2")

@@ -19,7 +19,7 @@ import pytest
 from pdserve.client import Client
 from proto import pdserve_pb2
 from runtime.server import channel
-from tests.cluster.conftest import GRACE_MS, SLOW
+from tests.cluster.conftest import GRACE_MS, HELD, SLOW
 from tests.cluster.nodes import (GREEDY, full, gate_open, gate_reached, load, open_gates, run,
                                  stopped_at, wait_for, wait_pools_full, worker_stub)
 
@@ -69,16 +69,17 @@ def test_sigkill_prefill_node_during_transfer_still_gives_the_right_answer(fault
 
 
 def test_sigkill_decode_node_is_unavailable_naming_it_and_traffic_moves_on(fault_cluster):
+    """Streams whose id starts with `held-` stop at their decode node's `stream` gate after
+    their first token, so both are still open, on known nodes, when one node is killed."""
     c = fault_cluster
-
-    async def running_on() -> dict[str, int]:
-        return {d: (await load(c.address(d))).num_running for d in ("d1", "d2")}
+    decodes = ("d1", "d2")
+    killed: list[str] = []
 
     async def first_tokens(client, request_id, max_tokens):
         stream = client.stream(f"a long story {request_id}", request_id=request_id,
                                max_tokens=max_tokens, **GREEDY)
         msg = await stream.__anext__()
-        return stream, list(msg.token_ids)
+        return stream, list(msg.token_ids), await stopped_at(c, "stream", request_id, decodes)
 
     async def drain(stream):
         tokens, reason = [], ""
@@ -89,19 +90,21 @@ def test_sigkill_decode_node_is_unavailable_naming_it_and_traffic_moves_on(fault
 
     async def go():
         async with Client(c.address("main")) as client:
-            doomed, _ = await first_tokens(client, "doomed", 500)
-            victim = next(d for d, n in (await running_on()).items() if n == 1)
+            doomed, _, victim = await first_tokens(client, f"{HELD}doomed", 500)
             other = "d2" if victim == "d1" else "d1"
             for i in range(4):  # round robin: one of the next streams lands on the other node
-                bystander, got = await first_tokens(client, f"bystander-{i}", 120)
-                if (await running_on())[other] == 1:
+                bystander_id = f"{HELD}bystander-{i}"
+                bystander, got, node = await first_tokens(client, bystander_id, 120)
+                if node == other:
                     break
                 await stream_close(bystander)
             else:
                 pytest.fail("no stream landed on the other decode node")
+            killed.append(victim)
             c.kill(victim)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await drain(doomed)
+            await gate_open(c.address(other), "stream", bystander_id)
             rest, reason = await drain(bystander)
             after = [await client.complete(f"next request {i}", max_tokens=4, **GREEDY)
                      for i in range(4)]
@@ -116,7 +119,12 @@ def test_sigkill_decode_node_is_unavailable_naming_it_and_traffic_moves_on(fault
             await wait_for(routed_to_victim, timeout_s=15, poll_s=0.2)
         return victim, other, err.value, got + rest, reason, after, survivors
 
-    victim, other, err, bystander_tokens, reason, after, survivors = run(go(), timeout_s=180)
+    try:
+        victim, other, err, bystander_tokens, reason, after, survivors = run(go(), timeout_s=180)
+    finally:  # the nodes are shared by the tests after this one
+        for name in killed:
+            if not c.nodes[name].alive():
+                c.restart(name)
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert f"decode node {c.address(victim)}" in err.details()
     assert len(bystander_tokens) == 120 and reason == "length"
