@@ -43,6 +43,8 @@ class Lease:
     # prompt enters the engine as an ordinary request with these ids and params.
     local_prompt: list[int] | None = None
     local_params: object = None
+    writer_address: str = ""  # the prefill node that may write it (asked for proof on free)
+    num_pages: int = 0        # pages its window reserved
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from decode.config import DecodeConfig
+from decode.fence import ask_writer
 from decode.inbox import Interrupted, NotificationInbox
 from decode.leases import Lease, LeaseTable
 from decode.quarantine import Quarantine, tags
@@ -39,6 +40,7 @@ from engine import OutOfPages, SamplingParams
 from kvtransfer.metadata import encode_append_metadata
 from kvtransfer.window import resolve_kv_window_end
 from proto.tags import notification_tag
+from runtime import cluster_key
 from runtime.errors import NodeDraining, NodeOverloaded, Refused, RequestAborted, TimedOut
 
 log = logging.getLogger("pdserve.decode")
@@ -59,6 +61,7 @@ class PrepareReceive:
     params: SamplingParams
     kv_window_end: int  # Python-style
     lease_ms: int = 0   # 0: the node's default
+    writer_address: str = ""  # the prefill node that will write it (asked for proof)
 
 
 @dataclass
@@ -84,6 +87,9 @@ class StartGeneration:
 class Prepared:
     lease: Lease
     kv_append_metadata: list[int]
+    lease_ms: int = 0         # left at signing; covered by the capability
+    capability: bytes = b""
+    issued_unix_ms: int = 0
 
 
 @dataclass
@@ -95,6 +101,8 @@ class DecodeLoad:
     leases_expired_total: int
     num_quarantined: int
     late_writes_total: int
+    fenced_writers: list[str]
+    fenced_pages: int
 
 
 @dataclass
@@ -109,7 +117,7 @@ class _Started:
 
 class DecodeRole:
     def __init__(self, engine, agent, config: DecodeConfig, vocab_size: int,
-                 max_model_len: int, gates=None) -> None:
+                 max_model_len: int, gates=None, page_size: int = 1) -> None:
         self.engine = engine  # AsyncEngine
         self.gates = gates    # runtime.gates.Gates in fault tests, else None
         self.agent = agent    # TransferAgent (or one with the same notification calls)
@@ -117,7 +125,9 @@ class DecodeRole:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.leases = LeaseTable(self._on_expire)
         self.inbox = NotificationInbox(agent)
-        self.quarantine = Quarantine(self.inbox, self._free, config.quarantine_grace_ms / 1000)
+        self.page_size = page_size
+        self.quarantine = Quarantine(self.inbox, self._free, config.quarantine_grace_ms / 1000,
+                                     ask_writer)
         self.preparing: dict[str, bool] = {}  # request id -> aborted while preparing
         self.generating: dict[str, _Started] = {}
         self.draining = False
@@ -152,10 +162,21 @@ class DecodeRole:
             req.request_id, lease_ms / 1000, lease_id=lease_id, engine_key=key,
             prompt_len=len(req.prompt_token_ids),
             prefix_matched_length=reservation.prefix_matched_length,
-            kv_window_end=reservation.kv_window_end, reserve_s=time.perf_counter() - started)
+            kv_window_end=reservation.kv_window_end, reserve_s=time.perf_counter() - started,
+            writer_address=req.writer_address,
+            num_pages=len({slot // self.page_size for slot in reservation.slots}))
         self.requests_total += 1
         self.prefix_hit_tokens_total += reservation.prefix_matched_length
-        return Prepared(lease, encode_append_metadata(reservation.slots))
+        return self._signed(lease, encode_append_metadata(reservation.slots))
+
+    def _signed(self, lease: Lease, metadata: list[int]) -> Prepared:
+        """The reservation with D's capability for its window (runtime/cluster_key.py)."""
+        lease_ms = max(1, round((lease.expires_at - time.monotonic()) * 1000))
+        issued = round(time.time() * 1000)
+        fields = cluster_key.window_fields(
+            lease.request_id, lease.lease_id, lease.prefix_matched_length, lease.kv_window_end,
+            metadata, self.agent.name, lease_ms, issued)
+        return Prepared(lease, metadata, lease_ms, cluster_key.current().sign(*fields), issued)
 
     async def prepare_local(self, req: LocalPrefill) -> Prepared:
         lease_ms = self._admit(req.request_id, req.params, req.lease_ms)
@@ -287,9 +308,10 @@ class DecodeRole:
         return bool(self.leases or self.preparing or self.generating)
 
     def load(self) -> DecodeLoad:
+        q = self.quarantine
         return DecodeLoad(len(self.leases), len(self.generating), self.requests_total,
                           self.prefix_hit_tokens_total, self.leases.expired_total,
-                          len(self.quarantine), self.quarantine.late_writes_total)
+                          len(q), q.late_writes_total, q.fenced_writers(), q.fenced_pages())
 
     def close(self) -> None:
         self.inbox.close()

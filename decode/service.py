@@ -36,7 +36,7 @@ def local_from_pb(pb: pdserve_pb2.PrepareReceiveRequest) -> LocalPrefill:
 
 def prepare_from_pb(pb: pdserve_pb2.PrepareReceiveRequest) -> PrepareReceive:
     return PrepareReceive(pb.request_id, list(pb.prompt_token_ids), sampling_from_pb(pb.sampling),
-                          pb.kv_window_end, pb.lease_ms)
+                          pb.kv_window_end, pb.lease_ms, pb.writer_address)
 
 
 class DecodeService:
@@ -60,13 +60,13 @@ class DecodeService:
         self._remember(request.request_id, prepare_receive_s=lease.reserve_s,
                        prefix_matched=lease.prefix_matched_length,
                        kv_window_end=lease.kv_window_end)
-        remaining = lease.expires_at - time.monotonic()
+        lease_ms = prepared.lease_ms or round((lease.expires_at - time.monotonic()) * 1000)
         return pdserve_pb2.PrepareReceiveResponse(
             request_id=request.request_id, prefix_matched_length=lease.prefix_matched_length,
             kv_window_end=lease.kv_window_end, kv_append_metadata=prepared.kv_append_metadata,
-            lease_id=lease.lease_id, lease_ms=round(remaining * 1000),
-            decode_agent_name=self.role.agent.name,
-            lease_expires_unix_ms=round((time.time() + remaining) * 1000))
+            lease_id=lease.lease_id, lease_ms=lease_ms, decode_agent_name=self.role.agent.name,
+            lease_expires_unix_ms=round(time.time() * 1000) + lease_ms,
+            capability=prepared.capability, issued_unix_ms=prepared.issued_unix_ms)
 
     async def StartGeneration(self, request, context):
         arrived = time.perf_counter()

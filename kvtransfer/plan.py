@@ -53,6 +53,19 @@ class TransferPlan:
     def __iter__(self) -> Iterator[tuple[int, int, int]]:
         return iter(self.descriptors)
 
+    def halves(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """The descriptors cut at half the bytes (one descriptor split if it spans the cut):
+        two writes that together move exactly this plan's bytes."""
+        first, rest, left = [], [], self.total_bytes // 2
+        for src, dst, n in self.descriptors:
+            take = min(n, left)
+            if take:
+                first.append((src, dst, take))
+            if n > take:
+                rest.append((src + take, dst + take, n - take))
+            left -= take
+        return first, rest
+
 
 def slot_runs(src: KVLayout, src_slots: Sequence[int], dst: KVLayout, dst_slots: Sequence[int]) -> np.ndarray:
     """Maximal runs of positions whose slots are contiguous bytes on both sides, within one

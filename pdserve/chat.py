@@ -52,12 +52,15 @@ async def answer(client, messages: list[dict], sampling: dict, timeout: float | 
 def cmd_chat(args) -> int:
     import grpc
 
-    _configure_tls(args)
+    from pdserve.credentials import client_api_key, configure_tls
+
+    configure_tls(args)
+    api_key = client_api_key(args)
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     conversation = Conversation(args.system)
     prompt = "> " if sys.stdin.isatty() else ""
     with asyncio.Runner() as runner:
-        client = runner.run(_open(args.server))
+        client = runner.run(_open(args.server, api_key))
         try:
             while True:
                 line = input(prompt).strip()
@@ -87,23 +90,15 @@ def cmd_chat(args) -> int:
     return 0
 
 
-async def _open(server: str):
+async def _open(server: str, api_key: str | None):
     from pdserve.client import Client
 
-    return Client(server)  # its channel belongs to the Runner's loop
-
-
-def _configure_tls(args) -> None:
-    from runtime import tls
-    from runtime.options import from_args
-
-    config = from_args(tls.TLSConfig, args)
-    if config.cert or config.ca:
-        tls.configure(config)
+    return Client(server, api_key=api_key)  # its channel belongs to the Runner's loop
 
 
 def add_chat_parser(sub) -> None:
     """`pdserve chat` under the subcommands `sub`."""
+    from runtime.auth import APIKeyConfig
     from runtime.options import add_options
     from runtime.tls import TLSConfig
 
@@ -121,4 +116,5 @@ def add_chat_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of one answer in seconds (default: none)")
     add_options(p.add_argument_group("TLS (runtime/tls.py)"), TLSConfig)
+    add_options(p.add_argument_group("authentication (runtime/auth.py)"), APIKeyConfig)
     p.set_defaults(func=cmd_chat)

@@ -19,6 +19,11 @@ are written once, on its field.
 
 Every flag `--foo-bar` also reads the environment variable `PDSERVE_FOO_BAR` as its
 default (`pdserve.envflags`); a flag on the command line wins.
+
+Keys (runtime/auth.py, pdserve/credentials.py): every server takes `--cluster-key-file`
+(Worker calls between nodes), the router and `serve` also `--api-key-file` (what clients
+must send), which `generate` and `chat` take to send it. A server sets its keys up at
+start, with its caller role (router or worker).
 """
 
 from __future__ import annotations
@@ -39,10 +44,14 @@ def _model(args) -> str:
     return model_or_exit(args.model)
 
 
-def _add_node_flags(p: argparse.ArgumentParser, port: int | None = None) -> None:
+def _add_node_flags(p: argparse.ArgumentParser, port: int | None = None,
+                    api_key: bool = False) -> None:
     """What every server takes: its model, where it listens (`port`: this command's default,
-    else ServerConfig's), logs and TLS."""
+    else ServerConfig's), logs, TLS and the cluster key; with `api_key` (it serves
+    Generation), the API key its clients must send."""
     from pdserve.models import add_model_flag
+    from runtime.auth import APIKeyConfig
+    from runtime.cluster_key import ClusterKeyConfig
     from runtime.logs import LogConfig
     from runtime.options import add_options
     from runtime.server import ServerConfig
@@ -53,23 +62,21 @@ def _add_node_flags(p: argparse.ArgumentParser, port: int | None = None) -> None
     add_options(p, LogConfig)
     add_options(p.add_argument_group("TLS (runtime/tls.py; all optional, default plaintext)"),
                 TLSConfig)
+    g = p.add_argument_group("authentication (runtime/auth.py; default open)")
+    add_options(g, ClusterKeyConfig)
+    if api_key:
+        add_options(g, APIKeyConfig)
 
 
-def _start_node(args):
-    """Set up what every server process needs before it serves: TLS and logging."""
+def _start_node(args, role: str):
+    """Set up what every server process needs before it serves: TLS, logging, and its keys
+    (`role`: the caller role its channels present, router or worker)."""
+    from pdserve.credentials import configure_server_keys, configure_tls
     from runtime.logs import setup_logging
 
-    _configure_tls(args)
+    configure_tls(args)
     setup_logging(args.log_format, args.log_level)
-
-
-def _configure_tls(args) -> None:
-    from runtime import tls
-    from runtime.options import from_args
-
-    config = from_args(tls.TLSConfig, args)
-    if config.cert or config.ca:
-        tls.configure(config)
+    configure_server_keys(args, role)
 
 
 def cmd_router(args) -> int:
@@ -80,7 +87,7 @@ def cmd_router(args) -> int:
 
     config = from_args(RouterConfig, args, model=_model(args),
                        server=from_args(ServerConfig, args))
-    _start_node(args)
+    _start_node(args, "router")
     run(run_router(config))
     return 0
 
@@ -112,16 +119,22 @@ def cmd_worker(args) -> int:
         prefill=from_args(PrefillConfig, args), decode=from_args(DecodeConfig, args),
         membership=from_args(MembershipConfig, args), metrics_port=args.metrics_port,
         test_gates=args.test_gates)
-    _start_node(args)
+    _start_node(args, "worker")
     run(run_worker(config))
     return 0
 
 
 def cmd_up(args) -> int:
     from pdserve.up import UpConfig, up
+    from runtime.auth import APIKeyConfig
     from runtime.options import from_args
 
-    return up(from_args(UpConfig, args, model=_model(args), extra=args.worker_args))
+    config = from_args(UpConfig, args, model=_model(args), extra=args.worker_args,
+                       api=from_args(APIKeyConfig, args))
+    try:
+        return up(config)
+    except ValueError as err:
+        raise SystemExit(f"pdserve up: {err}") from None
 
 
 def cmd_generate(args) -> int:
@@ -131,13 +144,15 @@ def cmd_generate(args) -> int:
     import grpc
 
     from pdserve.client import Client
+    from pdserve.credentials import client_api_key, configure_tls
 
-    _configure_tls(args)
+    configure_tls(args)
+    api_key = client_api_key(args)
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
 
     async def go() -> int:
-        async with Client(args.server) as client:
+        async with Client(args.server, api_key=api_key) as client:
             if args.json:
                 out = await client.complete(args.prompt, timeout=args.timeout, **sampling)
                 print(json.dumps(out.to_dict()))
@@ -189,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.worker import DEFAULT_PORTS
     from prefill.config import PrefillConfig
     from router.config import RouterConfig
+    from runtime.auth import APIKeyConfig
     from runtime.membership import MembershipConfig
     from runtime.options import add_options
     from runtime.tls import TLSConfig
@@ -199,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("router", help="client-facing router over prefill and decode workers")
     p.__class__ = _RouterParser
-    _add_node_flags(p)
+    _add_node_flags(p, api_key=True)
     add_options(p, RouterConfig)
     p.set_defaults(func=cmd_router)
 
@@ -208,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("serve", "colocated worker (role both): serves Generation itself")):
         role = WORKER_COMMANDS[name]
         p = sub.add_parser(name, help=text)
-        _add_node_flags(p, DEFAULT_PORTS[role])
+        _add_node_flags(p, DEFAULT_PORTS[role], api_key=role == "both")
         _add_engine_flags(p)
         p.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus /metrics over HTTP on this port; 0 picks a free one "
@@ -225,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="router + one prefill + one decode on localhost; Ctrl-C stops all")
     add_model_flag(p)
     add_options(p, UpConfig)
+    add_options(p.add_argument_group("authentication (the cluster key is made up for the "
+                                     "run)"), APIKeyConfig)
     p.add_argument("worker_args", nargs=argparse.REMAINDER,
                    help="after `--`: extra flags for both workers (e.g. -- --page-size 8)")
     p.set_defaults(func=cmd_up)
@@ -242,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object (text, token_ids, finish_reason, usage) at the end")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     add_options(p.add_argument_group("TLS (runtime/tls.py)"), TLSConfig)
+    add_options(p.add_argument_group("authentication (runtime/auth.py)"), APIKeyConfig)
     p.set_defaults(func=cmd_generate)
     add_chat_parser(sub)
 

@@ -3,18 +3,24 @@
 `Client.stream()` yields the raw `GenerateResponse` messages as they come;
 `Client.complete()` gathers one whole answer into a `Completion`. A request's prompt is text,
 token ids, or a conversation, `messages=[{"role": ..., "content": ...}]`, which the server
-renders with the model's chat template (and stops at its end of turn).
+renders with the model's chat template (and stops at its end of turn). A server started
+with an API key needs it on every call: `Client(address, api_key=...)`, by default
+`$PDSERVE_API_KEY` (`api_key=""` sends none).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from google.protobuf.json_format import MessageToDict
 
+from runtime.bearer import bearer_metadata
 from runtime.server import channel
 from proto import pdserve_pb2, pdserve_pb2_grpc
+
+API_KEY_ENV = "PDSERVE_API_KEY"
 
 SAMPLING_FIELDS = {f.name for f in pdserve_pb2.SamplingParams.DESCRIPTOR.fields}
 
@@ -41,8 +47,10 @@ class Completion:
 
 
 class Client:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None) -> None:
         self.address = address
+        api_key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
+        self.metadata = bearer_metadata(api_key) if api_key else None
         self._channel = channel(address)
         self.stub = pdserve_pb2_grpc.GenerationStub(self._channel)
 
@@ -75,7 +83,8 @@ class Client:
 
     async def stream(self, prompt=None, *, timeout: float | None = None, **kwargs
                      ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-        call = self.stub.Generate(self.request(prompt, **kwargs), timeout=timeout)
+        call = self.stub.Generate(self.request(prompt, **kwargs), timeout=timeout,
+                                  metadata=self.metadata)
         try:
             async for msg in call:
                 yield msg
@@ -96,10 +105,11 @@ class Client:
         return out
 
     async def abort(self, request_id: str) -> bool:
-        return (await self.stub.Abort(pdserve_pb2.AbortRequest(request_id=request_id))).found
+        request = pdserve_pb2.AbortRequest(request_id=request_id)
+        return (await self.stub.Abort(request, metadata=self.metadata)).found
 
     async def model_info(self) -> pdserve_pb2.ModelInfo:
-        return await self.stub.GetModelInfo(pdserve_pb2.ModelInfoRequest())
+        return await self.stub.GetModelInfo(pdserve_pb2.ModelInfoRequest(), metadata=self.metadata)
 
 
 def chat_message(message: dict) -> pdserve_pb2.ChatMessage:

@@ -5,18 +5,31 @@ picked up front (a free port each unless given), and the router connects lazily,
 come up before the workers. Each node reports the port it bound on its first stdout line.
 Ctrl-C or SIGTERM stops all three (SIGTERM, then SIGKILL after a grace period), and if any
 child dies the others are stopped too: `up` never leaves a process behind.
+
+Credentials: `up` makes a fresh random cluster key for its three nodes, so Worker calls
+are authenticated with no set-up; with `--api-key`/`--api-key-file` its router requires
+that key from clients. Keys reach the children only as files readable by this user alone
+(mode 0600), never on a command line, and the files are removed when `up` exits. The
+children get no key variables from our environment: their flags say it all.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 from pdserve.procs import NodeProcess, free_port, stop_all
+from runtime.auth import APIKeyConfig
 from runtime.logs import LOG_FORMATS
 from runtime.options import option
+
+KEY_VARIABLES = ("PDSERVE_CLUSTER_KEY", "PDSERVE_CLUSTER_KEY_FILE", "PDSERVE_API_KEY",
+                 "PDSERVE_API_KEY_FILE")
 
 
 @dataclass
@@ -35,6 +48,7 @@ class UpConfig:
                                                    "none)", type=int)
     log_format: str = option("text", "log lines of every node", choices=LOG_FORMATS)
     extra: list[str] = field(default_factory=list)  # more flags for both workers
+    api: APIKeyConfig = field(default_factory=APIKeyConfig)  # the router's, if any
     start_timeout_s: float = 120.0
     stop_grace_s: float = 10.0
 
@@ -43,11 +57,25 @@ def _metrics_flag(port: int | None) -> list[str]:
     return [] if port is None else ["--metrics-port", str(port)]
 
 
+def _secret_file(value: str, keys: list[str]) -> str:
+    """`value` in a new file only this user may read (mkstemp makes it 0600); its path is
+    added to `keys`, the files removed at exit."""
+    fd, path = tempfile.mkstemp(prefix="pdserve-up-", suffix=".key")
+    keys.append(path)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    return path
+
+
 def up(config: UpConfig) -> int:
     extra = [a for a in config.extra if a != "--"]
     logs = ["--log-format", config.log_format]
+    keys: list[str] = []
+    api_key = config.api.load()  # a bad key file fails here, before anything starts
+    cluster = ["--cluster-key-file", _secret_file(secrets.token_hex(32), keys)]
+    api = ["--api-key-file", _secret_file(api_key, keys)] if api_key else []
     worker = ["--model", config.model, "--host", "127.0.0.1",
-              "--num-threads", str(config.num_threads), *logs, *extra]
+              "--num-threads", str(config.num_threads), *logs, *cluster, *extra]
     procs: list[NodeProcess] = []
     stopping = False
 
@@ -67,6 +95,7 @@ def up(config: UpConfig) -> int:
                              *_metrics_flag(config.decode_metrics_port)]))
         procs.append(_start(["router", "--model", config.model, "--host", config.host,
                              "--port", str(config.port), "--http-port", str(http_port), *logs,
+                             *cluster, *api,
                              "--prefill", f"127.0.0.1:{prefill_port}",
                              "--decode", f"127.0.0.1:{decode_port}"]))
         for proc in procs:
@@ -83,10 +112,13 @@ def up(config: UpConfig) -> int:
         return 1
     finally:
         stop_all(procs, config.stop_grace_s)
+        for path in keys:
+            os.unlink(path)
 
 
 def _start(args: list[str]) -> NodeProcess:
     # Logs (stderr) go straight to the terminal; stdout is read only for the port. The
     # nodes share our process group, so a terminal's Ctrl-C reaches them too.
-    return NodeProcess(args, session=False, death_signal=signal.SIGTERM, echo=True)
+    env = {k: v for k, v in os.environ.items() if k not in KEY_VARIABLES}
+    return NodeProcess(args, session=False, death_signal=signal.SIGTERM, echo=True, env=env)
 

@@ -106,6 +106,8 @@ class NodeService:
             report.leases_expired_total = d.leases_expired_total
             report.num_quarantined = d.num_quarantined
             report.late_writes_total = d.late_writes_total
+            report.fenced_writers.extend(d.fenced_writers)
+            report.fenced_pages = d.fenced_pages
         return report
 
 
@@ -175,7 +177,8 @@ async def run_worker(config: WorkerConfig) -> None:
         prefill = PrefillRole(engine, agent, layout, config.prefill, gates)
         services.append(PrefillService(prefill))
     if "decode" in ROLES[role]:
-        decode = DecodeRole(engine, agent, config.decode, vocab_size, max_model_len, gates)
+        decode = DecodeRole(engine, agent, config.decode, vocab_size, max_model_len, gates,
+                            layout.page_size)
         services.append(DecodeService(decode))
     node = Node(role, engine, agent, layout, identity, prefill, decode)
 

@@ -12,6 +12,9 @@ class PrefillConfig:
     transfer_timeout_s: float = option(
         30.0, "deadline of one request's KV write to a decode node (a RemoteSend's own "
               "deadline shortens it further)")
+    max_window_age_s: float = option(
+        600.0, "refuse a KV window its decode node signed longer ago than this (by this node's "
+               "wall clock against the decode node's: keep it far above any clock skew)")
     max_in_flight: int = option(
         64, "RemoteSends worked on at once; more get RESOURCE_EXHAUSTED (the router then "
             "lets the decode node prefill itself)")

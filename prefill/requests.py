@@ -11,13 +11,18 @@ from prefill.peers import PeerRef
 
 @dataclass
 class Window:
-    """What a send needs from the decode node's PrepareReceive."""
+    """What a send needs from the decode node's PrepareReceive. `lease_deadline` is on this
+    node's monotonic clock: receipt + the lease time left (no other node's clock is read).
+    `capability` is D's signature over the window (runtime/cluster_key.py `window_fields`)."""
 
     begin: int
     kv_append_metadata: list[int]
     lease_id: str
     decode: PeerRef
-    lease_expires_unix_s: float
+    lease_deadline: float
+    lease_ms: int = 0
+    capability: bytes = b""
+    issued_unix_ms: int = 0
 
 
 @dataclass

@@ -15,20 +15,30 @@ the request's pages stay pinned until the write completed or failed, then are re
 (full pages stay in the prefix cache). The notification is posted by the agent only after
 every write completed.
 
-No stale writes: a write starts only if the request was not aborted, D's lease
-(`lease_expires_unix_s`, on D's clock) has not ended and the deadline (the call's,
-capped by `transfer_timeout_s`) has not passed, and it is bounded by the earlier of the
-two. D keeps a freed reservation's pages until the lease's end plus a grace period
-(decode/quarantine.py), so a late write can only land in pages nobody uses. A request that
-ends before its write began tells D so (`no_write_tag`), which lets D reuse the pages at
-once. A write that began is always awaited to its end, even when the call is cancelled:
-the source pages are never released while NIXL still reads them.
+No stale writes: a write starts only if the request was not aborted or fenced, D's lease
+has not ended and the deadline (the call's, capped by `transfer_timeout_s`) has not
+passed, and it is bounded by the earlier of the two. The lease end is a duration counted
+on this node's monotonic clock from the window's receipt: no other node's clock is read.
+D keeps a freed reservation's pages until it has proof that no write can land
+(decode/quarantine.py): our notification or no-write notice, our death, or our answer to
+`fence` (FenceWrites), which returns only once no write of that lease is in flight here
+and refuses any later window for it. A request that ends before its write began tells D
+so (`no_write_tag`). A write that began is always awaited to its end, even when the call is
+cancelled: the source pages are never released while NIXL still reads them.
+
+Capabilities: a window is written only if D's signature over it checks with the cluster
+key, it is not older than `max_window_age_s` (D's clock against ours: a coarse bound on a
+replay, far wider than any skew), and its lease was neither used before nor fenced here
+(prefill/capability.py); otherwise PERMISSION_DENIED and nothing runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
+import signal
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +49,7 @@ from kvtransfer.agent import TransferError
 from kvtransfer.metadata import decode_append_metadata, validate_append_metadata
 from kvtransfer.plan import plan_transfer
 from kvtransfer.window import resolve_kv_window
+from prefill.capability import SpentLeases, check_capability
 from prefill.config import PrefillConfig
 from prefill.peers import DecodePeer, DecodePeers
 from prefill.requests import OverlappedSend, PrefillLoad, RemoteSend, SendResult, Window
@@ -51,7 +62,7 @@ _MAX_ENDED = 4096  # sends remembered after their end (a window may still come f
 
 
 class LeaseEnded(Refused):
-    """The decode node's reservation lease ended: writing now could hit reused pages."""
+    """The decode node's reservation lease ended: D no longer waits for this write."""
 
 
 @dataclass
@@ -62,6 +73,7 @@ class _Sending:
     writing: bool = False
     window: asyncio.Future | None = None  # (Window, DecodePeer), while it may still come
     delivered: tuple[Window, DecodePeer] | None = None
+    write: asyncio.Future | None = None  # the write, once it began
 
 
 class PrefillRole:
@@ -79,6 +91,7 @@ class PrefillRole:
         # Sends that ended, most recent last: a window that comes for one of them is never
         # written, and its decode node hears so at once instead of after lease + grace.
         self._ended: OrderedDict[str, None] = OrderedDict()
+        self.spent = SpentLeases()
         self.remote_sends_total = 0
         self.last_kv_window_begin = 0
         self.kv_bytes_sent_total = 0
@@ -168,8 +181,8 @@ class PrefillRole:
             plan = plan_transfer(self.layout, src_slots[window.begin:end], peer.layout, dst_slots)
             if sending.aborted:
                 raise RequestAborted(f"RemoteSend of {request_id!r} aborted before writing")
-            _check_lease(request_id, window.lease_expires_unix_s)
-            remaining = min(deadline - time.monotonic(), window.lease_expires_unix_s - time.time())
+            _check_lease(request_id, window.lease_deadline)
+            remaining = min(deadline, window.lease_deadline) - time.monotonic()
             if remaining <= 0:
                 raise TimedOut(f"RemoteSend of {request_id!r} reached its deadline before "
                                "writing")
@@ -195,11 +208,30 @@ class PrefillRole:
 
     def _check_window(self, request_id: str, prompt_len: int, end: int, window: Window,
                       peer: DecodePeer) -> list[int]:
-        """Every precondition of a write that depends on the window; D's slots."""
-        _check_lease(request_id, window.lease_expires_unix_s)
+        """Every precondition of a write that depends on the window; D's slots. The window's
+        lease is spent from here on: it is never written twice."""
         begin, end = resolve_kv_window(window.begin, end, prompt_len)
+        self.spent.check(request_id, window.lease_id)
+        check_capability(request_id, end, window, self.config.max_window_age_s)
+        _check_lease(request_id, window.lease_deadline)
         validate_append_metadata(window.kv_append_metadata, end - begin, peer.layout.num_slots)
+        self.spent.add(request_id, window.lease_id, "used")
         return decode_append_metadata(window.kv_append_metadata)
+
+    async def fence(self, request_id: str, lease_id: str) -> tuple[bool, bool]:
+        """Return once no write of (`request_id`, `lease_id`) is in flight here and none
+        can begin: whether a send of it was in progress, and whether its write landed. D
+        reuses the pages on this answer."""
+        self.spent.add(request_id, lease_id, "fenced")  # a window that comes later is refused
+        sending = self.in_flight.get(request_id)
+        delivered = sending and (sending.delivered or _delivered(sending.window))
+        if not delivered or delivered[0].lease_id != lease_id:
+            return False, False
+        if sending.write is None:
+            await self.abort(request_id)  # no write begins after this (`_send` checks it)
+            return True, False
+        await asyncio.wait([sending.write])  # ends by the write's own deadline
+        return True, sending.write.exception() is None
 
     async def _prefill(self, request_id: str, prompt: list[int], sending: _Sending):
         if self.gates is not None:
@@ -246,13 +278,21 @@ class PrefillRole:
                      timeout_s: float) -> None:
         """The NIXL write, awaited to its end even if this call is cancelled (a test gate
         holds it at its start, as a write that lands late)."""
+        def write_in_halves():  # a writer frozen mid-window (runtime/gates.py)
+            first, rest = plan.halves()
+            self.agent.write(agent_name, first, b"", timeout_s)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            self.agent.write(agent_name, rest, tag, timeout_s)
+
         async def write_kv():
+            write = functools.partial(self.agent.write, agent_name, plan, tag, timeout_s)
             if self.gates is not None:
                 await self.gates.passage("kv_write", request_id)
-            await asyncio.get_running_loop().run_in_executor(
-                self._writers, self.agent.write, agent_name, plan, tag, timeout_s)
+                if self.gates.stops_mid_write(request_id):
+                    write = write_in_halves
+            await asyncio.get_running_loop().run_in_executor(self._writers, write)
 
-        write = asyncio.ensure_future(write_kv())
+        write = self.in_flight[request_id].write = asyncio.ensure_future(write_kv())
         try:
             await asyncio.shield(write)
         except asyncio.CancelledError:
@@ -284,8 +324,8 @@ class PrefillRole:
         self._writers.shutdown(wait=False, cancel_futures=True)
 
 
-def _check_lease(request_id: str, lease_expires_unix_s: float) -> None:
-    late_s = time.time() - lease_expires_unix_s
+def _check_lease(request_id: str, lease_deadline: float) -> None:
+    late_s = time.monotonic() - lease_deadline
     if late_s >= 0:
         raise LeaseEnded(f"the decode node's lease of request {request_id!r} ended "
                          f"{late_s * 1000:.0f} ms ago; nothing was written")

@@ -6,7 +6,9 @@ request's log line). Failures become statuses through `runtime.errors`: bad ids,
 metadata INVALID_ARGUMENT (checked before the decode peer is contacted); a decode peer that
 cannot take this node's KV, or a lease that ended, FAILED_PRECONDITION; an unreachable
 peer or a failed write UNAVAILABLE; too many RemoteSends RESOURCE_EXHAUSTED; draining
-UNAVAILABLE; aborted CANCELLED; deadline passed before writing DEADLINE_EXCEEDED. A
+UNAVAILABLE; aborted CANCELLED; deadline passed before writing DEADLINE_EXCEEDED; a
+window whose capability does not check, or that was used or fenced already,
+PERMISSION_DENIED. FenceWrites answers once no write of the named lease can land. A
 RemoteSend cancelled by its caller aborts the prefill (pages are released either way).
 """
 
@@ -24,17 +26,20 @@ from runtime.errors import abort_with
 from runtime.logs import log_request
 from runtime.observe import record_failure
 
-WINDOW_FIELDS = ("lease_id", "decode_agent_name", "decode_address", "lease_expires_unix_ms")
+WINDOW_FIELDS = ("lease_id", "decode_agent_name", "decode_address")
 
 
 def window_from_pb(pb, info: PeerInfo | None = None) -> Window:
-    """The decode node's half of a RemoteSend (a RemoteSendRequest or RemoteSendWindow)."""
+    """The decode node's half of a RemoteSend (a RemoteSendRequest or RemoteSendWindow),
+    its lease deadline counted from now on this node's monotonic clock."""
     for name in WINDOW_FIELDS:
         if not getattr(pb, name):
             raise ValueError(f"{name} must be set, got {getattr(pb, name)!r}")
+    left_ms = pb.lease_remaining_ms if not pb.lease_ms else min(pb.lease_remaining_ms, pb.lease_ms)
     return Window(pb.kv_window_begin, list(pb.kv_append_metadata), pb.lease_id,
                   PeerRef(pb.decode_agent_name, pb.decode_address, info),
-                  pb.lease_expires_unix_ms / 1000)
+                  time.monotonic() + left_ms / 1000, pb.lease_ms, pb.capability,
+                  pb.issued_unix_ms)
 
 
 class PrefillService:
@@ -87,3 +92,13 @@ class PrefillService:
         except Exception as err:
             await abort_with(context, err)
         return pdserve_pb2.DeliverWindowResponse(found=found)
+
+    async def FenceWrites(self, request, context):
+        """A decode node's ask for proof that no write of a freed reservation can land."""
+        try:
+            check_request_id(request.request_id)
+            was_sending, wrote = await self.role.fence(request.request_id, request.lease_id)
+        except Exception as err:
+            await abort_with(context, err)
+        return pdserve_pb2.FenceResponse(agent_name=self.role.agent.name,
+                                         was_sending=was_sending, wrote=wrote)

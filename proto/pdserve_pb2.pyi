@@ -161,23 +161,25 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ...) -> None: ...
 
 class PrepareReceiveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_window_end", "lease_ms", "local_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_window_end", "lease_ms", "local_prefill", "writer_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_END_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    WRITER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     kv_window_end: int
     lease_ms: int
     local_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., lease_ms: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    writer_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., lease_ms: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., writer_address: _Optional[str] = ...) -> None: ...
 
 class PrepareReceiveResponse(_message.Message):
-    __slots__ = ("request_id", "prefix_matched_length", "kv_window_end", "kv_append_metadata", "lease_id", "lease_ms", "decode_agent_name", "lease_expires_unix_ms")
+    __slots__ = ("request_id", "prefix_matched_length", "kv_window_end", "kv_append_metadata", "lease_id", "lease_ms", "decode_agent_name", "lease_expires_unix_ms", "capability", "issued_unix_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_MATCHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_END_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +188,8 @@ class PrepareReceiveResponse(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefix_matched_length: int
     kv_window_end: int
@@ -194,7 +198,9 @@ class PrepareReceiveResponse(_message.Message):
     lease_ms: int
     decode_agent_name: str
     lease_expires_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prefix_matched_length: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    capability: bytes
+    issued_unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prefix_matched_length: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., capability: _Optional[bytes] = ..., issued_unix_ms: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "page_size", "num_slots", "base_addr", "layer_stride", "kv_stride", "slot_stride", "device", "page_stride")
@@ -245,7 +251,7 @@ class TransferInfo(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., model_hash: _Optional[str] = ...) -> None: ...
 
 class RemoteSendRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "decode_transfer_info", "lease_expires_unix_ms", "window_follows")
+    __slots__ = ("request_id", "prompt_token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "decode_transfer_info", "lease_expires_unix_ms", "window_follows", "lease_remaining_ms", "capability", "lease_ms", "issued_unix_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +263,10 @@ class RemoteSendRequest(_message.Message):
     DECODE_TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_window_begin: int
@@ -268,10 +278,14 @@ class RemoteSendRequest(_message.Message):
     decode_transfer_info: TransferInfo
     lease_expires_unix_ms: int
     window_follows: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_transfer_info: _Optional[_Union[TransferInfo, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., window_follows: _Optional[bool] = ...) -> None: ...
+    lease_remaining_ms: int
+    capability: bytes
+    lease_ms: int
+    issued_unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_transfer_info: _Optional[_Union[TransferInfo, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., window_follows: _Optional[bool] = ..., lease_remaining_ms: _Optional[int] = ..., capability: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., issued_unix_ms: _Optional[int] = ...) -> None: ...
 
 class RemoteSendWindow(_message.Message):
-    __slots__ = ("request_id", "kv_window_begin", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "lease_expires_unix_ms")
+    __slots__ = ("request_id", "kv_window_begin", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "lease_expires_unix_ms", "lease_remaining_ms", "capability", "lease_ms", "issued_unix_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
     KV_APPEND_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +293,10 @@ class RemoteSendWindow(_message.Message):
     DECODE_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_window_begin: int
     kv_append_metadata: _containers.RepeatedScalarFieldContainer[int]
@@ -286,7 +304,11 @@ class RemoteSendWindow(_message.Message):
     decode_agent_name: str
     decode_address: str
     lease_expires_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., kv_window_begin: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    lease_remaining_ms: int
+    capability: bytes
+    lease_ms: int
+    issued_unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., kv_window_begin: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ..., capability: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., issued_unix_ms: _Optional[int] = ...) -> None: ...
 
 class DeliverWindowResponse(_message.Message):
     __slots__ = ("found",)
@@ -341,7 +363,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "num_running", "num_parked", "free_pages", "total_pages", "requests_total", "prefix_hit_tokens_total", "remote_sends_total", "last_kv_window_begin", "leases_expired_total", "kv_bytes_sent_total", "num_quarantined", "late_writes_total")
+    __slots__ = ("role", "num_running", "num_parked", "free_pages", "total_pages", "requests_total", "prefix_hit_tokens_total", "remote_sends_total", "last_kv_window_begin", "leases_expired_total", "kv_bytes_sent_total", "num_quarantined", "late_writes_total", "fenced_writers", "fenced_pages")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_PARKED_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +377,8 @@ class LoadReport(_message.Message):
     KV_BYTES_SENT_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     LATE_WRITES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FENCED_WRITERS_FIELD_NUMBER: _ClassVar[int]
+    FENCED_PAGES_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_parked: int
@@ -368,4 +392,24 @@ class LoadReport(_message.Message):
     kv_bytes_sent_total: int
     num_quarantined: int
     late_writes_total: int
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_parked: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., remote_sends_total: _Optional[int] = ..., last_kv_window_begin: _Optional[int] = ..., leases_expired_total: _Optional[int] = ..., kv_bytes_sent_total: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., late_writes_total: _Optional[int] = ...) -> None: ...
+    fenced_writers: _containers.RepeatedScalarFieldContainer[str]
+    fenced_pages: int
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_parked: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., remote_sends_total: _Optional[int] = ..., last_kv_window_begin: _Optional[int] = ..., leases_expired_total: _Optional[int] = ..., kv_bytes_sent_total: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., late_writes_total: _Optional[int] = ..., fenced_writers: _Optional[_Iterable[str]] = ..., fenced_pages: _Optional[int] = ...) -> None: ...
+
+class FenceRequest(_message.Message):
+    __slots__ = ("request_id", "lease_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: str
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class FenceResponse(_message.Message):
+    __slots__ = ("agent_name", "was_sending", "wrote")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    WAS_SENDING_FIELD_NUMBER: _ClassVar[int]
+    WROTE_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    was_sending: bool
+    wrote: bool
+    def __init__(self, agent_name: _Optional[str] = ..., was_sending: _Optional[bool] = ..., wrote: _Optional[bool] = ...) -> None: ...

@@ -232,6 +232,11 @@ class WorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.DrainRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.FenceWrites = channel.unary_unary(
+                '/pdserve.v1.Worker/FenceWrites',
+                request_serializer=proto_dot_pdserve__pb2.FenceRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.FenceResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -286,6 +291,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FenceWrites(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -328,6 +339,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=proto_dot_pdserve__pb2.DrainRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.DrainResponse.SerializeToString,
+            ),
+            'FenceWrites': grpc.unary_unary_rpc_method_handler(
+                    servicer.FenceWrites,
+                    request_deserializer=proto_dot_pdserve__pb2.FenceRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.FenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -546,6 +562,33 @@ class Worker:
             '/pdserve.v1.Worker/Drain',
             proto_dot_pdserve__pb2.DrainRequest.SerializeToString,
             proto_dot_pdserve__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FenceWrites(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/FenceWrites',
+            proto_dot_pdserve__pb2.FenceRequest.SerializeToString,
+            proto_dot_pdserve__pb2.FenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,10 +62,14 @@ class NodeCalls:
 
     # ---- step 1: PrepareReceive --------------------------------------------------------
     async def prepare(self, decode: Endpoint, state: RequestState, prompt_token_ids, sampling,
-                      kv_window_end: int, local: bool = False) -> Reserved:
+                      kv_window_end: int, local: bool = False,
+                      writer: Endpoint | None = None) -> Reserved:
+        """`writer`: the prefill node that will write the reservation; D asks it for proof
+        before reusing the pages of a reservation freed before its KV arrived."""
         request = pdserve_pb2.PrepareReceiveRequest(
             request_id=state.request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
-            kv_window_end=kv_window_end, lease_ms=self.config.lease_ms, local_prefill=local)
+            kv_window_end=kv_window_end, lease_ms=self.config.lease_ms, local_prefill=local,
+            writer_address=writer.address if writer is not None else "")
         state.local = local
         state.holders.add(decode)
         try:
@@ -89,8 +93,8 @@ class NodeCalls:
             kv_window_begin=prep.prefix_matched_length, kv_window_end=prep.kv_window_end,
             kv_append_metadata=prep.kv_append_metadata, lease_id=prep.lease_id,
             decode_agent_name=prep.decode_agent_name, decode_address=decode.address,
-            lease_expires_unix_ms=prep.lease_expires_unix_ms)
-        # Never past the lease: D stops guarding the pages some time after it ends.
+            **_lease_fields(reserved))
+        # Never past the lease: D no longer waits for the KV after it ends.
         timeout = min(state.timeout(self.config.remote_send_timeout_s),
                       reserved.lease_ends - time.monotonic())
         state.kv_write_pending = True
@@ -151,7 +155,7 @@ class NodeCalls:
             request_id=state.request_id, kv_window_begin=prep.prefix_matched_length,
             kv_append_metadata=prep.kv_append_metadata, lease_id=prep.lease_id,
             decode_agent_name=prep.decode_agent_name, decode_address=decode.address,
-            lease_expires_unix_ms=prep.lease_expires_unix_ms)
+            **_lease_fields(reserved))
         state.kv_write_pending = True  # from here P may write D's reservation
         try:
             try:
@@ -165,6 +169,9 @@ class NodeCalls:
                 reply = await asyncio.wait_for(asyncio.shield(early.call), max(0.0, left))
             except asyncio.TimeoutError:
                 early.call.cancel()  # P stops unless its write began (then it lands late)
+                # A node that lets a whole lease pass may be stopped: no more work for it
+                # until its health check passes again.
+                self.registry.report_failure(prefill, "RemoteSend outlived its lease")
                 raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"RemoteSend on prefill node {prefill.address}: the lease "
                                     f"of request {state.request_id} ended first") from None
@@ -240,3 +247,12 @@ class NodeCalls:
         settled = not state.kv_write_pending
         for endpoint in holders:
             self.abort_later(endpoint, state.request_id, settled)
+
+
+def _lease_fields(reserved: Reserved) -> dict:
+    """The window's lease as P needs it: the time left now (P counts it down on its own
+    clock) and what D's capability covers."""
+    prep = reserved.prep
+    left_ms = max(0, round((reserved.lease_ends - time.monotonic()) * 1000))
+    return dict(lease_remaining_ms=left_ms, lease_ms=prep.lease_ms,
+                capability=prep.capability, issued_unix_ms=prep.issued_unix_ms)

@@ -85,14 +85,15 @@ class Dispatcher:
                     raise
                 log.info("%s; trying another decode node", err.message)
                 first = None
-        early = None
-        if not plan.local and plan.end > 0 and self.config.overlap_prefill:
+        early = prefill = None
+        if not plan.local and plan.end > 0:  # picked first: D's reservation names its writer
             prefill = self._next_prefill(prompt_token_ids, [])
-            if prefill is not None:
+            if prefill is not None and self.config.overlap_prefill:
                 state.route.prefill_endpoint = prefill.address
                 early = self.calls.send_early(state, prefill, prompt_token_ids, plan.end)
         try:
-            decode, reserved = await self._reserve(state, prompt_token_ids, sampling, plan, first)
+            decode, reserved = await self._reserve(state, prompt_token_ids, sampling, plan, first,
+                                                   prefill)
         except BaseException:
             if early is not None:
                 await self._cancel_early(state, early)
@@ -103,7 +104,7 @@ class Dispatcher:
             sent = False
             if reserved.prep.prefix_matched_length < reserved.prep.kv_window_end:
                 reserved, sent = await self._send_kv(state, decode, reserved, prompt_token_ids,
-                                                     sampling, early)
+                                                     sampling, prefill, early)
             elif early is not None:
                 await self._cancel_early(state, early)
             self._record_route(state, reserved, sent, plan)
@@ -139,7 +140,7 @@ class Dispatcher:
             decode.in_flight -= 1
 
     # ---- step 2: a reservation on some decode node ----------------------------------
-    async def _reserve(self, state, prompt_token_ids, sampling, plan, first=None
+    async def _reserve(self, state, prompt_token_ids, sampling, plan, first=None, writer=None
                        ) -> tuple[Endpoint, Reserved]:
         """(D, reservation) from the first decode node that can hold it, `first` tried
         first. Nodes that are gone or full are skipped; while some node is only full, retry
@@ -166,7 +167,8 @@ class Dispatcher:
                     metrics.record_retry("PrepareReceive")
                 try:
                     return decode, await self.calls.prepare(
-                        decode, state, prompt_token_ids, sampling, plan.kv_window_end, plan.local)
+                        decode, state, prompt_token_ids, sampling, plan.kv_window_end, plan.local,
+                        writer)
                 except DispatchError as err:
                     if state.aborted or err.code not in _TRY_ANOTHER_DECODE:
                         raise
@@ -181,12 +183,12 @@ class Dispatcher:
 
     # ---- step 3: the KV window from a prefill node ------------------------------------
     async def _send_kv(self, state, decode, reserved, prompt_token_ids, sampling,
-                       early: EarlySend | None = None) -> tuple[Reserved, bool]:
-        """(reservation, sent). Retries another prefill node on a fresh reservation, and
-        finally lets D prefill the whole prompt: the client never sees a prefill failure."""
+                       prefill: Endpoint | None, early: EarlySend | None = None
+                       ) -> tuple[Reserved, bool]:
+        """(reservation, sent) with `prefill`, the writer D's reservation names. Retries
+        another prefill node on a fresh reservation, and finally lets D prefill the whole
+        prompt: the client never sees a prefill failure."""
         tried: list[Endpoint] = []
-        prefill = early.prefill if early is not None else \
-            self._next_prefill(prompt_token_ids, tried)
         while prefill is not None:
             tried.append(prefill)
             state.route.prefill_endpoint = prefill.address
@@ -213,7 +215,7 @@ class Dispatcher:
                 if prefill is not None:
                     metrics.record_retry("RemoteSend")
                     reserved = await self.calls.prepare(decode, state, prompt_token_ids, sampling,
-                                                        reserved.prep.kv_window_end)
+                                                        reserved.prep.kv_window_end, writer=prefill)
                 else:
                     metrics.record_fallback("decode_prefill")
                     state.route.skip_reason = "fallback"

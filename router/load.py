@@ -9,7 +9,8 @@ other routers sent.
 Cheap when idle: while the router has had no request for `idle_after_s`, it polls every
 `idle_interval_s` instead of every `interval_s`. A node that does not implement GetLoad is
 not asked again; one that does not answer keeps its last report (health checks decide
-whether it is used).
+whether it is used). A prefill node a decode node reports as fenced (decode/quarantine.py)
+is handed to the health check, as if a call to it had failed.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ class LoadMonitor:
         endpoint.free_pages, endpoint.total_pages = report.free_pages, report.total_pages
         if report.total_pages:
             endpoint.prefixes.capacity = report.total_pages  # at most what the node can cache
+        for address in report.fenced_writers:  # D holds pages it has no proof for: no more
+            for writer in self.registry.prefill:  # work for that writer until it is healthy
+                if writer.address == address and writer.routable:
+                    self.registry.report_failure(writer, f"fenced by decode node "
+                                                         f"{endpoint.address}")
 
     async def run(self) -> None:
         while True:

@@ -4,6 +4,9 @@ the same event loop as the gRPC server.
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events
 with `"stream": true`, ending with `data: [DONE]`), GET /v1/models, GET /metrics,
 GET /health.
+With an API key (`--api-key`, the same as the gRPC API's), every route but /health and
+/metrics needs `Authorization: Bearer <key>`, compared in constant time; without it the
+answer is 401 with OpenAI's error body and `WWW-Authenticate: Bearer`, never the key.
 
 Invariants:
 - A request goes through the same `Dispatcher.generate` as a gRPC `Generate`, so it is
@@ -31,11 +34,12 @@ from router import validation
 from router.openai_protocol import (
     ChoiceLogprobs, OpenAIError, chat_prompt, chunk, completion_prompt, invalid, now,
     sampling_from_body, usage_body)
-from runtime import metrics
+from runtime import auth, metrics
 from runtime.errors import NodeError
 from runtime.observe import StreamObserver
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers hold no key
 
 
 def _as_openai_error(err: BaseException, chat: bool) -> OpenAIError:
@@ -47,7 +51,9 @@ def _as_openai_error(err: BaseException, chat: bool) -> OpenAIError:
 
 
 class OpenAIFrontend:
-    def __init__(self, dispatcher, tokenizer, model_id: str, registry=None) -> None:
+    def __init__(self, dispatcher, tokenizer, model_id: str, registry=None,
+                 api_key: str | None = None) -> None:
+        self.api_key = api_key  # None: no key needed
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer  # router.tokenizer.PromptTokenizer
         self.model_id = model_id
@@ -68,9 +74,12 @@ class OpenAIFrontend:
     @web.middleware
     async def _errors_and_counts(self, request: web.Request, handler):
         try:
+            self._authenticate(request)
             response = await handler(request)
         except OpenAIError as err:
             response = web.json_response(err.body(), status=err.status)
+            if err.status == 401:
+                response.headers["WWW-Authenticate"] = "Bearer"
         except web.HTTPException as err:  # unknown path, wrong method
             response = web.json_response(
                 OpenAIError(err.status, f"{request.method} {request.path}: {err.reason}").body(),
@@ -79,6 +88,16 @@ class OpenAIFrontend:
         path = route.canonical if route is not None else "other"
         metrics.HTTP_REQUESTS.labels(path=path, status=str(response.status)).inc()
         return response
+
+    def _authenticate(self, request: web.Request) -> None:
+        if self.api_key is None or request.path in OPEN_PATHS:
+            return
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            raise OpenAIError(401, "You didn't provide an API key: send it as `Authorization: "
+                                   "Bearer <key>`.", code="missing_api_key")
+        if not auth.api_key_matches(presented.strip(), self.api_key):
+            raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     # ---- simple routes ------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -257,6 +276,7 @@ async def start_router_http(config, dispatcher, tokenizer, registry):
     from runtime.http import start_http
 
     metrics.NODE.info({"role": "router", "model": tokenizer.card.model})
-    frontend = OpenAIFrontend(dispatcher, tokenizer, tokenizer.card.model, registry)
+    frontend = OpenAIFrontend(dispatcher, tokenizer, tokenizer.card.model, registry,
+                              api_key=auth.current().api_key)
     return await start_http(frontend.app(), config.server.host, config.http_port,
                             "router OpenAI API and /metrics")

@@ -96,7 +96,7 @@ class Endpoint:
         # One stub per channel: building one makes a callable per RPC, which costs more
         # than the router's own work on a request.
         if self._channel is None:
-            self._channel = channel(self.address)
+            self._channel = channel(self.address, own_connections=True)  # no old backoff
             self._stub = pdserve_pb2_grpc.WorkerStub(self._channel)
         return self._stub
 
@@ -214,6 +214,13 @@ class WorkerRegistry:
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     return  # a node that cannot tell: routed to without the check
+                if err.code() in (grpc.StatusCode.PERMISSION_DENIED,
+                                  grpc.StatusCode.UNAUTHENTICATED):
+                    # A keyed cluster gives agent metadata to workers only: no check here.
+                    log.warning("%s node %s does not give routers its identity (%s): routed "
+                                "to without the compatibility check", endpoint.role,
+                                endpoint.address, err.code().name)
+                    return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
                 continue

@@ -3,6 +3,9 @@ alike, with no knowledge of any role.
 
 - `server`: the grpc.aio server on uvloop, health, reflection, drain on SIGTERM, channels.
 - `tls`: optional TLS and mutual TLS for every endpoint and channel.
+- `auth`, `bearer`, `cluster_key`: who may call what (client API key, Worker RPCs per
+  caller role by cluster token or certificate name), the bearer tokens every channel
+  presents, and the cluster's shared secret.
 - `http`: the aiohttp side of a node (/metrics, /health; the router adds its OpenAI API).
 - `metrics`, `logs`, `observe`: Prometheus metrics, one log line per request, and the
   explicit calls services make to record what they saw.

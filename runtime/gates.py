@@ -6,6 +6,11 @@ With the hidden flag `--test-gates PREFIX` a node builds `Gates(PREFIX)` and ser
 its role goes through until a test opens that gate. Without the flag a role holds no
 `Gates` at all, and a passage costs one `is None` check. Invariants: a gate opened before
 the request reaches it lets it pass at once; a passage leaves nothing behind once passed.
+
+A request whose id starts with PREFIX + `sigstop-` (`stops_mid_write`) also makes a
+prefill node stop its own process with SIGSTOP between the two halves of the window's write:
+a writer frozen in the middle of a window, as a stalled host would leave it, until a test
+sends SIGCONT.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ class Gates:
         finally:
             self._reached.pop(key, None)
             self._opened.pop(key, None)
+
+    def stops_mid_write(self, request_id: str) -> bool:
+        return request_id.startswith(self.prefix + "sigstop-")
 
     async def reached(self, phase: str, request_id: str) -> None:
         await self._event(self._reached, (phase, request_id)).wait()

@@ -5,7 +5,9 @@ with the standard health service (`grpc.health.v1.Health`) and server reflection
 SIGTERM or SIGINT the health status turns NOT_SERVING, the node drains (its roles refuse
 new work while in-flight requests finish, bounded), the server stops taking calls and gives
 what is left `grace_s`, then the node's own cleanup runs. Endpoints and channels use TLS
-when `runtime.tls` is configured (`--tls-*` flags).
+when `runtime.tls` is configured (`--tls-*` flags). Every server admits calls through
+`runtime.auth` (API key, cluster key, certificate names), and every channel presents this
+process's cluster token when it has one: nodes open channels only through `channel()`.
 
 The first line a node prints on stdout is `pdserve <role> listening on HOST:PORT`, with the
 port actually bound, so `--port 0` works for tests and `pdserve up`.
@@ -23,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from runtime import tls
+from runtime import auth, tls
 from runtime.options import option
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -45,18 +47,21 @@ class ServerConfig:
 
 
 def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=GRPC_OPTIONS)
+    return grpc.aio.server(options=GRPC_OPTIONS, interceptors=[auth.AuthInterceptor()])
 
 
 def channel(address: str, own_connections: bool = False) -> grpc.aio.Channel:
     """A client channel with the same message limits as the servers (TLS when
-    `runtime.tls` is configured). `own_connections`: do not share connections (and their
+    `runtime.tls` is configured), presenting this process's cluster token on every call
+    when it has one (`runtime.auth`). `own_connections`: do not share connections (and their
     reconnect backoff) with other channels to the same address."""
     options = GRPC_OPTIONS + ([("grpc.use_local_subchannel_pool", 1)] if own_connections else [])
+    interceptors = auth.outgoing_interceptors() or None
     credentials = tls.channel_credentials()
     if credentials is not None:
-        return grpc.aio.secure_channel(address, credentials, options=options)
-    return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.secure_channel(address, credentials, options=options,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 async def wait_idle(idle: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:

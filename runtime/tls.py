@@ -8,6 +8,9 @@ and opens channels (`runtime.server`) needs no TLS arguments threaded through it
 - `ca`: the CA that signed the certificates of the nodes this process calls.
 - `require_client_cert`: the server only accepts callers whose certificate `ca` signed
   (workers use it so that only the router and their peers may call them).
+- `router_names`/`worker_names`: with mutual TLS, the certificate names (CN or SAN) a
+  Worker caller must have to act as a router or a worker; any other CA-signed certificate
+  is refused (runtime/auth.py). Without them, any certificate `ca` signed may make every call.
 Without a config everything is plaintext, as before.
 """
 
@@ -34,15 +37,38 @@ class TLSConfig:
     require_client_cert: bool = option(
         False, "accept only callers with a certificate signed by --tls-ca (workers: only the "
                "router and peer workers may call)", flag="--tls-require-client-cert")
+    router_names: list[str] = option(
+        help="with --tls-require-client-cert: certificate names (CN or SAN) that may call "
+             "this node's Worker RPCs as a router (repeat or comma-separate); with "
+             "--tls-worker-names, every other certificate is refused",
+        flag="--tls-router-names", metavar="NAME", default_factory=list)
+    worker_names: list[str] = option(
+        help="certificate names that may call Worker RPCs as a peer worker (see "
+             "--tls-router-names)", flag="--tls-worker-names", metavar="NAME",
+        default_factory=list)
 
     def validate(self) -> None:
         if bool(self.cert) != bool(self.key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.require_client_cert and not (self.ca and self.cert):
             raise ValueError("--tls-require-client-cert needs --tls-ca and --tls-cert/--tls-key")
+        if bool(self.router_names) != bool(self.worker_names):
+            raise ValueError("--tls-router-names and --tls-worker-names go together (a node "
+                             "takes calls from routers and from peer workers)")
+        if self.router_names and not self.require_client_cert:
+            raise ValueError("--tls-router-names/--tls-worker-names need "
+                             "--tls-require-client-cert (the names are the caller's certificate's)")
         for path in (self.cert, self.key, self.ca):
             if path and not Path(path).is_file():
                 raise ValueError(f"TLS file not found: {path}")
+
+    def caller_names(self) -> dict[str, frozenset[str]]:
+        """The allowed certificate names per caller role; empty when not restricted."""
+        if not self.router_names:
+            return {}
+        return {role: frozenset(n for v in values for n in v.split(",") if n)
+                for role, values in (("router", self.router_names),
+                                     ("worker", self.worker_names))}
 
 
 _config = TLSConfig()

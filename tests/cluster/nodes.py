@@ -14,6 +14,7 @@ loopback (`pdserve.procs.NodeProcess`), what the tests ask of them, and how a te
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -34,11 +35,15 @@ class Cluster:
         self.model = model
         self.nodes: dict[str, NodeProcess] = {}
         self.args: dict[str, list[str]] = {}
+        self.envs: dict[str, dict[str, str] | None] = {}
 
-    def start(self, name: str, args: list[str], port: int = 0, wait: bool = True) -> NodeProcess:
-        """Start node `name` (`pdserve ARGS --port PORT`); with `wait`, until it listens."""
-        self.args[name] = list(args)
-        node = NodeProcess([*args, "--port", str(port)], log=self.logs / f"{name}.log")
+    def start(self, name: str, args: list[str], port: int = 0, wait: bool = True,
+              env: dict[str, str] | None = None) -> NodeProcess:
+        """Start node `name` (`pdserve ARGS --port PORT`, our environment plus `env`); with
+        `wait`, until it listens."""
+        self.args[name], self.envs[name] = list(args), env
+        node = NodeProcess([*args, "--port", str(port)], log=self.logs / f"{name}.log",
+                           env={**os.environ, **env} if env else None)
         self.nodes[name] = node
         if wait:
             node.wait_ready()
@@ -59,7 +64,7 @@ class Cluster:
         old = self.nodes[name]
         old.stop()
         (self.logs / f"{name}.log").rename(self.logs / f"{name}-{int(time.time() * 1000)}.log")
-        self.start(name, self.args[name], port=old.port)
+        self.start(name, self.args[name], port=old.port, env=self.envs[name])
 
     def stop_node(self, name: str) -> None:
         node = self.nodes.pop(name, None)

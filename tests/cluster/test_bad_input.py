@@ -178,7 +178,7 @@ def test_random_requests_to_a_worker_get_a_status(fault_cluster):
                         request_id=request_id, prompt_token_ids=ids, kv_window_begin=begin,
                         kv_window_end=end, kv_append_metadata=meta, lease_id=lease_id,
                         decode_agent_name="not-a-peer", decode_address=decode,
-                        lease_expires_unix_ms=2**62), timeout=30)
+                        lease_remaining_ms=60_000), timeout=30)
                 elif rpc == "StartGeneration":
                     call = _collect(d.StartGeneration(pdserve_pb2.StartGenerationRequest(
                         request_id=request_id, kv_window_begin=begin, lease_id=lease_id,

@@ -132,7 +132,7 @@ def test_parked_reservation_abort_and_lease_expiry_on_the_worker_api(fault_clust
                     request_id="expiring", prompt_token_ids=ids, kv_window_begin=0,
                     kv_window_end=prep.kv_window_end, kv_append_metadata=prep.kv_append_metadata,
                     lease_id=prep.lease_id, decode_agent_name=prep.decode_agent_name,
-                    decode_address=d1, lease_expires_unix_ms=prep.lease_expires_unix_ms),
+                    decode_address=d1, lease_remaining_ms=0),  # as a late router measures it
                     timeout=10)
             out["late_send"] = late_send.value
         out["final"] = await wait_pools_full([d1, p1], timeout_s=GRACE_MS / 1000 + 5)

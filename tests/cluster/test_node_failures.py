@@ -209,10 +209,10 @@ def test_pages_of_an_expired_lease_are_not_reused_until_the_late_write_lands(fau
     def ids(i, n):
         return [(i * 11 + j * 7) % 480 + 20 for j in range(n)]
 
-    async def prepare(stub, rid, prompt, lease_ms):
+    async def prepare(stub, rid, prompt, lease_ms):  # p1 named as the writer: D asks it
         return await stub.PrepareReceive(pdserve_pb2.PrepareReceiveRequest(
-            request_id=rid, prompt_token_ids=prompt, kv_window_end=-1, lease_ms=lease_ms),
-            timeout=10)
+            request_id=rid, prompt_token_ids=prompt, kv_window_end=-1, lease_ms=lease_ms,
+            writer_address=p1), timeout=10)
 
     async def go():
         async with channel(d1) as dch, channel(p1) as pch:
@@ -226,7 +226,8 @@ def test_pages_of_an_expired_lease_are_not_reused_until_the_late_write_lands(fau
                 request_id=x_id, prompt_token_ids=x_ids, kv_window_begin=x.prefix_matched_length,
                 kv_window_end=x.kv_window_end, kv_append_metadata=x.kv_append_metadata,
                 lease_id=x.lease_id, decode_agent_name=x.decode_agent_name, decode_address=d1,
-                lease_expires_unix_ms=x.lease_expires_unix_ms), timeout=30))
+                lease_remaining_ms=x.lease_ms, lease_ms=x.lease_ms, capability=x.capability,
+                issued_unix_ms=x.issued_unix_ms), timeout=30))
             await gate_reached(p1, "kv_write", x_id)  # its write has begun, held
             fillers, i = [], 0
             while True:  # fill the pool with reservations until D refuses one

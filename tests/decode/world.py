@@ -90,7 +90,7 @@ class Node:
     def role(self, **config) -> DecodeRole:
         e = self.decode.engine
         role = DecodeRole(self.decode, self.d_agent, DecodeConfig(**config), e.vocab_size,
-                          e.max_model_len)
+                          e.max_model_len, page_size=PAGE)
         self.roles.append(role)
         return role
 
@@ -130,8 +130,9 @@ class Node:
 
 
 def prepare(request_id: str = "r", prompt: list[int] = PROMPT, end: int = END,
-            params: SamplingParams = GREEDY, lease_ms: int = 0) -> PrepareReceive:
-    return PrepareReceive(request_id, prompt, params, end, lease_ms)
+            params: SamplingParams = GREEDY, lease_ms: int = 0,
+            writer_address: str = "") -> PrepareReceive:
+    return PrepareReceive(request_id, prompt, params, end, lease_ms, writer_address)
 
 
 def start(prepared, expect_kv: bool = True, timeout_s: float | None = None,

@@ -10,7 +10,9 @@ The mapping from containers to local processes:
   `dns:///SERVICE:PORT`) is rewritten to `127.0.0.1:FREEPORT`: the service name resolves
   to the loopback address, as compose's DNS resolves it to the container.
 - A volume `SRC:TARGET` is a path mapping: values that start with TARGET start with SRC
-  instead (a named volume becomes a fresh directory).
+  instead (a named volume becomes a fresh directory). So is a secret a service lists:
+  `/run/secrets/NAME` (or its `target`) maps to the file of the top-level secret NAME,
+  relative to the compose file's directory as compose reads it.
 - The image's ENTRYPOINT `pdserve` is `python -m pdserve.cli`, and its `PDSERVE_*`
   variables (the Dockerfile's ENV) are each service's, under the service's own
   `environment`. `image_dirs` maps directories the image holds (its PDSERVE_CACHE, with the
@@ -155,6 +157,11 @@ class LocalCompose:
                 source = str(self.workdir / "volumes" / source)
                 Path(source).mkdir(parents=True, exist_ok=True)
             paths[target] = source
+        for secret in spec.get("secrets", []):
+            name = secret if isinstance(secret, str) else secret["source"]
+            target = name if isinstance(secret, str) else secret.get("target", name)
+            target = target if target.startswith("/") else f"/run/secrets/{target}"
+            paths[target] = str(COMPOSE_FILE.parent / self.compose["secrets"][name]["file"])
         return paths
 
     @staticmethod

@@ -1,10 +1,12 @@
 """Fixtures for the deployment tests: the image's model cache, standing in for the model the
-Dockerfile converts at build time, and the compose services running as local processes
-with their defaults (see compose_local.py)."""
+Dockerfile converts at build time, the key files an operator makes once (the compose
+secrets), and the compose services running as local processes with their defaults (see
+compose_local.py)."""
 
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 
 import pytest
@@ -30,9 +32,23 @@ def image_cache(tiny_model, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def compose(image_cache, tmp_path_factory):
+def keys(tmp_path_factory) -> dict[str, str]:
+    """The cluster key and API key, each in its own file as the compose file's comment
+    says to make them, and the compose variables that point its secrets at them."""
+    d = tmp_path_factory.mktemp("secrets")
+    made = {"cluster": secrets.token_hex(32), "api": secrets.token_hex(32)}
+    for name, value in made.items():
+        (d / f"{name}-key").write_text(value + "\n")
+        (d / f"{name}-key").chmod(0o400)
+    return {**made, "CLUSTER_KEY_FILE": str(d / "cluster-key"), "API_KEY_FILE": str(d / "api-key")}
+
+
+@pytest.fixture(scope="session")
+def compose(image_cache, keys, tmp_path_factory):
     image_dirs = {image_environment()["PDSERVE_CACHE"]: image_cache}
-    stack = LocalCompose(VARIABLES, tmp_path_factory.mktemp("compose"), image_dirs)
+    variables = {**VARIABLES, "CLUSTER_KEY_FILE": keys["CLUSTER_KEY_FILE"],
+                 "API_KEY_FILE": keys["API_KEY_FILE"]}
+    stack = LocalCompose(variables, tmp_path_factory.mktemp("compose"), image_dirs)
     try:
         stack.up()
         yield stack

@@ -24,13 +24,13 @@ def test_every_service_starts_from_its_command_and_environment_and_turns_healthy
         assert "SERVING" in result.stdout
 
 
-def test_router_streams_an_answer_through_dns_discovered_prefill_and_decode(compose):
+def test_router_streams_an_answer_through_dns_discovered_prefill_and_decode(compose, keys):
     router = compose.services["router"]
     container_ports = [int(p.rsplit(":", 1)[-1]) for p in router.spec["ports"]]
     assert container_ports == [compose.ports["router"][0]], "publish the port the router serves"
 
     async def ask():
-        async with Client(router.address) as client:
+        async with Client(router.address, api_key=keys["api"]) as client:
             return [msg async for msg in client.stream("the quick brown fox", max_tokens=8,
                                                        temperature=0.0, ignore_eos=True,
                                                        timeout=60)]
@@ -48,13 +48,13 @@ def test_router_streams_an_answer_through_dns_discovered_prefill_and_decode(comp
     assert not route.remote_send_skipped
 
 
-def test_every_service_serves_the_default_model_from_the_image_cache(compose, image_cache):
+def test_every_service_serves_the_default_model_from_the_image_cache(compose, image_cache, keys):
     for name, service in compose.services.items():
         assert service.env["PDSERVE_MODEL"] == DEFAULT_MODEL, name
         assert service.env["PDSERVE_CACHE"] == image_cache, f"{name} must read the image's cache"
 
     async def model_info():
-        async with Client(compose.services["router"].address) as client:
+        async with Client(compose.services["router"].address, api_key=keys["api"]) as client:
             return await client.model_info()
 
     assert asyncio.run(model_info()).model == DEFAULT_MODEL

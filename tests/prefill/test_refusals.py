@@ -215,8 +215,9 @@ def test_duplicate_request_id_is_refused_while_the_first_send_runs(nodes, kind):
         first = asyncio.ensure_future(role.remote_send(RemoteSend("g-dup", PROMPT, END, nodes.window(res))))
         await within(gates.reached("prefill", "g-dup"))
         with pytest.raises(ValueError, match="duplicate request_id 'g-dup'"):
-            if kind == "remote_send":
-                await role.remote_send(RemoteSend("g-dup", PROMPT, END, nodes.window(res)))
+            if kind == "remote_send":  # another lease: the same one would be a replay
+                await role.remote_send(RemoteSend("g-dup", PROMPT, END,
+                                                  nodes.window(res, lease_id="lease-2")))
             else:
                 await role.remote_send_overlapped(OverlappedSend("g-dup", PROMPT, END))
         gates.open("prefill", "g-dup")

@@ -142,7 +142,7 @@ class Nodes:
     def window(self, res, lease_id: str = LEASE, expires_in_s: float = 60.0,
                clock=time) -> Window:
         return Window(res.prefix_matched_length, encode_append_metadata(res.slots), lease_id,
-                      self.peer(), clock.time() + expires_in_s)
+                      self.peer(), clock.monotonic() + expires_in_s)
 
     async def no_write_notice(self, request_id: str, lease_id: str = LEASE) -> bool:
         return await asyncio.to_thread(self.d_agent.wait_notification,

@@ -56,7 +56,8 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
             merged = pdserve_pb2.RemoteSendRequest()
             merged.CopyFrom(request)
             for name in ("kv_window_begin", "kv_append_metadata", "lease_id", "decode_agent_name",
-                         "decode_address", "lease_expires_unix_ms"):
+                         "decode_address", "lease_remaining_ms", "capability", "lease_ms",
+                         "issued_unix_ms"):
                 value = getattr(window, name)
                 if name == "kv_append_metadata":
                     merged.kv_append_metadata[:] = value

@@ -1,0 +1,47 @@
+"""A process's credentials, set up once at start from its parsed flags: TLS, and the keys of
+runtime/auth.py.
+
+- `configure_tls`: every command that serves or calls (`--tls-*`).
+- `configure_server_keys`: a server's cluster key, with the caller role its channels
+  present (router or worker), and the API key it requires when it serves Generation. A
+  server without a cluster key says so in one warning line: its Worker calls are open.
+- `client_api_key`: the API key `generate` and `chat` send.
+A bad value (a key file missing, empty or too short; TLS flags that do not fit together)
+stops the command with a message naming it, before anything starts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from runtime import auth, cluster_key, tls
+from runtime.options import from_args
+
+OPEN_CLUSTER = "open cluster: Worker calls are not authenticated; set --cluster-key-file"
+
+
+def _or_exit(args, make):
+    try:
+        return make()
+    except ValueError as err:
+        raise SystemExit(f"pdserve {args.command}: {err}") from None
+
+
+def configure_tls(args) -> None:
+    config = from_args(tls.TLSConfig, args)
+    if config != tls.TLSConfig():
+        _or_exit(args, lambda: tls.configure(config))
+
+
+def configure_server_keys(args, role: str) -> None:
+    key = _or_exit(args, lambda: cluster_key.configure(from_args(cluster_key.ClusterKeyConfig,
+                                                                 args)))
+    api_key = client_api_key(args) if hasattr(args, "api_key") else None
+    auth.configure(role, api_key)
+    if not key.enabled:
+        logging.getLogger("pdserve").warning(OPEN_CLUSTER)
+
+
+def client_api_key(args) -> str | None:
+    """The API key of the flags (`--api-key`, `--api-key-file`, $PDSERVE_API_KEY), or None."""
+    return _or_exit(args, lambda: from_args(auth.APIKeyConfig, args).load())
