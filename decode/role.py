@@ -173,10 +173,13 @@ class DecodeRole:
         """The reservation with D's capability for its window (runtime/cluster_key.py)."""
         lease_ms = max(1, round((lease.expires_at - time.monotonic()) * 1000))
         issued = round(time.time() * 1000)
+        key = cluster_key.current()
+        if not key.enabled:  # an open cluster signs nothing
+            return Prepared(lease, metadata, lease_ms, b"", issued)
         fields = cluster_key.window_fields(
             lease.request_id, lease.lease_id, lease.prefix_matched_length, lease.kv_window_end,
             metadata, self.agent.name, lease_ms, issued)
-        return Prepared(lease, metadata, lease_ms, cluster_key.current().sign(*fields), issued)
+        return Prepared(lease, metadata, lease_ms, key.sign(*fields), issued)
 
     async def prepare_local(self, req: LocalPrefill) -> Prepared:
         lease_ms = self._admit(req.request_id, req.params, req.lease_ms)

@@ -20,23 +20,26 @@ WRITER = "prefill.invalid:50051"
 
 
 class ScriptedWriter:
-    """Answers the quarantine's questions with `answer`; counts them."""
+    """Answers the quarantine's questions with `answer`; counts them, so a test can wait
+    for the n-th question (the quarantine acts on an answer before it asks again)."""
 
     def __init__(self, answer: Proof | None = None) -> None:
         self.answer = answer
         self.asked = 0
+        self._asked = asyncio.Event()
 
     async def __call__(self, lease, timeout_s):
         assert lease.writer_address == WRITER
         self.asked += 1
+        self._asked.set()
         return self.answer
 
-
-async def _until(predicate) -> None:
-    async def poll():
-        while not predicate():
-            await asyncio.sleep(0.01)
-    await within(poll(), WAIT_S)
+    async def asked_at_least(self, n: int) -> None:
+        async def wait():
+            while self.asked < n:
+                self._asked.clear()
+                await self._asked.wait()
+        await within(wait(), WAIT_S)
 
 
 def _role(node, writer: ScriptedWriter):
@@ -55,10 +58,11 @@ def test_silent_writer_is_fenced_past_lease_and_grace_and_released_when_it_answe
         role = _role(node, writer)
         prepared = await role.prepare_receive(prepare("r", writer_address=WRITER))
         assert await role.abort("r") is True  # unsettled: a write may still come
-        await _until(lambda: writer.asked >= 2)
+        await writer.asked_at_least(2)
         assert role.load().fenced_writers == []  # asked, not yet past lease + grace
         clock.advance(3600.0)  # an hour on: still no page comes back on a clock's word
-        await _until(lambda: role.load().fenced_writers == [WRITER])
+        await writer.asked_at_least(writer.asked + 2)  # one whole silent answer since
+        assert role.load().fenced_writers == [WRITER]
         assert role.load().fenced_pages == RESERVED_PAGES
         assert await free_pages(node.decode) == PAGES - RESERVED_PAGES
         writer.answer = Proof.CONFIRMED
@@ -93,7 +97,7 @@ def test_the_writers_notification_releases_while_it_does_not_answer(node):
         role = _role(node, writer)
         prepared = await role.prepare_receive(prepare("r", writer_address=WRITER))
         assert await role.abort("r") is True
-        await _until(lambda: writer.asked >= 1)
+        await writer.asked_at_least(1)
         await node.write_kv(prepared)  # it was only slow: its write lands
         await quarantine_ended(role)
         assert await free_pages(node.decode) == PAGES
