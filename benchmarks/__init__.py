@@ -8,6 +8,9 @@ baseline measured in the same run, because these machines are noisy:
   `kv_receiver` as the receiving process.
 - `router`: the router's added time to first token and its request rate.
 - `serve`: online serving (TTFT, TPOT, goodput), and 1P1D against colocated nodes.
+- `chaos`: a 2P2D soak under load while nodes die, freeze, lose their link and the router
+  restarts; every answer checked against a colocated oracle, every page accounted for.
+- `trust`: per-request NIXL registration and clearing freed pages, against the KV write.
 `model_choice` is the `--model` of `engine` and `serve --compare`: SmolLM2-135M-Instruct by
 default, random-weight checkpoints as an option. Committed results live in `results/`.
 """

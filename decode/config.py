@@ -12,7 +12,10 @@ class DecodeConfig:
     lease_ms: int = option(
         30_000, "how long a reservation waits for StartGeneration or Abort when the router "
                 "asks for no lease; then it is freed")
-    max_lease_ms: int = option(600_000, "longest lease a PrepareReceive may ask for")
+    max_lease_ms: int = option(120_000, "longest lease a PrepareReceive may ask for")
+    max_parked_fraction_per_caller: float = option(
+        0.75, "share of the KV pages one caller (its TLS name, else its host) may hold in "
+              "reservations not yet started; past it RESOURCE_EXHAUSTED (1: no bound)")
     notification_timeout_s: float = option(
         10.0, "how long StartGeneration waits for the prefill node's KV-ready notification")
     quarantine_grace_ms: int = option(
@@ -20,3 +23,8 @@ class DecodeConfig:
                "node's notification, or this long past its lease (decode/quarantine.py)")
     max_parked: int = option(
         256, "reservations waiting for StartGeneration at once; more get RESOURCE_EXHAUSTED")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_parked_fraction_per_caller <= 1:
+            raise ValueError("max_parked_fraction_per_caller must be in (0, 1], got "
+                             f"{self.max_parked_fraction_per_caller}")

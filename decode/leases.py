@@ -45,6 +45,7 @@ class Lease:
     local_params: object = None
     writer_address: str = ""  # the prefill node that may write it (asked for proof on free)
     num_pages: int = 0        # pages its window reserved
+    caller: str = ""          # who reserved it (runtime/auth.py caller_of)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
@@ -57,6 +58,10 @@ class LeaseTable:
 
     def __len__(self) -> int:
         return len(self._leases)
+
+    def parked_pages(self, caller: str) -> int:
+        """Pages held by `caller`'s reservations that wait for StartGeneration."""
+        return sum(lease.num_pages for lease in self._leases.values() if lease.caller == caller)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._leases
@@ -83,7 +88,10 @@ class LeaseTable:
                              f"{request_id!r}", missing=False)
         return lease
 
-    def drop(self, request_id: str) -> Lease | None:
+    def drop(self, request_id: str, lease_id: str = "") -> Lease | None:
+        """Remove the request's lease (with `lease_id`: only if it is that one)."""
+        if lease_id and getattr(self._leases.get(request_id), "lease_id", lease_id) != lease_id:
+            return None
         lease = self._leases.pop(request_id, None)
         if lease is not None and lease.timer is not None:
             lease.timer.cancel()

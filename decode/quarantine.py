@@ -58,9 +58,10 @@ class Quarantine:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def settle(self, request_id: str) -> bool:
-        """Release every quarantined reservation of `request_id` now."""
-        held = [lease for lease in self._held.values() if lease.request_id == request_id]
+    def settle(self, request_id: str, lease_id: str = "") -> bool:
+        """Release every quarantined reservation of `request_id` (or only `lease_id`) now."""
+        held = [lease for lease in self._held.values() if lease.request_id == request_id
+                and lease_id in ("", lease.lease_id)]
         for lease in held:
             self._settled.add(lease.engine_key)  # a watch that has not begun yet sees it
             self.inbox.interrupt(tags(lease), Interrupted.SETTLED)

@@ -62,6 +62,7 @@ class PrepareReceive:
     kv_window_end: int  # Python-style
     lease_ms: int = 0   # 0: the node's default
     writer_address: str = ""  # the prefill node that will write it (asked for proof)
+    caller: str = ""  # who asks (runtime/auth.py caller_of): its parked pages are bounded
 
 
 @dataclass
@@ -139,6 +140,7 @@ class DecodeRole:
         started = time.perf_counter()
         lease_ms = self._admit(req.request_id, req.params, req.lease_ms)
         end = resolve_kv_window_end(req.kv_window_end, len(req.prompt_token_ids))
+        self._check_quota(req.caller, -(-end // self.page_size))
         lease_id = uuid.uuid4().hex
         key = f"{req.request_id}@{lease_id[:12]}"
         self.preparing[req.request_id] = False
@@ -163,7 +165,7 @@ class DecodeRole:
             prompt_len=len(req.prompt_token_ids),
             prefix_matched_length=reservation.prefix_matched_length,
             kv_window_end=reservation.kv_window_end, reserve_s=time.perf_counter() - started,
-            writer_address=req.writer_address,
+            writer_address=req.writer_address, caller=req.caller,
             num_pages=len({slot // self.page_size for slot in reservation.slots}))
         self.requests_total += 1
         self.prefix_hit_tokens_total += reservation.prefix_matched_length
@@ -201,6 +203,10 @@ class DecodeRole:
         if req.kv_window_begin != lease.kv_window_end:
             raise ValueError(f"kv_window_begin {req.kv_window_begin} must equal the reserved "
                              f"kv_window_end {lease.kv_window_end}")
+        if not req.expect_kv and lease.prefix_matched_length < lease.kv_window_end:
+            raise ValueError(  # unwritten pages would be computed KV, and enter the prefix cache
+                f"expect_kv_notification is false, but positions [{lease.prefix_matched_length}, "
+                f"{lease.kv_window_end}) of request {req.request_id!r} are reserved to be received")
         self.leases.take(req.request_id, req.lease_id)
         started = self.generating[req.request_id] = _Started(lease, waiting_for_kv=req.expect_kv)
         streaming = False
@@ -242,12 +248,15 @@ class DecodeRole:
         async for out in self.start_generation(start):
             yield out
 
-    async def abort(self, request_id: str, settled: bool = False) -> bool:
-        """Free everything of `request_id`. `settled`: no RemoteSend can still write it."""
+    async def abort(self, request_id: str, settled: bool = False, lease_id: str = "") -> bool:
+        """Free everything of `request_id` (with `lease_id`: only that reservation).
+        `settled`: no RemoteSend can still write it."""
         if request_id in self.preparing:
+            if lease_id:  # the caller cannot know the lease being made: it named an older one
+                return False
             self.preparing[request_id] = True
             return True
-        lease = self.leases.drop(request_id)
+        lease = self.leases.drop(request_id, lease_id)
         if lease is not None:
             if settled:
                 await self._free(lease.engine_key)
@@ -255,7 +264,7 @@ class DecodeRole:
                 self.quarantine.hold(lease)
             return True
         started = self.generating.get(request_id)
-        if started is not None:
+        if started is not None and lease_id in ("", started.lease.lease_id):
             started.aborted = True
             if started.waiting_for_kv:
                 started.settled = settled
@@ -264,9 +273,19 @@ class DecodeRole:
             else:
                 await self._free(started.lease.engine_key)
             return True
-        return settled and self.quarantine.settle(request_id)
+        return settled and self.quarantine.settle(request_id, lease_id)
 
     # ---- internals -------------------------------------------------------------------------
+    def _check_quota(self, caller: str, pages: int) -> None:
+        fraction = self.config.max_parked_fraction_per_caller
+        limit = int(fraction * self.engine.engine.num_pages)
+        held = self.leases.parked_pages(caller)
+        if fraction < 1 and held + pages > limit:
+            raise NodeOverloaded(
+                f"caller {caller or 'in-process'!r} holds {held} KV pages in reservations not "
+                f"yet started; {pages} more would pass its bound of {limit} "
+                f"(max_parked_fraction_per_caller {fraction})")
+
     def _admit(self, request_id: str, params: SamplingParams, lease_ms: int) -> int:
         """Checks every new reservation passes; the lease it gets."""
         if self.draining:

@@ -19,6 +19,7 @@ from decode.role import DecodeRole, LocalPrefill, PrepareReceive, StartGeneratio
 from proto import pdserve_pb2
 from runtime import metrics
 from runtime.checks import check_request_id
+from runtime.auth import caller_of
 from runtime.errors import abort_with
 from runtime.observe import StreamObserver, outcome_of, record_failure
 
@@ -34,9 +35,9 @@ def local_from_pb(pb: pdserve_pb2.PrepareReceiveRequest) -> LocalPrefill:
                         pb.lease_ms)
 
 
-def prepare_from_pb(pb: pdserve_pb2.PrepareReceiveRequest) -> PrepareReceive:
+def prepare_from_pb(pb: pdserve_pb2.PrepareReceiveRequest, caller: str = "") -> PrepareReceive:
     return PrepareReceive(pb.request_id, list(pb.prompt_token_ids), sampling_from_pb(pb.sampling),
-                          pb.kv_window_end, pb.lease_ms, pb.writer_address)
+                          pb.kv_window_end, pb.lease_ms, pb.writer_address, caller)
 
 
 class DecodeService:
@@ -50,7 +51,8 @@ class DecodeService:
             if request.local_prefill:
                 prepared = await self.role.prepare_local(local_from_pb(request))
             else:
-                prepared = await self.role.prepare_receive(prepare_from_pb(request))
+                prepared = await self.role.prepare_receive(
+                    prepare_from_pb(request, caller_of(context)))
         except BaseException as err:
             record_failure("decode", request.request_id, err, phase="PrepareReceive")
             await abort_with(context, err)

@@ -34,7 +34,8 @@ import sys
 from pdserve.envflags import apply_env_defaults
 
 BENCHMARKS = {"engine": "benchmarks.engine", "transfer": "benchmarks.transfer",
-              "serve": "benchmarks.serve", "router": "benchmarks.router", "step": "benchmarks.step"}
+              "serve": "benchmarks.serve", "router": "benchmarks.router", "step": "benchmarks.step",
+              "chaos": "benchmarks.chaos", "trust": "benchmarks.trust"}
 WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 
@@ -265,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks: `bench engine --help`, `bench transfer --help`, "
-                                     "`bench serve --help`, `bench router --help`, `bench step --help`")
+                                     "`bench serve --help`, `bench router --help`, `bench step --help`, "
+                                     "`bench chaos --help`, `bench trust --help`")
     p.add_argument("target", choices=sorted(BENCHMARKS), help="what to benchmark")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags for that benchmark")
     p.set_defaults(func=cmd_bench)

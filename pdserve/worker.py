@@ -73,7 +73,8 @@ class NodeService:
     async def Abort(self, request, context):
         found = False
         for role in self.node.roles:
-            found = await role.abort(request.request_id, settled=request.kv_write_settled) or found
+            found = await role.abort(request.request_id, settled=request.kv_write_settled,
+                                     lease_id=request.lease_id) or found
         return pdserve_pb2.AbortResponse(found=found)
 
     async def GetTransferInfo(self, request, context):
@@ -91,6 +92,9 @@ class NodeService:
         n = self.node
         free, total = await n.engine.run(lambda e: (e.num_free_pages(), e.num_total_pages()))
         report = pdserve_pb2.LoadReport(role=n.role, free_pages=free, total_pages=total)
+        report.identity.CopyFrom(pdserve_pb2.TransferInfo(
+            agent_name=n.agent.name, layout=pdserve_pb2.KVLayout(**n.layout.to_dict()),
+            role=n.role, model=n.identity.model, model_hash=n.identity.model_hash))
         if n.prefill is not None:
             p = n.prefill.load()
             report.num_running += p.num_running

@@ -42,7 +42,6 @@ import signal
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from engine import SamplingParams
 from kvtransfer.agent import TransferError
@@ -53,27 +52,18 @@ from prefill.capability import SpentLeases, check_capability
 from prefill.config import PrefillConfig
 from prefill.peers import DecodePeer, DecodePeers
 from prefill.requests import OverlappedSend, PrefillLoad, RemoteSend, SendResult, Window
+from prefill.sending import Sending, delivered_of, landed, resolve
 from proto.tags import no_write_tag, notification_tag
 from runtime.errors import (NodeDraining, NodeOverloaded, PeerUnavailable, Refused,
                             RequestAborted, TimedOut)
 
 log = logging.getLogger("pdserve.prefill")
 _MAX_ENDED = 4096  # sends remembered after their end (a window may still come for them)
+_MAX_EARLY = 1024  # windows held for sends not begun yet (each for at most 30 s)
 
 
 class LeaseEnded(Refused):
     """The decode node's reservation lease ended: D no longer waits for this write."""
-
-
-@dataclass
-class _Sending:
-    """A send in progress: abort stops it unless its write already began."""
-
-    aborted: bool = False
-    writing: bool = False
-    window: asyncio.Future | None = None  # (Window, DecodePeer), while it may still come
-    delivered: tuple[Window, DecodePeer] | None = None
-    write: asyncio.Future | None = None  # the write, once it began
 
 
 class PrefillRole:
@@ -84,13 +74,13 @@ class PrefillRole:
         self.config = config
         self.peers = DecodePeers(agent, layout)
         self.gates = gates    # runtime.gates.Gates in fault tests, else None
-        self.in_flight: dict[str, _Sending] = {}
+        self.in_flight: dict[str, Sending] = {}
         self.draining = False
         self._writers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-write")
         self._early_windows: dict[str, tuple[float, object]] = {}
         # Sends that ended, most recent last: a window that comes for one of them is never
         # written, and its decode node hears so at once instead of after lease + grace.
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._ended: OrderedDict[str, str | None] = OrderedDict()  # -> lease its write landed in
         self.spent = SpentLeases()
         self.remote_sends_total = 0
         self.last_kv_window_begin = 0
@@ -113,7 +103,7 @@ class PrefillRole:
         sending.window = asyncio.get_running_loop().create_future()
         early = self._early_windows.pop(req.request_id, None)
         if early is not None:
-            _resolve(sending.window, early[1])
+            resolve(sending.window, early[1])
         return await self._send(req.request_id, req.prompt_token_ids, end, sending,
                                 self._deadline(req.timeout_s), None)
 
@@ -135,20 +125,23 @@ class PrefillRole:
             raise delivery
         return found
 
-    async def abort(self, request_id: str, settled: bool = False) -> bool:
+    async def abort(self, request_id: str, settled: bool = False, lease_id: str = "") -> bool:
+        """Stop the send of `request_id` (with `lease_id`: unless it has another lease's
+        window)."""
         sending = self.in_flight.get(request_id)
-        if sending is None:
+        window = sending and (sending.delivered or delivered_of(sending.window))
+        if sending is None or lease_id and window and window[0].lease_id != lease_id:
             return False
         sending.aborted = True
         if sending.window is not None and not sending.window.done():
-            _resolve(sending.window, RequestAborted(
+            resolve(sending.window, RequestAborted(
                 f"RemoteSend of {request_id!r} aborted while waiting for its KV window"))
         if not sending.writing:
             await self.engine.abort(request_id)
         return True
 
     # ---- one send ----------------------------------------------------------------------
-    def _admit(self, request_id: str) -> _Sending:
+    def _admit(self, request_id: str) -> Sending:
         if request_id in self.in_flight:
             raise ValueError(f"duplicate request_id {request_id!r}")
         if self.draining:
@@ -156,7 +149,7 @@ class PrefillRole:
         if len(self.in_flight) >= self.config.max_in_flight:
             raise NodeOverloaded(f"prefill node is at its limit of {self.config.max_in_flight} "
                                  "RemoteSends")
-        sending = self.in_flight[request_id] = _Sending()
+        sending = self.in_flight[request_id] = Sending()
         self._ended.pop(request_id, None)
         return sending
 
@@ -164,7 +157,7 @@ class PrefillRole:
         bound = self.config.transfer_timeout_s
         return time.monotonic() + (bound if timeout_s is None else min(bound, timeout_s))
 
-    async def _send(self, request_id: str, prompt: list[int], end: int, sending: _Sending,
+    async def _send(self, request_id: str, prompt: list[int], end: int, sending: Sending,
                     deadline: float, dst_slots: list[int] | None) -> SendResult:
         try:
             t0 = time.perf_counter()
@@ -192,11 +185,11 @@ class PrefillRole:
             t2 = time.perf_counter()
         finally:
             del self.in_flight[request_id]
-            self._ended[request_id] = None
+            self._ended[request_id] = landed(sending)
             while len(self._ended) > _MAX_ENDED:
                 self._ended.popitem(last=False)
             await asyncio.shield(self.engine.run(lambda e: e.release(request_id)))
-            delivered = sending.delivered or _delivered(sending.window)
+            delivered = sending.delivered or delivered_of(sending.window)
             if not sending.writing and delivered is not None:
                 window, peer = delivered
                 self._tell_no_write(peer.agent_name, no_write_tag(request_id, window.lease_id))
@@ -224,7 +217,9 @@ class PrefillRole:
         reuses the pages on this answer."""
         self.spent.add(request_id, lease_id, "fenced")  # a window that comes later is refused
         sending = self.in_flight.get(request_id)
-        delivered = sending and (sending.delivered or _delivered(sending.window))
+        delivered = sending and (sending.delivered or delivered_of(sending.window))
+        if sending is None:  # ended: its write landed, or never will
+            return False, self._ended.get(request_id) == lease_id
         if not delivered or delivered[0].lease_id != lease_id:
             return False, False
         if sending.write is None:
@@ -233,7 +228,7 @@ class PrefillRole:
         await asyncio.wait([sending.write])  # ends by the write's own deadline
         return True, sending.write.exception() is None
 
-    async def _prefill(self, request_id: str, prompt: list[int], sending: _Sending):
+    async def _prefill(self, request_id: str, prompt: list[int], sending: Sending):
         if self.gates is not None:
             await self.gates.passage("prefill", request_id)
         if sending.aborted:
@@ -249,7 +244,7 @@ class PrefillRole:
                                f"{getattr(last, 'finish_reason', None)!r}")
         return last
 
-    async def _wait_window(self, request_id: str, sending: _Sending, deadline: float):
+    async def _wait_window(self, request_id: str, sending: Sending, deadline: float):
         try:
             return await asyncio.wait_for(asyncio.shield(sending.window),
                                           max(0.0, deadline - time.monotonic()))
@@ -268,10 +263,12 @@ class PrefillRole:
             now = time.monotonic()
             self._early_windows = {k: v for k, v in self._early_windows.items() if now - v[0] < 30}
             self._early_windows[request_id] = (now, delivery)
+            while len(self._early_windows) > _MAX_EARLY:  # the oldest goes: its send then
+                del self._early_windows[next(iter(self._early_windows))]  # waits, not writes
             return False
         if sending.window is None or sending.window.done():
             return False
-        _resolve(sending.window, delivery)
+        resolve(sending.window, delivery)
         return True
 
     async def _write(self, request_id: str, agent_name: str, plan, tag: bytes,
@@ -329,19 +326,3 @@ def _check_lease(request_id: str, lease_deadline: float) -> None:
     if late_s >= 0:
         raise LeaseEnded(f"the decode node's lease of request {request_id!r} ended "
                          f"{late_s * 1000:.0f} ms ago; nothing was written")
-
-
-def _resolve(future: asyncio.Future, delivery: object) -> None:
-    if isinstance(delivery, BaseException):
-        future.set_exception(delivery)
-        future.exception()  # retrieved: the send may have ended before waiting
-    else:
-        future.set_result(delivery)
-
-
-def _delivered(future: asyncio.Future | None):
-    """The (window, peer) a future holds, if it came (a window may come after the prefill
-    failed: its decode node must still hear that nothing will be written)."""
-    if future is not None and future.done() and future.exception() is None:
-        return future.result()
-    return None

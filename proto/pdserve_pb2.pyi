@@ -105,12 +105,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "kv_write_settled")
+    __slots__ = ("request_id", "kv_write_settled", "lease_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_WRITE_SETTLED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_write_settled: bool
-    def __init__(self, request_id: _Optional[str] = ..., kv_write_settled: _Optional[bool] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, request_id: _Optional[str] = ..., kv_write_settled: _Optional[bool] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
@@ -363,7 +365,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "num_running", "num_parked", "free_pages", "total_pages", "requests_total", "prefix_hit_tokens_total", "remote_sends_total", "last_kv_window_begin", "leases_expired_total", "kv_bytes_sent_total", "num_quarantined", "late_writes_total", "fenced_writers", "fenced_pages")
+    __slots__ = ("role", "num_running", "num_parked", "free_pages", "total_pages", "requests_total", "prefix_hit_tokens_total", "remote_sends_total", "last_kv_window_begin", "leases_expired_total", "kv_bytes_sent_total", "num_quarantined", "late_writes_total", "fenced_writers", "fenced_pages", "identity")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_PARKED_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +381,7 @@ class LoadReport(_message.Message):
     LATE_WRITES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     FENCED_WRITERS_FIELD_NUMBER: _ClassVar[int]
     FENCED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_parked: int
@@ -394,7 +397,8 @@ class LoadReport(_message.Message):
     late_writes_total: int
     fenced_writers: _containers.RepeatedScalarFieldContainer[str]
     fenced_pages: int
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_parked: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., remote_sends_total: _Optional[int] = ..., last_kv_window_begin: _Optional[int] = ..., leases_expired_total: _Optional[int] = ..., kv_bytes_sent_total: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., late_writes_total: _Optional[int] = ..., fenced_writers: _Optional[_Iterable[str]] = ..., fenced_pages: _Optional[int] = ...) -> None: ...
+    identity: TransferInfo
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_parked: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., remote_sends_total: _Optional[int] = ..., last_kv_window_begin: _Optional[int] = ..., leases_expired_total: _Optional[int] = ..., kv_bytes_sent_total: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., late_writes_total: _Optional[int] = ..., fenced_writers: _Optional[_Iterable[str]] = ..., fenced_pages: _Optional[int] = ..., identity: _Optional[_Union[TransferInfo, _Mapping]] = ...) -> None: ...
 
 class FenceRequest(_message.Message):
     __slots__ = ("request_id", "lease_id")

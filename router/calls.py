@@ -37,6 +37,9 @@ NO_WRITE_CODES = {
     grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.OUT_OF_RANGE,
 }
+# Statuses a decode node answers a PrepareReceive with itself, having reserved nothing.
+NOTHING_RESERVED_CODES = NO_WRITE_CODES | {
+    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED}
 # Statuses that may mean the node itself is gone: ask the registry to check its health.
 NODE_GONE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
@@ -76,9 +79,14 @@ class NodeCalls:
             prep = await decode.stub.PrepareReceive(
                 request, timeout=state.timeout(self.config.prepare_timeout_s))
         except grpc.aio.AioRpcError as err:
-            # No lease reached us, so no RemoteSend can write whatever D may have reserved.
-            self.abort_later(decode, state.request_id, settled=True)
             state.holders.discard(decode)
+            if err.code() not in NOTHING_RESERVED_CODES:
+                # D may have reserved: no lease reached us, so no RemoteSend can write it,
+                # and it is freed now. Its Abort names no lease and may land late, so this
+                # request reserves on that node no more (a late Abort would free a newer
+                # reservation that a prefill node is writing).
+                state.unsure.add(decode)
+                self.abort_later(decode, state.request_id, settled=True)
             raise self.error(state, decode, "PrepareReceive", err) from None
         return Reserved(prep, time.monotonic() + prep.lease_ms / 1000)
 
@@ -228,10 +236,14 @@ class NodeCalls:
             call.cancel()
 
     # ---- aborts ------------------------------------------------------------------------
-    async def abort(self, endpoint: Endpoint, request_id: str, settled: bool) -> None:
+    async def abort(self, endpoint: Endpoint, request_id: str, settled: bool,
+                    lease_id: str = "") -> None:
+        """Abort on one node; with `lease_id`, only that reservation (a newer one of the
+        same request, made after this Abort was sent, stays)."""
         try:
             await endpoint.stub.Abort(
-                pdserve_pb2.AbortRequest(request_id=request_id, kv_write_settled=settled),
+                pdserve_pb2.AbortRequest(request_id=request_id, kv_write_settled=settled,
+                                         lease_id=lease_id),
                 timeout=self.config.abort_timeout_s)
         except grpc.aio.AioRpcError as err:
             log.warning("Abort %s on %s failed: %s", request_id, endpoint.address, err.details())

@@ -84,6 +84,8 @@ class Dispatcher:
                 if started or state.aborted or err.code not in _TRY_ANOTHER_DECODE:
                     raise
                 log.info("%s; trying another decode node", err.message)
+                if err.code == grpc.StatusCode.UNAVAILABLE:  # it may hold the request
+                    state.unsure.add(first)
                 first = None
         early = prefill = None
         if not plan.local and plan.end > 0:  # picked first: D's reservation names its writer
@@ -153,10 +155,11 @@ class Dispatcher:
             errors: list[DispatchError] = []
             while True:
                 try:
-                    if first is not None and first.usable:
+                    if first is not None and first.usable and first not in state.unsure:
                         decode, first = first, None
                     else:
-                        decode = self.registry.pick("decode", prompt_token_ids, exclude=tried)
+                        decode = self.registry.pick("decode", prompt_token_ids,
+                                                    exclude=tried + list(state.unsure))
                 except NoEndpointError:
                     if not errors:
                         raise
@@ -207,7 +210,8 @@ class Dispatcher:
                     raise
                 # The failed attempt may still write its reservation: D quarantines it
                 # unless P answered without writing.
-                await self.calls.abort(decode, state.request_id, settled=err.settled)
+                await self.calls.abort(decode, state.request_id, err.settled,
+                                       reserved.prep.lease_id)
                 prefill = self._next_prefill(prompt_token_ids, tried)
                 log.warning("%s; %s", err.message,
                             f"retrying on prefill node {prefill.address}" if prefill else
@@ -226,7 +230,7 @@ class Dispatcher:
         # No prefill node was routable: D prefills the whole prompt on a fresh reservation.
         metrics.record_fallback("no_prefill")
         state.route.skip_reason = "no_prefill"
-        await self.calls.abort(decode, state.request_id, settled=True)
+        await self.calls.abort(decode, state.request_id, True, reserved.prep.lease_id)
         return await self.calls.prepare(decode, state, prompt_token_ids, sampling, 0,
                                         local=True), False
 

@@ -8,7 +8,7 @@ endpoints they may use. One gRPC channel per endpoint is opened once and shared 
 request.
 
 Compatibility: every node's `NodeIdentity` (model hash, dtype, KV geometry) comes with its
-etcd record, or from `GetTransferInfo` for a static endpoint (probed in the background; a
+etcd record, or from `GetLoad` for a static endpoint (probed in the background; a
 node that does not answer it yet stays usable). A node whose identity differs from that of
 the nodes already admitted (the first admitted one sets the reference while any admitted
 node remains) is refused: never routed to, and logged once with what differs, e.g.
@@ -205,27 +205,26 @@ class WorkerRegistry:
         return {e.address: e.refused for e in self.endpoints() if e.refused}
 
     async def _probe_identity(self, endpoint: Endpoint) -> None:
-        """GetTransferInfo until the node answers once (it may still be starting)."""
+        """GetLoad until the node answers once (it may still be starting): its identity.
+        (GetLoad, not GetTransferInfo: routers may call it in a keyed cluster too.)"""
         delay = self.health_interval_s
         while endpoint in self.prefill or endpoint in self.decode:
             try:
-                info = await endpoint.monitor_stub.GetTransferInfo(pdserve_pb2.TransferInfoRequest(),
-                                                           timeout=self.health_timeout_s)
+                report = await endpoint.monitor_stub.GetLoad(pdserve_pb2.LoadRequest(),
+                                                             timeout=self.health_timeout_s)
             except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    return  # a node that cannot tell: routed to without the check
-                if err.code() in (grpc.StatusCode.PERMISSION_DENIED,
+                if err.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED,
                                   grpc.StatusCode.UNAUTHENTICATED):
-                    # A keyed cluster gives agent metadata to workers only: no check here.
-                    log.warning("%s node %s does not give routers its identity (%s): routed "
-                                "to without the compatibility check", endpoint.role,
+                    log.warning("%s node %s does not tell its identity (%s): routed to "
+                                "without the compatibility check", endpoint.role,
                                 endpoint.address, err.code().name)
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
                 continue
-            endpoint.set_identity(NodeIdentity.from_transfer_info(info))
-            self._admit_all()
+            if report.HasField("identity"):
+                endpoint.set_identity(NodeIdentity.from_transfer_info(report.identity))
+                self._admit_all()
             return
 
     def pick(self, role: str, prompt_token_ids: Sequence[int], exclude=()) -> Endpoint:

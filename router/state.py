@@ -34,6 +34,7 @@ class RequestState:
     arrived: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # the client's, on the monotonic clock
     holders: set = field(default_factory=set)  # router.registry.Endpoint that may hold it
+    unsure: set = field(default_factory=set)  # decode nodes a PrepareReceive failed on unknowingly
     kv_write_pending: bool = False  # a RemoteSend may still write D's reservation
     route: pdserve_pb2.RouteInfo = field(default_factory=pdserve_pb2.RouteInfo)
     ttft: float = 0.0

@@ -185,6 +185,16 @@ def certificate_names(context) -> set[str]:
             for v in found.get(key, ())}
 
 
+def caller_of(context) -> str:
+    """Who is calling, for per-caller bounds: its certificate's name under mutual TLS, else
+    its host (`ipv4:10.0.0.5`; a port is per connection, a host is not)."""
+    names = certificate_names(context)
+    if names:
+        return f"tls:{min(names)}"
+    peer = context.peer() or ""
+    return peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Admits each call by the rules in the module docstring; a refused call gets a handler
     that aborts with the refusal, whatever its kind (unary or streaming)."""

@@ -47,7 +47,11 @@ class ServerConfig:
 
 
 def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=GRPC_OPTIONS, interceptors=[auth.AuthInterceptor()])
+    """A server whose port no second process can share while it lives (no SO_REUSEPORT,
+    which gRPC turns on by default): whoever answers at a node's address is that node, or
+    took the port after it died (decode/fence.py relies on it)."""
+    return grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)],
+                           interceptors=[auth.AuthInterceptor()])
 
 
 def channel(address: str, own_connections: bool = False) -> grpc.aio.Channel:

@@ -195,6 +195,22 @@ def test_reading_a_nodes_kv_pool_needs_a_peer_workers_token(keyed):
     assert as_peer.agent_metadata, "a peer worker still gets what it needs to write KV"
 
 
+def test_routers_learn_a_keyed_nodes_identity_without_its_agent_metadata(keyed):
+    """A router checks static nodes' compatibility (model hash, dtype, KV geometry) through
+    GetLoad, which it may call, and never gets the agent metadata."""
+    c = keyed
+
+    async def go():
+        return [await worker(c.address(n), "GetLoad", pdserve_pb2.LoadRequest(),
+                             c.token("router")) for n in ("prefill", "decode")]
+
+    for role, report in zip(("prefill", "decode"), run(go())):
+        identity = report.identity
+        assert identity.role == role and identity.model_hash and identity.layout.num_layers > 0
+        assert identity.agent_metadata == b""
+    assert "does not tell its identity" not in c.log_text("router")
+
+
 def test_abort_and_drain_by_a_stranger_or_a_worker_are_refused_and_the_stream_goes_on(keyed):
     """Issue 17's "abort and drain": Worker Abort with another client's request id, and
     Drain, refused without a router's token; the held stream then finishes whole."""

@@ -225,3 +225,27 @@ def test_settled_abort_of_a_waiting_quarantine_frees_its_pages(node):
         assert prepared.lease.request_id == "r"
 
     asyncio.run(go())
+
+
+def test_an_abort_naming_an_older_lease_leaves_the_newer_reservation_alone(node):
+    """A router retries on the same node with the same request id; its Abort of the first
+    reservation, landing late, must not free the second, which a prefill node may be
+    writing (the pages would go to another request under the write)."""
+    async def go():
+        role = node.role()
+        first = await role.prepare_receive(prepare("r"))
+        assert await role.abort("r", settled=False, lease_id=first.lease.lease_id) is True
+        second = await role.prepare_receive(prepare("r"))
+        old = first.lease.lease_id
+        assert await role.abort("r", settled=False, lease_id=old) is False  # the late Abort
+        assert role.load().num_parked == 1 and role.load().num_quarantined == 1
+        # Settled, it releases only the first reservation's quarantine.
+        assert await role.abort("r", settled=True, lease_id=old) is True
+        await quarantine_ended(role)
+        assert role.load().num_parked == 1  # the second reservation is untouched...
+        await node.write_kv(second)
+        outs = await collect(role.start_generation(start(second)))
+        assert tokens_of(outs)  # ...and generates
+        assert await free_pages(node.decode) == PAGES
+
+    asyncio.run(go())

@@ -6,6 +6,7 @@ The set-up, and how a phase is reached without waiting for time: tests/decode/wo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -81,7 +82,7 @@ def test_sampling_values_outside_the_engine_rules_are_refused_before_anything_is
 
 @pytest.mark.parametrize(("kw", "message"), [
     pytest.param(dict(end=PROMPT_LEN), f"kv_window_end={PROMPT_LEN} is outside the prompt", id="end"),
-    pytest.param(dict(lease_ms=700_000), r"lease_ms must be in \[0, 600000\].*got 700000", id="lease-long"),
+    pytest.param(dict(lease_ms=700_000), r"lease_ms must be in \[0, 120000\].*got 700000", id="lease-long"),
     pytest.param(dict(lease_ms=-5), "got -5", id="lease-negative"),
 ])
 def test_bad_window_end_or_lease_is_refused_before_anything_is_reserved(node, kw, message):
@@ -156,7 +157,7 @@ def test_reservation_that_does_not_fit_the_pool_gives_node_overloaded_and_holds_
     long_prompt = prompt_of(300, seed=9)  # 38 pages of the 64
 
     async def go():
-        role = node.role()
+        role = node.role(max_parked_fraction_per_caller=1)  # the pool's bound, not the caller's
         await role.prepare_receive(prepare("a", long_prompt, end=299))
         with pytest.raises(NodeOverloaded, match="need 38 pages, 26 free"):
             await role.prepare_receive(prepare("b", prompt_of(300, seed=10), end=299))
@@ -183,5 +184,49 @@ def test_draining_node_refuses_new_reservations_and_still_serves_parked_ones(nod
         await node.write_kv(prepared)
         assert tokens_of(await within(collect(role.start_generation(start(prepared))))) == expected
         assert not role.busy()
+
+    asyncio.run(go())
+
+
+def test_one_caller_holds_at_most_its_share_of_pages_in_reservations_not_started(node):
+    """A caller that reserves and never starts (a hog, or a router gone wrong) is refused
+    past its share, naming the bound; another caller still reserves, and the hog's freed
+    share is its own again."""
+    hog, other = "ipv4:10.0.0.9", "tls:router-a"
+
+    def asked(request_id, caller, seed):
+        return dataclasses.replace(prepare(request_id, prompt_of(PROMPT_LEN, seed)), caller=caller)
+
+    async def go():
+        role = node.role(max_parked_fraction_per_caller=0.25)  # 16 of 64 pages: 4 reservations
+        for i in range(4):
+            await role.prepare_receive(asked(f"hog-{i}", hog, seed=100 + i))
+        with pytest.raises(NodeOverloaded, match=rf"caller '{hog}' holds 16 KV pages in "
+                                                 r"reservations not yet started; 4 more would "
+                                                 r"pass its bound of 16") as err:
+            await role.prepare_receive(asked("hog-4", hog, seed=104))
+        assert status_of(err.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        await role.prepare_receive(asked("fine", other, seed=200))
+        assert await role.abort("hog-0", settled=True)
+        await role.prepare_receive(asked("hog-4", hog, seed=104))
+        for request_id in ("hog-1", "hog-2", "hog-3", "hog-4", "fine"):
+            assert await role.abort(request_id, settled=True)
+        assert await free_pages(node.decode) == PAGES
+
+    asyncio.run(go())
+
+
+def test_start_without_kv_of_a_window_still_to_receive_is_refused(node):
+    """Its pages were never written: generating from them (and caching them as a prefix)
+    would read whatever they last held."""
+    async def go():
+        role = node.role()
+        prepared = await role.prepare_receive(prepare("r"))
+        with pytest.raises(ValueError, match=rf"positions \[0, {END}\) of request 'r' are "
+                                             "reserved to be received"):
+            await collect(role.start_generation(start(prepared, expect_kv=False)))
+        assert role.load().num_parked == 1  # still its caller's, to start or abort
+        assert await role.abort("r", settled=True)
+        assert await free_pages(node.decode) == PAGES
 
     asyncio.run(go())

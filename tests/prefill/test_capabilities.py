@@ -109,3 +109,19 @@ def test_fenced_lease_is_never_written_even_with_a_valid_capability(nodes, keyed
         await nodes.unreserve("f")
 
     asyncio.run(go())
+
+
+def test_fence_after_the_write_landed_says_it_wrote(nodes):
+    """FenceWrites asked after the send ended (its write landed, the notification still on
+    its way to D) answers `wrote`, so D counts the late write whichever proof comes first;
+    another lease of the same request was not written."""
+    async def go():
+        role = nodes.role()
+        res = await nodes.reserve("w")
+        window = nodes.window(res)
+        await within(role.remote_send(RemoteSend("w", PROMPT, END, window)))
+        assert await role.fence("w", window.lease_id) == (False, True)
+        assert await role.fence("w", "another-lease") == (False, False)
+        await nodes.unreserve("w")
+
+    asyncio.run(go())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvtransfer.window import resolve_kv_window_end
 from proto import pdserve_pb2, pdserve_pb2_grpc
@@ -29,6 +30,7 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
         self.aborted: list[str] = []
         self.remote_send_gate: asyncio.Event | None = None
         self.windows: dict[str, asyncio.Future] = {}  # request id -> DeliverWindow message
+        self.healthy = False  # True: serves a health check that says SERVING
 
     async def _maybe_fail(self, rpc, context):
         if rpc in self.fail:
@@ -106,6 +108,10 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
 async def start_fake(worker: FakeWorker) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
     pdserve_pb2_grpc.add_WorkerServicer_to_server(worker, server)
+    if worker.healthy:
+        servicer = health.aio.HealthServicer()
+        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"

@@ -111,3 +111,60 @@ def test_past_the_queue_bound_requests_get_resource_exhausted():
         assert all(len(o.token_ids) == 20 for o in outs)
 
     run(go())
+
+
+class FailsFirstPrepare(RecordingWorker):
+    """Fails its first PrepareReceive with `code`, then reserves normally."""
+
+    def __init__(self, *args, code, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.code = code
+
+    async def PrepareReceive(self, request, context):
+        if self.code is not None:
+            code, self.code = self.code, None
+            self.calls.append(("PrepareReceive", request))
+            await context.abort(code, "PrepareReceive failed on purpose")
+        return await super().PrepareReceive(request, context)
+
+
+def test_a_full_decode_node_gets_no_abort_and_a_node_that_may_have_reserved_no_retry():
+    """RESOURCE_EXHAUSTED is D's own answer (nothing reserved): no Abort, and the retry
+    may go to the same node. DEADLINE_EXCEEDED leaves it unknown whether D reserved: D is
+    aborted and this request reserves on it no more, so that Abort, landing late, cannot
+    free a newer reservation that a prefill node is writing."""
+    async def go():
+        full = FailsFirstPrepare("full", matched=100, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+        addr, _, stop = await start_router([FakeWorker("p")], [full], full_retry_s=5)
+        try:
+            async with Client(addr) as client:
+                out = await client.complete("hello", request_id="r1")
+        finally:
+            await stop()
+        assert out.token_ids == [5, 6, 7]
+        assert full.rpcs() == ["PrepareReceive", "PrepareReceive", "StartGeneration"]
+        assert full.aborts == []
+
+        # d1 may have reserved; d2 is full once. The retry round must skip d1 although
+        # it passes its health check (the failure was only slow).
+        d1 = FailsFirstPrepare("d1", matched=100, code=grpc.StatusCode.DEADLINE_EXCEEDED)
+        d2 = FailsFirstPrepare("d2", matched=100, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+        d1.healthy = True
+        addr, _, stop = await start_router([FakeWorker("p")], [d1, d2], full_retry_s=5)
+        try:
+            async with Client(addr) as client:
+                out = await client.complete("hello", request_id="r2")
+            await asyncio.wait_for(aborted(d1), 5)
+        finally:
+            await stop()
+        assert out.token_ids == [5, 6, 7]
+        assert d1.rpcs() == ["PrepareReceive"] and d1.aborts == [("r2", True)]
+        assert d2.rpcs() == ["PrepareReceive", "PrepareReceive", "StartGeneration"]
+        assert d2.aborts == []
+
+    run(go())
+
+
+async def aborted(worker: RecordingWorker) -> None:
+    while not worker.aborts:
+        await asyncio.sleep(0.01)
