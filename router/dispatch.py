@@ -113,10 +113,32 @@ class Dispatcher:
             decode.prefixes.insert(prompt_token_ids)  # what D will have cached
             state.check_aborted()
             request = self.calls.start_request(state, reserved, sent)
-            async for msg in self.calls.start(decode, state, request):
+            async for msg in self._start(decode, state, request, prompt_token_ids, sampling):
                 yield msg
         finally:
             decode.in_flight -= 1
+
+    async def _start(self, decode, state, request, prompt_token_ids, sampling):
+        """D's stream. A lease that ended just before StartGeneration reached D (NOT_FOUND,
+        nothing streamed yet: the KV came too late, or the call did) is no failure of the
+        client's: D prefills the prompt itself, in one call."""
+        started = False
+        try:
+            async for msg in self.calls.start(decode, state, request):
+                started = True
+                yield msg
+            return
+        except DispatchError as err:
+            if started or state.aborted or err.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            log.warning("%s; decode node %s prefills the prompt itself", err.message,
+                        decode.address)
+        metrics.record_fallback("lease_ended")
+        state.local = True
+        state.route.remote_send_skipped, state.route.skip_reason = True, "lease_ended"
+        request = self.calls.start_local_request(state, prompt_token_ids, sampling)
+        async for msg in self.calls.start(decode, state, request):
+            yield msg
 
     def _plan(self, prompt_token_ids, kv_window_end, decode) -> selective.Plan:
         c = self.config

@@ -110,8 +110,9 @@ def record_retry(call: str) -> None:
 def record_fallback(reason: str) -> None:
     """Count one request served by a fallback path: reason="decode_prefill" when every
     RemoteSend attempt failed and the decode node prefills the prompt itself,
-    "no_prefill" when no prefill node was routable for a request that needed one. Call it
-    once per request, where the dispatcher takes the fallback (router/dispatch.py)."""
+    "no_prefill" when no prefill node was routable for a request that needed one,
+    "lease_ended" when its reservation's lease ended just before StartGeneration reached
+    D. Call it once per request, where the dispatcher takes the fallback (router/dispatch.py)."""
     ROUTER_FALLBACKS.labels(reason=reason).inc()
 
 

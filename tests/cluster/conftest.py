@@ -7,7 +7,8 @@ tests/cluster/nodes.py and stopped at the end whatever happened:
 - `fault_cluster`: 2 prefill + 2 decode nodes and 2 routers (`main` leases reservations for
   8 s, `short` for 2 s); prefill nodes stop requests whose id starts with `slow-` at their
   test gates (`--test-gates`), decode nodes those whose id starts with `held-`; decode nodes
-  quarantine freed reservations until 3 s past their lease. Tests that kill a node restart it on the same port before they end.
+  fence a silent writer 3 s past a freed reservation's lease and bound no caller's parked
+  pages (the tests fill whole pools). Tests that kill a node restart it on the same port before they end.
 - `scale_cluster`: a real etcd, 2 prefill + 2 decode nodes registered in it (2 s lease),
   and routers `rr`, `ll`, `px` that find them only through etcd.
 """
@@ -64,7 +65,8 @@ class FaultCluster(Cluster):
         for name in ("p1", "p2", "d1", "d2"):
             role = "prefill" if name[0] == "p" else "decode"
             extra = ["--test-gates", SLOW] if role == "prefill" else \
-                ["--test-gates", HELD, "--quarantine-grace-ms", str(GRACE_MS)]
+                ["--test-gates", HELD, "--quarantine-grace-ms", str(GRACE_MS),
+                 "--max-parked-fraction-per-caller", "1"]  # tests here fill the whole pool
             self.start(name, [role, "--model", model, "--host", "127.0.0.1",
                               *FAULT_WORKER_FLAGS, *extra], wait=False)
         self.wait("p1", "p2", "d1", "d2")

@@ -168,3 +168,40 @@ def test_a_full_decode_node_gets_no_abort_and_a_node_that_may_have_reserved_no_r
 async def aborted(worker: RecordingWorker) -> None:
     while not worker.aborts:
         await asyncio.sleep(0.01)
+
+
+class LeaseEndsFirst(RecordingWorker):
+    """Its first StartGeneration finds the lease ended (NOT_FOUND), as when the call reaches
+    the decode node just after the lease's end."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ended = False
+
+    async def StartGeneration(self, request, context):
+        if not self.ended:
+            self.ended = True
+            self.calls.append(("StartGeneration", request))
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no reservation for request 'r'")
+        async for msg in super().StartGeneration(request, context):
+            yield msg
+
+
+def test_a_lease_that_ended_before_start_generation_lets_the_decode_node_prefill_itself():
+    async def go():
+        d = LeaseEndsFirst("d")
+        addr, _, stop = await start_router([FakeWorker("p")], [d])
+        try:
+            async with Client(addr) as client:
+                out = await client.complete("hello", request_id="r")
+        finally:
+            await stop()
+        assert out.token_ids == [5, 6, 7]
+        # The fake records the local prepare riding in the second StartGeneration first.
+        assert d.rpcs() == ["PrepareReceive", "StartGeneration", "PrepareReceive",
+                            "StartGeneration"]
+        retry = d.calls[-1][1]
+        assert retry.HasField("prepare") and retry.prepare.local_prefill
+        assert out.usage["route"]["skip_reason"] == "lease_ended"
+
+    run(go())
