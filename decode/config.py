@@ -21,6 +21,11 @@ class DecodeConfig:
     quarantine_grace_ms: int = option(
         5_000, "a reservation freed before its KV arrived keeps its pages until the prefill "
                "node's notification, or this long past its lease (decode/quarantine.py)")
+    max_queue_wait_s: float = option(
+        60.0, "how long a reservation that finds too few free KV pages waits for them, first "
+              "come first served (never past its caller's deadline); then RESOURCE_EXHAUSTED")
+    max_queued_reservations: int = option(
+        1024, "reservations waiting for KV pages at once; more get RESOURCE_EXHAUSTED")
     max_parked: int = option(
         256, "reservations waiting for StartGeneration at once; more get RESOURCE_EXHAUSTED")
 

@@ -39,6 +39,7 @@ class Lease:
     expires_at: float
     engine_key: str = ""  # the engine's id of this reservation (unique per lease)
     reserve_s: float = 0.0  # how long the reservation took (for the request's log line)
+    queued_s: float = 0.0   # of which it waited in line for KV pages (decode/line.py)
     # Local prefill (selective disaggregation): nothing reserved; at StartGeneration the
     # prompt enters the engine as an ordinary request with these ids and params.
     local_prompt: list[int] | None = None

@@ -2,7 +2,8 @@
 
 Request kinds, one per method:
 - `prepare_receive(PrepareReceive)` resolves the window end, reserves slots for
-  [matched, end) in the engine (which parks the request) and grants a lease; the append
+  [matched, end) in the engine (which parks the request) and grants a lease; short of
+  pages, it waits in line for them (decode/line.py) instead of refusing; the append
   metadata it returns names exactly those slots. The engine knows each reservation by
   `<request_id>@<lease>`, so a retry of a request id never collides with a quarantined
   earlier reservation.
@@ -35,12 +36,15 @@ from decode.config import DecodeConfig
 from decode.fence import ask_writer
 from decode.inbox import Interrupted, NotificationInbox
 from decode.leases import Lease, LeaseTable
+from decode.line import PageLine
 from decode.quarantine import Quarantine, tags
-from engine import OutOfPages, SamplingParams
+from decode.requests import (DecodeLoad, LocalPrefill, Prepared, PrepareReceive,  # noqa: F401
+                             StartGeneration)  # (StartGeneration, LocalPrefill: re-exported)
+from engine import SamplingParams
 from kvtransfer.metadata import encode_append_metadata
 from kvtransfer.window import resolve_kv_window_end
 from proto.tags import notification_tag
-from runtime import cluster_key
+from runtime import cluster_key, metrics
 from runtime.errors import NodeDraining, NodeOverloaded, Refused, RequestAborted, TimedOut
 
 log = logging.getLogger("pdserve.decode")
@@ -52,58 +56,6 @@ class KVNotArrived(TimedOut):
 
 class KVNotWritten(Refused):
     """The prefill node reported that it did not write the reservation's KV."""
-
-
-@dataclass
-class PrepareReceive:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    kv_window_end: int  # Python-style
-    lease_ms: int = 0   # 0: the node's default
-    writer_address: str = ""  # the prefill node that will write it (asked for proof)
-    caller: str = ""  # who asks (runtime/auth.py caller_of): its parked pages are bounded
-
-
-@dataclass
-class LocalPrefill:
-    """A request this node prefills whole, from its own prefix cache (no KV received)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    lease_ms: int = 0
-
-
-@dataclass
-class StartGeneration:
-    request_id: str
-    lease_id: str
-    kv_window_begin: int  # must be the reservation's kv_window_end
-    expect_kv: bool       # a prefill node wrote the window: wait for its notification
-    timeout_s: float | None = None
-
-
-@dataclass
-class Prepared:
-    lease: Lease
-    kv_append_metadata: list[int]
-    lease_ms: int = 0         # left at signing; covered by the capability
-    capability: bytes = b""
-    issued_unix_ms: int = 0
-
-
-@dataclass
-class DecodeLoad:
-    num_parked: int
-    num_running: int
-    requests_total: int
-    prefix_hit_tokens_total: int
-    leases_expired_total: int
-    num_quarantined: int
-    late_writes_total: int
-    fenced_writers: list[str]
-    fenced_pages: int
 
 
 @dataclass
@@ -127,6 +79,7 @@ class DecodeRole:
         self.leases = LeaseTable(self._on_expire)
         self.inbox = NotificationInbox(agent)
         self.page_size = page_size
+        self.line = PageLine(config.max_queued_reservations, config.max_queue_wait_s)
         self.quarantine = Quarantine(self.inbox, self._free, config.quarantine_grace_ms / 1000,
                                      ask_writer)
         self.preparing: dict[str, bool] = {}  # request id -> aborted while preparing
@@ -140,21 +93,21 @@ class DecodeRole:
         started = time.perf_counter()
         lease_ms = self._admit(req.request_id, req.params, req.lease_ms)
         end = resolve_kv_window_end(req.kv_window_end, len(req.prompt_token_ids))
+        self.engine.engine.check_fits(len(req.prompt_token_ids), req.params)  # before the line
         self._check_quota(req.caller, -(-end // self.page_size))
         lease_id = uuid.uuid4().hex
         key = f"{req.request_id}@{lease_id[:12]}"
         self.preparing[req.request_id] = False
-        reserve = asyncio.ensure_future(self.engine.run(
-            lambda e: e.prepare_receive(key, req.prompt_token_ids, req.params, end)))
+
+        async def attempt():
+            if self.preparing.get(req.request_id):
+                raise RequestAborted(f"request {req.request_id!r} was aborted while waiting "
+                                     "for KV pages")
+            return await self._reserve(
+                key, lambda e: e.prepare_receive(key, req.prompt_token_ids, req.params, end))
         try:
-            reservation = await asyncio.shield(reserve)
-        except asyncio.CancelledError:
-            # The caller never saw the lease, so nobody can write into it: free at once.
-            reserve.add_done_callback(lambda f: f.cancelled() or f.exception() or
-                                      asyncio.ensure_future(self._free(key)))
-            raise
-        except OutOfPages as err:
-            raise NodeOverloaded(str(err)) from None
+            reservation, waited_s = await self.line.wait(attempt, _line_bound(req.timeout_s))
+            metrics.QUEUE_TIME.labels(role="decode").observe(waited_s)
         finally:
             aborted = self.preparing.pop(req.request_id)
         if aborted:
@@ -165,6 +118,7 @@ class DecodeRole:
             prompt_len=len(req.prompt_token_ids),
             prefix_matched_length=reservation.prefix_matched_length,
             kv_window_end=reservation.kv_window_end, reserve_s=time.perf_counter() - started,
+            queued_s=waited_s,
             writer_address=req.writer_address, caller=req.caller,
             num_pages=len({slot // self.page_size for slot in reservation.slots}))
         self.requests_total += 1
@@ -185,6 +139,7 @@ class DecodeRole:
 
     async def prepare_local(self, req: LocalPrefill) -> Prepared:
         lease_ms = self._admit(req.request_id, req.params, req.lease_ms)
+        self.engine.engine.check_fits(len(req.prompt_token_ids), req.params)
         if not req.prompt_token_ids:
             raise ValueError("prompt is empty")
         lease_id = uuid.uuid4().hex
@@ -239,6 +194,7 @@ class DecodeRole:
             raise
         finally:
             self.generating.pop(req.request_id, None)
+            self.line.freed()  # its pages (the engine freed or cached them) may serve the line
 
     async def generate_local(self, req: LocalPrefill, timeout_s: float | None = None
                              ) -> AsyncIterator:
@@ -255,6 +211,7 @@ class DecodeRole:
             if lease_id:  # the caller cannot know the lease being made: it named an older one
                 return False
             self.preparing[request_id] = True
+            self.line.freed()  # one waiting in line leaves at once
             return True
         lease = self.leases.drop(request_id, lease_id)
         if lease is not None:
@@ -276,6 +233,16 @@ class DecodeRole:
         return settled and self.quarantine.settle(request_id, lease_id)
 
     # ---- internals -------------------------------------------------------------------------
+    async def _reserve(self, key: str, run):
+        reserve = asyncio.ensure_future(self.engine.run(run))
+        try:
+            return await asyncio.shield(reserve)
+        except asyncio.CancelledError:
+            # The caller never saw the lease, so nobody can write into it: free at once.
+            reserve.add_done_callback(lambda f: f.cancelled() or f.exception() or
+                                      asyncio.ensure_future(self._free(key)))
+            raise
+
     def _check_quota(self, caller: str, pages: int) -> None:
         fraction = self.config.max_parked_fraction_per_caller
         limit = int(fraction * self.engine.engine.num_pages)
@@ -324,6 +291,7 @@ class DecodeRole:
 
     async def _free(self, engine_key: str) -> None:
         await self.engine.abort(engine_key)
+        self.line.freed()
 
     # ---- node ------------------------------------------------------------------------------
     def busy(self) -> bool:
@@ -337,3 +305,9 @@ class DecodeRole:
 
     def close(self) -> None:
         self.inbox.close()
+
+
+def _line_bound(timeout_s: float | None) -> float | None:
+    """How long a reservation may wait in line: its caller's deadline less a margin, so the
+    caller hears RESOURCE_EXHAUSTED (and why) rather than its own deadline passing."""
+    return None if timeout_s is None else timeout_s - max(0.25, 0.05 * timeout_s)

@@ -35,9 +35,10 @@ def local_from_pb(pb: pdserve_pb2.PrepareReceiveRequest) -> LocalPrefill:
                         pb.lease_ms)
 
 
-def prepare_from_pb(pb: pdserve_pb2.PrepareReceiveRequest, caller: str = "") -> PrepareReceive:
+def prepare_from_pb(pb: pdserve_pb2.PrepareReceiveRequest, caller: str = "",
+                    timeout_s: float | None = None) -> PrepareReceive:
     return PrepareReceive(pb.request_id, list(pb.prompt_token_ids), sampling_from_pb(pb.sampling),
-                          pb.kv_window_end, pb.lease_ms, pb.writer_address, caller)
+                          pb.kv_window_end, pb.lease_ms, pb.writer_address, caller, timeout_s)
 
 
 class DecodeService:
@@ -52,7 +53,7 @@ class DecodeService:
                 prepared = await self.role.prepare_local(local_from_pb(request))
             else:
                 prepared = await self.role.prepare_receive(
-                    prepare_from_pb(request, caller_of(context)))
+                    prepare_from_pb(request, caller_of(context), context.time_remaining()))
         except BaseException as err:
             record_failure("decode", request.request_id, err, phase="PrepareReceive")
             await abort_with(context, err)
@@ -68,7 +69,8 @@ class DecodeService:
             kv_window_end=lease.kv_window_end, kv_append_metadata=prepared.kv_append_metadata,
             lease_id=lease.lease_id, lease_ms=lease_ms, decode_agent_name=self.role.agent.name,
             lease_expires_unix_ms=round(time.time() * 1000) + lease_ms,
-            capability=prepared.capability, issued_unix_ms=prepared.issued_unix_ms)
+            capability=prepared.capability, issued_unix_ms=prepared.issued_unix_ms,
+            queued_ms=round(lease.queued_s * 1000))
 
     async def StartGeneration(self, request, context):
         arrived = time.perf_counter()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
-DEFAULT_KV_CACHE_MEMORY_BYTES = 256 * 1024 * 1024
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.25
 
 
 # Bounds on what one request may make a node allocate (choices, stop lists, logprobs).
@@ -89,8 +89,13 @@ class EngineConfig:
     model_dir: str
     page_size: int = _flag(16, "tokens per KV page")
     num_pages: int | None = _flag(None, "KV pages in the pool (default: as many as "
-                                        "--kv-cache-mb holds)", type=int)
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES  # the flag is --kv-cache-mb
+                                        "--kv-cache-mb, else --kv-cache-memory-fraction, holds)",
+                                  type=int)
+    kv_cache_memory_bytes: int | None = None  # the flag is --kv-cache-mb
+    kv_cache_memory_fraction: float = _flag(
+        DEFAULT_KV_CACHE_MEMORY_FRACTION, "share of the memory free once the weights are loaded "
+        "(the container's limit counts) that the KV pool takes, unless --num-pages or "
+        "--kv-cache-mb says otherwise")
     max_num_batched_tokens: int = _flag(512, "token budget of one engine step (prefill "
                                              "chunks and decodes)")
     max_num_seqs: int = _flag(64, "sequences running at once")
@@ -111,8 +116,10 @@ class EngineConfig:
             bad("page_size", self.page_size, "an integer >= 1")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 1):
             bad("num_pages", self.num_pages, "None or an integer >= 1")
-        if self.kv_cache_memory_bytes <= 0:
-            bad("kv_cache_memory_bytes", self.kv_cache_memory_bytes, "> 0")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            bad("kv_cache_memory_bytes", self.kv_cache_memory_bytes, "None or > 0")
+        if not 0 < self.kv_cache_memory_fraction < 1:
+            bad("kv_cache_memory_fraction", self.kv_cache_memory_fraction, "in (0, 1)")
         if self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
         if self.max_num_seqs < 1:

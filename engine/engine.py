@@ -35,6 +35,7 @@ from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .model import LlamaModel, ModelRunner
 from .model.weights import load_config, load_state_dict, load_tokenizer
+from .memory import kv_cache_pages
 from .native import zeros_on_huge_pages
 from .outputs import CompletionOutput, RequestOutput, Reservation
 from .page_pool import OutOfPages, PagePool
@@ -65,7 +66,7 @@ class Engine:
         self.page_size = config.page_size
         m = self.model
         bytes_per_page = m.num_layers * 2 * self.page_size * m.num_kv_heads * m.head_dim * dtype.itemsize
-        self.num_pages = config.num_pages or max(1, config.kv_cache_memory_bytes // bytes_per_page)
+        self.num_pages, self.kv_cache_sizing = kv_cache_pages(config, bytes_per_page)
         self.kv_cache = zeros_on_huge_pages(  # page-major, see the module docstring
             (self.num_pages, m.num_layers, 2, self.page_size, m.num_kv_heads, m.head_dim), dtype, config.device
         )
@@ -158,6 +159,20 @@ class Engine:
             raise UnknownRequest(f"no prefilled request {request_id!r}")
         seq = request.seqs[0]
         return seq.slots(0, seq.num_tokens, self.page_size)
+
+    def check_fits(self, prompt_len: int, params: SamplingParams, prefill_only: bool = False) -> None:
+        """ValueError naming the numbers if a request could never fit the KV cache, even
+        alone (the last token sampled is never fed back, so it needs no KV). The engine
+        itself ends such a sequence with "length" when the pool is full; a decode node
+        refuses it before it would wait in line for pages. Reads only constants."""
+        tokens = prompt_len if prefill_only else min(prompt_len + params.max_tokens - 1, self.max_model_len)
+        pages = -(-tokens // self.page_size)
+        if pages > self.num_pages:
+            extra = "" if prefill_only else f" plus max_tokens {params.max_tokens}"
+            raise ValueError(
+                f"prompt of {prompt_len} tokens{extra} needs {pages} KV pages, more than the "
+                f"{self.num_pages} of this engine ({self.num_pages * self.page_size} tokens)"
+            )
 
     def _new_request(self, request_id, prompt_token_ids, params, prefill_only) -> Request:
         if request_id in self.requests:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
+import mmap
 import os
 import platform
 import shutil
@@ -92,20 +94,24 @@ _MADV_HUGEPAGE = 14
 def zeros_on_huge_pages(shape, dtype, device="cpu"):
     """torch.zeros(shape) whose memory is backed by transparent huge pages where the system
     allows it (Linux, CPU; THP in "madvise" or "always" mode). Large tables read at random
-    pages (the KV cache) then cost one TLB entry per 2 MiB instead of per 4 KiB. The memory
-    is marked before its first touch, so zeroing it faults in huge pages directly."""
+    pages (the KV cache) then cost one TLB entry per 2 MiB instead of per 4 KiB. On CPU the
+    memory is an anonymous mapping, zero by definition: no page is touched (or counted as
+    used) until the engine first writes it, so a large pool costs nothing at start."""
     import torch
 
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if t.device.type == "cpu" and platform.system() == "Linux" and t.numel():
-        start = t.data_ptr()
-        end = start + t.numel() * t.element_size()
-        begin = -(-start // _HUGE_PAGE) * _HUGE_PAGE
-        stop = end // _HUGE_PAGE * _HUGE_PAGE
-        if stop > begin:
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(stop - begin), _MADV_HUGEPAGE)
-            except (OSError, AttributeError):
-                pass  # an advice, not a requirement
-    return t.zero_()
+    numel = math.prod(shape)
+    if torch.device(device).type != "cpu" or not numel:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE)  # room to start on a huge-page boundary
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    offset = -base % _HUGE_PAGE
+    if platform.system() == "Linux":
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise(ctypes.c_void_p(base + offset), ctypes.c_size_t(nbytes // _HUGE_PAGE * _HUGE_PAGE),
+                         _MADV_HUGEPAGE)
+        except (OSError, AttributeError):
+            pass  # an advice, not a requirement
+    # frombuffer keeps `region` alive as long as the tensor
+    return torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(shape)

@@ -114,7 +114,7 @@ def cmd_worker(args) -> int:
     from runtime.server import ServerConfig, run
 
     engine = from_args(EngineConfig, args, model_dir=_model(args),
-                       kv_cache_memory_bytes=args.kv_cache_mb * 1024 * 1024)
+                       kv_cache_memory_bytes=args.kv_cache_mb and args.kv_cache_mb * 1024 * 1024)
     config = WorkerConfig(
         role=WORKER_COMMANDS[args.command], engine=engine, server=from_args(ServerConfig, args),
         prefill=from_args(PrefillConfig, args), decode=from_args(DecodeConfig, args),
@@ -286,14 +286,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+    from engine.config import EngineConfig
     from runtime.options import add_options
 
     g = p.add_argument_group("engine")
     add_options(g, EngineConfig)
-    g.add_argument("--kv-cache-mb", type=int, default=DEFAULT_KV_CACHE_MEMORY_BYTES >> 20,
-                   help="memory for the KV pool when --num-pages is not given "
-                        "(default: %(default)s)")
+    g.add_argument("--kv-cache-mb", type=int,
+                   help="memory for the KV pool when --num-pages is not given (default: "
+                        "--kv-cache-memory-fraction of the memory free)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ deregisters first when it drains (SIGTERM or the Drain RPC).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import uuid
@@ -143,6 +144,7 @@ async def sample_gauges(node: Node) -> None:
     if node.decode is not None:
         load = node.decode.load()
         depth.labels(role=node.role, queue="parked").set(load.num_parked)
+        depth.labels(role=node.role, queue="page_line").set(len(node.decode.line))
         metrics.LEASES_EXPIRED.set(load.leases_expired_total)
     if node.prefill is not None:
         depth.labels(role=node.role, queue="remote_send").set(node.prefill.load().num_running)
@@ -168,6 +170,11 @@ async def run_worker(config: WorkerConfig) -> None:
     engine = AsyncEngine(config.engine)
     kv_cache, page_size, vocab_size, max_model_len = await engine.run(
         lambda e: (e.kv_cache, e.page_size, e.vocab_size, e.max_model_len))
+    sizing = await engine.run(lambda e: e.kv_cache_sizing)
+    logging.getLogger("pdserve.worker").info(
+        "KV cache: %d tokens of %s in %s (%d pages of %d, %d MiB; sized by %s)",
+        kv_cache.shape[0] * page_size, served_name(config.engine.model_dir), config.engine.dtype,
+        kv_cache.shape[0], page_size, kv_cache.numel() * kv_cache.element_size() >> 20, sizing)
     agent = TransferAgent(agent_name(role), kv_cache)
     layout = KVLayout.from_tensor(kv_cache, page_size)
     identity = NodeIdentity(

@@ -71,20 +71,22 @@ class RouteInfo(_message.Message):
     def __init__(self, prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., prefix_matched_length: _Optional[int] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., remote_send_skipped: _Optional[bool] = ..., prefill_cached_tokens: _Optional[int] = ..., skip_reason: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "time_to_first_token_s", "cached_prompt_tokens", "route")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "time_to_first_token_s", "cached_prompt_tokens", "route", "queue_time_s")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     time_to_first_token_s: float
     cached_prompt_tokens: int
     route: RouteInfo
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ...) -> None: ...
+    queue_time_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ..., queue_time_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "text", "token_ids", "finish_reason", "logprobs", "usage")
@@ -181,7 +183,7 @@ class PrepareReceiveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., lease_ms: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., writer_address: _Optional[str] = ...) -> None: ...
 
 class PrepareReceiveResponse(_message.Message):
-    __slots__ = ("request_id", "prefix_matched_length", "kv_window_end", "kv_append_metadata", "lease_id", "lease_ms", "decode_agent_name", "lease_expires_unix_ms", "capability", "issued_unix_ms")
+    __slots__ = ("request_id", "prefix_matched_length", "kv_window_end", "kv_append_metadata", "lease_id", "lease_ms", "decode_agent_name", "lease_expires_unix_ms", "capability", "issued_unix_ms", "queued_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_MATCHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_END_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +194,7 @@ class PrepareReceiveResponse(_message.Message):
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     ISSUED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefix_matched_length: int
     kv_window_end: int
@@ -202,7 +205,8 @@ class PrepareReceiveResponse(_message.Message):
     lease_expires_unix_ms: int
     capability: bytes
     issued_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prefix_matched_length: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., capability: _Optional[bytes] = ..., issued_unix_ms: _Optional[int] = ...) -> None: ...
+    queued_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prefix_matched_length: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., capability: _Optional[bytes] = ..., issued_unix_ms: _Optional[int] = ..., queued_ms: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "page_size", "num_slots", "base_addr", "layer_stride", "kv_stride", "slot_stride", "device", "page_stride")

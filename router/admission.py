@@ -2,7 +2,8 @@
 
 Bounded: at most `max_concurrent_requests` dispatch at once and `max_queued_requests` wait
 for a turn (first come, first served); past both, RESOURCE_EXHAUSTED, never unbounded
-growth. A request waits for its turn no longer than its own deadline. A draining router
+growth. A request waits for its turn no longer than its own deadline (DEADLINE_EXCEEDED)
+or `max_queue_wait_s` (RESOURCE_EXHAUSTED). A draining router
 (SIGTERM) takes nothing new; request ids are unique among the requests it holds.
 """
 
@@ -17,6 +18,7 @@ import grpc
 
 from router.config import RouterConfig
 from router.state import DispatchError, RequestState
+from runtime import metrics
 
 
 class Admission:
@@ -48,14 +50,23 @@ class Admission:
 
     @asynccontextmanager
     async def turn(self, state: RequestState) -> AsyncIterator[None]:
-        """Hold a dispatch slot for the body; wait for one first (up to the deadline)."""
-        timeout = None if state.deadline is None else max(0.0, state.deadline - time.monotonic())
+        """Hold a dispatch slot for the body; wait for one first (first come, first
+        served), up to the deadline and `max_queue_wait_s`."""
+        bound = self.config.max_queue_wait_s
+        left = None if state.deadline is None else max(0.0, state.deadline - time.monotonic())
+        started = time.monotonic()
         try:
-            await asyncio.wait_for(self._slots.acquire(), timeout)
+            await asyncio.wait_for(self._slots.acquire(), bound if left is None else min(left, bound))
         except asyncio.TimeoutError:
-            raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"request {state.request_id} ran out of its deadline while "
-                                "queued at the router") from None
+            if left is not None and left <= bound:
+                raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"request {state.request_id} ran out of its deadline while "
+                                    "queued at the router") from None
+            raise DispatchError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"request {state.request_id} waited {bound:g} s for a turn at the "
+                                "router (max_queue_wait_s)") from None
+        state.queue_s += time.monotonic() - started
+        metrics.QUEUE_TIME.labels(role="router").observe(time.monotonic() - started)
         self._running += 1
         try:
             yield

@@ -76,8 +76,9 @@ class NodeCalls:
         state.local = local
         state.holders.add(decode)
         try:
-            prep = await decode.stub.PrepareReceive(
-                request, timeout=state.timeout(self.config.prepare_timeout_s))
+            # D may wait in line for pages (decode/line.py) up to what this deadline leaves.
+            prep = await decode.stub.PrepareReceive(request, timeout=state.timeout(
+                self.config.prepare_timeout_s + self.config.max_queue_wait_s))
         except grpc.aio.AioRpcError as err:
             state.holders.discard(decode)
             if err.code() not in NOTHING_RESERVED_CODES:
@@ -88,6 +89,7 @@ class NodeCalls:
                 state.unsure.add(decode)
                 self.abort_later(decode, state.request_id, settled=True)
             raise self.error(state, decode, "PrepareReceive", err) from None
+        state.queue_s += prep.queued_ms / 1000
         return Reserved(prep, time.monotonic() + prep.lease_ms / 1000)
 
     # ---- step 2: RemoteSend, after D reserved ------------------------------------------
@@ -226,6 +228,7 @@ class NodeCalls:
                     else:
                         msg.usage.time_to_first_token_s = state.ttft
                     msg.usage.route.CopyFrom(state.route)
+                    msg.usage.queue_time_s = state.queue_s
                 elif first and msg.token_ids:
                     state.ttft = time.perf_counter() - state.arrived
                     first = False

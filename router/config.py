@@ -85,6 +85,9 @@ class RouterConfig:
     max_concurrent_requests: int = option(256, "requests dispatched at once")
     max_queued_requests: int = option(
         4096, "requests waiting for a turn; more get RESOURCE_EXHAUSTED")
+    max_queue_wait_s: float = option(
+        60.0, "longest a request waits for its turn (a dispatch slot here, KV pages on a decode "
+              "node), within its own deadline; then RESOURCE_EXHAUSTED (HTTP 429, Retry-After)")
     health_interval_s: float = option(
         1.0, "how often a node that failed is health-checked until it passes")
 

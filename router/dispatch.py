@@ -90,7 +90,10 @@ class Dispatcher:
         early = prefill = None
         if not plan.local and plan.end > 0:  # picked first: D's reservation names its writer
             prefill = self._next_prefill(prompt_token_ids, [])
-            if prefill is not None and self.config.overlap_prefill:
+            # Overlap only where D has room now: a request that will wait in D's line for
+            # pages would have P prefill it for nothing (its window would come too late).
+            if prefill is not None and self.config.overlap_prefill and \
+                    _room_for(first, len(prompt_token_ids)):
                 state.route.prefill_endpoint = prefill.address
                 early = self.calls.send_early(state, prefill, prompt_token_ids, plan.end)
         try:
@@ -200,6 +203,10 @@ class Dispatcher:
                     errors.append(err)
                     log.info("%s; trying another decode node", err.message)
             full = [e for e in errors if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+            if full and state.deadline is not None and time.monotonic() + backoff >= state.deadline:
+                raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"request {state.request_id} ran out of its deadline while "
+                                    f"waiting for KV pages ({full[-1].message})")
             if not full or time.monotonic() + backoff > give_up:
                 raise (full or errors)[-1]
             await asyncio.sleep(backoff)
@@ -299,3 +306,11 @@ class Dispatcher:
         """SIGTERM: refuse new requests, let the running ones finish (bounded)."""
         self.admission.draining = True
         await wait_idle(lambda: not self.admission.active, self.config.server.drain_timeout_s)
+
+
+def _room_for(decode: Endpoint | None, prompt_len: int) -> bool:
+    """Whether `decode` had free pages for the prompt at its last load report (unknown:
+    yes). Its prefix cache may need fewer; never more."""
+    if decode is None or decode.identity is None or not decode.total_pages:
+        return True
+    return -(-prompt_len // decode.identity.page_size) <= decode.free_pages

@@ -40,6 +40,7 @@ from runtime.observe import StreamObserver
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers hold no key
+RETRY_AFTER_S = 1  # a client refused for load waits this long (s) before trying again
 
 
 def _as_openai_error(err: BaseException, chat: bool) -> OpenAIError:
@@ -80,6 +81,8 @@ class OpenAIFrontend:
             response = web.json_response(err.body(), status=err.status)
             if err.status == 401:
                 response.headers["WWW-Authenticate"] = "Bearer"
+            elif err.status == 429:  # full or waited too long: come back, do not hammer
+                response.headers["Retry-After"] = str(RETRY_AFTER_S)
         except web.HTTPException as err:  # unknown path, wrong method
             response = web.json_response(
                 OpenAIError(err.status, f"{request.method} {request.path}: {err.reason}").body(),

@@ -38,6 +38,7 @@ class RequestState:
     kv_write_pending: bool = False  # a RemoteSend may still write D's reservation
     route: pdserve_pb2.RouteInfo = field(default_factory=pdserve_pb2.RouteInfo)
     ttft: float = 0.0
+    queue_s: float = 0.0  # waited for a turn: a dispatch slot here, KV pages on D
     aborted: bool = False
     local: bool = False  # D prefills the whole prompt itself (selective disaggregation)
 

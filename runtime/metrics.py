@@ -11,8 +11,9 @@ requests (router, decode, both; decode counts StartGeneration streams):
   request_e2e_seconds{role}           arrival -> stream end (histogram)
   prompt_tokens_total{role}, generation_tokens_total{role}
 queues and KV pages (sampled when /metrics is scraped):
-  queue_depth{role,queue}             router: in_flight; workers: waiting, running, parked,
-                                      remote_send
+  queue_depth{role,queue}             router: in_flight, queued; workers: waiting, running,
+                                      parked, page_line (decode: waiting for KV pages), remote_send
+  queue_time_seconds{role}            router: admission wait; decode: wait for KV pages (histogram)
   kv_pages_used{role}, kv_pages_free{role}, kv_pages_total{role}
   prefix_cache_query_tokens_total{role}, prefix_cache_hit_tokens_total{role},
   prefix_cache_hit_rate{role}         hit tokens / looked-up tokens since start
@@ -54,6 +55,9 @@ E2E = Histogram("pdserve_request_e2e_seconds", "Arrival to end of stream at this
 PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", ["role"])
 GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Tokens generated", ["role"])
 
+QUEUE_TIME = Histogram("pdserve_queue_time_seconds", "Time a request waited for its turn: "
+                       "router admission, decode node's line for KV pages", ["role"],
+                       buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
 QUEUE_DEPTH = Gauge("pdserve_queue_depth", "Requests in each queue of this node", ["role", "queue"])
 KV_PAGES_USED = Gauge("pdserve_kv_pages_used", "KV pages referenced by requests", ["role"])
 KV_PAGES_FREE = Gauge("pdserve_kv_pages_free", "KV pages free (evictable cached pages count)", ["role"])

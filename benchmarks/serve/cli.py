@@ -112,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(e.g. \"--kv-cache-mb 1024\")")
     g.add_argument("--router-args", default="", help="extra flags for both routers, one string")
     g.add_argument("--log-dir", help="where node logs go (default: a temporary directory)")
+    g.add_argument("--compare-peer", choices=["vllm"],
+                   help="also run vLLM's OpenAI server on the same cores, model and dtype "
+                        "(its venv: `make bench-peers`), with the same requests")
+    g.add_argument("--peer-python", help="the peer's interpreter (default: $PDSERVE_VLLM_PYTHON "
+                                         "or .venv-peers/vllm/bin/python)")
+    g.add_argument("--peer-kv-cache-gib", type=int, default=4,
+                   help="KV space of the peer (VLLM_CPU_KVCACHE_SPACE; default: %(default)s)")
     return p
 
 

@@ -50,6 +50,20 @@ def test_compare_rows_count_goodput_under_each_objective_and_divide_first_by_sec
     assert table[0]["goodput_ratio_strict"] == pytest.approx(1.0)
 
 
+def test_with_the_peer_each_pdserve_system_is_divided_by_vllm():
+    colocated = [req(0.2, 0.02), req(0.2, 0.02), req(0.9, 0.01)]  # strict: 2 of 3
+    disagg = [req(0.3, 0.02)] * 3                                  # strict: 3 of 3
+    peer = [req(0.2, 0.02), req(0.9, 0.05), req(0.9, 0.05)]        # strict: 1 of 3
+    results = {"1p1d": [disagg], "colocated": [colocated], "vllm": [peer]}
+    rows = {name: [{**summarize(r, duration_s=10.0), "request_rate": 0.5}]
+            for name, (r,) in results.items()}
+    (row,) = compare_rows(rows, results, objectives(LIGHT))
+    assert row["vllm"]["goodput_strict"] == pytest.approx(0.1)
+    assert row["vs_vllm"]["colocated"]["goodput_ratio_strict"] == pytest.approx(2.0)
+    assert row["vs_vllm"]["1p1d"]["goodput_ratio_strict"] == pytest.approx(3.0)
+    assert row["vs_vllm"]["1p1d"]["throughput_ratio"] == pytest.approx(1.0)
+
+
 def test_a_ratio_over_nothing_is_null():
     assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None and ratio(1.0, 4.0) == 0.25
 

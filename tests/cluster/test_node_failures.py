@@ -209,10 +209,10 @@ def test_pages_of_an_expired_lease_are_not_reused_until_the_late_write_lands(fau
     def ids(i, n):
         return [(i * 11 + j * 7) % 480 + 20 for j in range(n)]
 
-    async def prepare(stub, rid, prompt, lease_ms):  # p1 named as the writer: D asks it
+    async def prepare(stub, rid, prompt, lease_ms, timeout=10):  # p1 named as the writer
         return await stub.PrepareReceive(pdserve_pb2.PrepareReceiveRequest(
             request_id=rid, prompt_token_ids=prompt, kv_window_end=-1, lease_ms=lease_ms,
-            writer_address=p1), timeout=10)
+            writer_address=p1), timeout=timeout)
 
     async def go():
         async with channel(d1) as dch, channel(p1) as pch:
@@ -232,7 +232,9 @@ def test_pages_of_an_expired_lease_are_not_reused_until_the_late_write_lands(fau
             fillers, i = [], 0
             while True:  # fill the pool with reservations until D refuses one
                 try:
-                    fillers.append(await prepare(d, f"fill-{i}", ids(i, 65), 60_000))
+                    # A short deadline: D's line for pages gives up (RESOURCE_EXHAUSTED)
+                    # within it, where it would otherwise wait for pages to come back.
+                    fillers.append(await prepare(d, f"fill-{i}", ids(i, 65), 60_000, timeout=1))
                 except grpc.aio.AioRpcError as err:
                     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
                     break
@@ -241,7 +243,7 @@ def test_pages_of_an_expired_lease_are_not_reused_until_the_late_write_lands(fau
             during = []
             for k in range(3):  # nobody gets X's pages while its write may still land
                 try:
-                    r = await prepare(d, f"during-{k}", ids(500 + k, 17), 60_000)
+                    r = await prepare(d, f"during-{k}", ids(500 + k, 17), 60_000, timeout=1)
                     during.append(set(slots(r.kv_append_metadata)))
                 except grpc.aio.AioRpcError as err:
                     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err

@@ -75,7 +75,7 @@ def test_least_loaded_avoids_the_nodes_busy_with_work_from_elsewhere(scale_clust
                                endpoint=c.address("p1")) == 2
 
                 await asyncio.to_thread(wait_until, seen_by_router, "the ll router's view of "
-                                        "the load", 10)
+                                        "the load", 30)
                 got = await routes(c.address("ll"), [prompt(200 + i) for i in range(4)])
             finally:
                 await _abort(c.address("p1"), [f"busy-{i}" for i in range(2)])

@@ -153,15 +153,58 @@ def test_max_parked_gives_node_overloaded_until_a_reservation_ends(node):
     asyncio.run(go())
 
 
-def test_reservation_that_does_not_fit_the_pool_gives_node_overloaded_and_holds_nothing(node):
-    long_prompt = prompt_of(300, seed=9)  # 38 pages of the 64
+LONG = 299  # a window of 38 of the 64 pages: two never fit at once
 
+
+async def _in_line(role, n: int) -> None:
+    async def wait():
+        while len(role.line) < n:
+            await asyncio.sleep(0.005)
+    await within(wait())
+
+
+def test_reservations_short_of_pages_wait_in_line_and_are_served_in_order(node):
+    """A reservation that finds too few pages waits instead of being refused; one that
+    comes later waits behind it even though it would fit now (first come, first served)."""
     async def go():
         role = node.role(max_parked_fraction_per_caller=1)  # the pool's bound, not the caller's
-        await role.prepare_receive(prepare("a", long_prompt, end=299))
-        with pytest.raises(NodeOverloaded, match="need 38 pages, 26 free"):
-            await role.prepare_receive(prepare("b", prompt_of(300, seed=10), end=299))
-        assert role.preparing == {} and role.load().num_parked == 1
+        await role.prepare_receive(prepare("a", prompt_of(300, seed=9), end=LONG))
+        b = asyncio.ensure_future(role.prepare_receive(prepare("b", prompt_of(300, seed=10), end=LONG)))
+        await _in_line(role, 1)
+        c = asyncio.ensure_future(role.prepare_receive(prepare("c")))  # 4 pages: free now
+        await _in_line(role, 2)
+        assert not b.done() and not c.done()
+        assert await role.abort("a", settled=True)  # frees 38 pages: b, then c
+        served_c = await within(c)
+        assert b.done()
+        served_b = await b
+        assert served_b.lease.queued_s > 0 and served_c.lease.queued_s > 0
+        assert len(role.line) == 0 and role.load().num_parked == 2
+        for request_id in ("b", "c"):
+            assert await role.abort(request_id, settled=True)
+        assert await free_pages(node.decode) == PAGES
+
+    asyncio.run(go())
+
+
+def test_the_line_is_bounded_by_its_wait_its_length_and_aborts_and_holds_nothing(node):
+    async def go():
+        role = node.role(max_parked_fraction_per_caller=1, max_queue_wait_s=0.3,
+                         max_queued_reservations=1)
+        await role.prepare_receive(prepare("a", prompt_of(300, seed=9), end=LONG))
+        with pytest.raises(NodeOverloaded, match=r"waited 0\.\d s for KV pages at the head of "
+                                                 r"the line \(need 38 pages, 26 free of 64\)"):
+            await within(role.prepare_receive(prepare("b", prompt_of(300, seed=10), end=LONG)))
+        b = asyncio.ensure_future(role.prepare_receive(prepare("b", prompt_of(300, seed=10),
+                                                               end=LONG, timeout_s=30)))
+        await _in_line(role, 1)
+        with pytest.raises(NodeOverloaded, match="1 reservations already wait for KV pages "
+                                                 r"\(limit max_queued_reservations 1\)"):
+            await role.prepare_receive(prepare("c", prompt_of(300, seed=11), end=LONG))
+        assert await role.abort("b")  # leaves the line at once
+        with pytest.raises(RequestAborted, match="'b' was aborted while waiting for KV pages"):
+            await within(b)
+        assert role.preparing == {} and len(role.line) == 0 and role.load().num_parked == 1
         assert await free_pages(node.decode) == PAGES - 38
         assert await role.abort("a", settled=True)
 

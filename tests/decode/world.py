@@ -131,8 +131,9 @@ class Node:
 
 def prepare(request_id: str = "r", prompt: list[int] = PROMPT, end: int = END,
             params: SamplingParams = GREEDY, lease_ms: int = 0,
-            writer_address: str = "") -> PrepareReceive:
-    return PrepareReceive(request_id, prompt, params, end, lease_ms, writer_address)
+            writer_address: str = "", timeout_s: float | None = None) -> PrepareReceive:
+    return PrepareReceive(request_id, prompt, params, end, lease_ms, writer_address,
+                          timeout_s=timeout_s)
 
 
 def start(prepared, expect_kv: bool = True, timeout_s: float | None = None,

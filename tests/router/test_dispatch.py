@@ -198,3 +198,19 @@ def test_a_refused_reservation_ends_an_overlapped_remote_send_the_abort_overtook
         assert p.aborted and not p.windows
 
     run(go())
+
+
+def test_the_prefill_is_sent_ahead_only_where_the_decode_node_has_room():
+    """Overlap is for a reservation that will not wait: a request that will wait in the
+    decode node's line for pages gets its prefill only once it holds them."""
+    from router.dispatch import _room_for
+    from router.registry import Endpoint
+    from runtime.identity import NodeIdentity
+
+    d = Endpoint("d:1", "decode", identity=NodeIdentity("m", "h", "float32", 2, 2, 16, 8),
+                 free_pages=12, total_pages=40)
+    assert _room_for(d, 96)        # 12 pages
+    assert not _room_for(d, 97)    # 13 pages, 12 free
+    d.total_pages = 0
+    assert _room_for(d, 1000)      # no load report yet: nothing known, overlap as before
+    assert _room_for(None, 1000)
