@@ -94,7 +94,6 @@ class DecodeRole:
         lease_ms = self._admit(req.request_id, req.params, req.lease_ms)
         end = resolve_kv_window_end(req.kv_window_end, len(req.prompt_token_ids))
         self.engine.engine.check_fits(len(req.prompt_token_ids), req.params)  # before the line
-        self._check_quota(req.caller, -(-end // self.page_size))
         lease_id = uuid.uuid4().hex
         key = f"{req.request_id}@{lease_id[:12]}"
         self.preparing[req.request_id] = False
@@ -106,6 +105,7 @@ class DecodeRole:
             return await self._reserve(
                 key, lambda e: e.prepare_receive(key, req.prompt_token_ids, req.params, end))
         try:
+            await self._within_quota(req, -(-end // self.page_size))
             reservation, waited_s = await self.line.wait(attempt, _line_bound(req.timeout_s))
             metrics.QUEUE_TIME.labels(role="decode").observe(waited_s)
         finally:
@@ -242,6 +242,23 @@ class DecodeRole:
             reserve.add_done_callback(lambda f: f.cancelled() or f.exception() or
                                       asyncio.ensure_future(self._free(key)))
             raise
+
+    async def _within_quota(self, req: PrepareReceive, pages: int) -> None:
+        """Wait until the caller's parked pages leave room for `pages` more: outside the
+        line, so nobody waits behind a caller over its bound; NodeOverloaded past the
+        line's bounds. A router's burst waits for its own reservations to start."""
+        bound = _line_bound(req.timeout_s)
+        deadline = time.monotonic() + min(self.config.max_queue_wait_s,
+                                          bound if bound is not None else float("inf"))
+        while True:
+            if self.preparing.get(req.request_id):
+                raise RequestAborted(f"request {req.request_id!r} was aborted while reserving")
+            try:
+                return self._check_quota(req.caller, pages)
+            except NodeOverloaded:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))  # a poll
 
     def _check_quota(self, caller: str, pages: int) -> None:
         fraction = self.config.max_parked_fraction_per_caller

@@ -113,7 +113,13 @@ class NodeCalls:
                 raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"lease of request {state.request_id} ended before RemoteSend",
                                     settled=True)
-            reply = await prefill.stub.RemoteSend(request, timeout=timeout)
+            token = prefill.send_started()
+            try:
+                reply = await prefill.stub.RemoteSend(request, timeout=timeout)
+            except grpc.aio.AioRpcError as err:  # timed only if it outlived the lease
+                prefill.send_ended(token, err.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
+                raise
+            prefill.send_ended(token)
             state.kv_write_pending = False  # P answered: its writes landed, notification sent
         except grpc.aio.AioRpcError as err:
             raise self._send_failed(state, prefill, err) from None
@@ -140,7 +146,7 @@ class NodeCalls:
             window_follows=True)
         call = prefill.stub.RemoteSend(
             request, timeout=state.timeout(self.config.remote_send_timeout_s))
-        return EarlySend(prefill, asyncio.ensure_future(call))
+        return EarlySend(prefill, asyncio.ensure_future(call), prefill.send_started())
 
     async def cancel_early(self, state: RequestState, early: EarlySend) -> None:
         """No reservation came (or none is needed): P got no window, so it wrote nothing."""
@@ -155,6 +161,7 @@ class NodeCalls:
             pass
         finally:
             early.prefill.in_flight -= 1
+            early.prefill.send_ended(early.token, timed=False)
             state.holders.discard(early.prefill)
 
     async def finish_early(self, state: RequestState, decode: Endpoint, early: EarlySend,
@@ -178,6 +185,7 @@ class NodeCalls:
             try:
                 reply = await asyncio.wait_for(asyncio.shield(early.call), max(0.0, left))
             except asyncio.TimeoutError:
+                prefill.send_ended(early.token)
                 early.call.cancel()  # P stops unless its write began (then it lands late)
                 # A node that lets a whole lease pass may be stopped: no more work for it
                 # until its health check passes again.
@@ -185,6 +193,7 @@ class NodeCalls:
                 raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"RemoteSend on prefill node {prefill.address}: the lease "
                                     f"of request {state.request_id} ended first") from None
+            prefill.send_ended(early.token)
             state.kv_write_pending = False
         except grpc.aio.AioRpcError as err:
             raise self._send_failed(state, prefill, err) from None
@@ -193,6 +202,7 @@ class NodeCalls:
             raise
         finally:
             prefill.in_flight -= 1
+            prefill.send_ended(early.token, timed=False)  # (if not already timed above)
         state.holders.discard(prefill)
         return reply
 

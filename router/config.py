@@ -62,6 +62,9 @@ class RouterConfig:
     prefill_saturated_queue: int = option(
         64, "when every prefill node has at least this many requests queued, the decode "
             "node prefills the prompt itself; 0 = never")
+    prefill_saturated_wait_fraction: float = option(
+        0.5, "a prefill node whose recent RemoteSends took at least this share of the lease, "
+             "and that has work queued, is saturated: the decode node prefills instead; 0 = never")
     auto_max_tail: float = option(
         0.5, "--kv-window-end auto: largest fraction of the prompt the decode node prefills "
              "itself")

@@ -148,7 +148,8 @@ class Dispatcher:
         return selective.plan(prompt_token_ids, c.kv_window_end if kv_window_end is None
                               else kv_window_end, decode, self.registry.usable("prefill"),
                               self.registry.usable("decode"), c.min_remote_prefill_tokens,
-                              c.prefill_saturated_queue, c.auto_max_tail)
+                              c.prefill_saturated_queue, c.auto_max_tail,
+                              c.prefill_saturated_wait_fraction * c.lease_ms / 1000)
 
     async def _run_local(self, state, decode, prompt_token_ids, sampling, plan):
         """D prefills the whole prompt, in one call."""

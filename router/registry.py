@@ -28,6 +28,7 @@ that is draining answers NOT_SERVING and is left alone the same way.
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -61,6 +62,8 @@ class Endpoint:
     in_flight_at_report: int = 0
     free_pages: int = 0
     total_pages: int = 0
+    send_latency_s: float = 0.0  # prefill: recent RemoteSends, arrival to reply (moving average)
+    _sends: dict = field(default_factory=dict, repr=False)  # RemoteSends in flight -> started
     prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
     _monitor_channel: grpc.aio.Channel | None = field(default=None, repr=False)
@@ -73,6 +76,27 @@ class Endpoint:
     def queue(self) -> int:
         """Requests on the node: ours now, plus others' as last reported."""
         return self.in_flight + max(0, self.reported_queue - self.in_flight_at_report)
+
+    def send_started(self) -> object:
+        """A RemoteSend of this router's to this node begins; hand the token to
+        `send_ended`."""
+        token = object()
+        self._sends[token] = time.monotonic()
+        return token
+
+    def send_ended(self, token: object, timed: bool = True) -> None:
+        """It ended: with `timed`, its time from the call to P's reply (or to the lease's
+        end, when that came first) joins the moving average."""
+        started = self._sends.pop(token, None)
+        if timed and started is not None:
+            self.send_latency_s += 0.3 * (time.monotonic() - started - self.send_latency_s)
+
+    @property
+    def send_wait_s(self) -> float:
+        """How slow this node's RemoteSends are now: the recent average, or the age of the
+        oldest one still in flight if that is more (a queue that grows shows at once)."""
+        oldest = min(self._sends.values(), default=None)
+        return max(self.send_latency_s, 0.0 if oldest is None else time.monotonic() - oldest)
 
     @property
     def usable(self) -> bool:

@@ -13,8 +13,12 @@ The rule, decided per request once the decode node D is picked (`plan`):
 3. D is believed to hold `hit` tokens of the prompt (its prefix index). If what it lacks
    up to the window end, `end - hit`, is at most `--min-remote-prefill-tokens`, shipping it
    costs more round trips than computing it: D prefills it (`local`, "short_window").
-4. Every usable prefill node has at least `--prefill-saturated-queue` requests: D
-   prefills it (`local`, "prefill_saturated") instead of waiting in a prefill queue.
+4. Every usable prefill node is saturated: D prefills it (`local`, "prefill_saturated")
+   instead of waiting in a prefill queue. Saturated: at least `--prefill-saturated-queue`
+   requests, or work queued while its RemoteSends take at least `saturated_s`
+   (`--prefill-saturated-wait-fraction` of the lease; `Endpoint.send_wait_s`): a send
+   that outlives D's lease is prefill work thrown away, and D prefills the prompt then
+   anyway. Once its queue drains, the node gets work again.
 A local request reserves nothing up front; D submits it as an ordinary request that
 reuses D's own prefix cache (PrepareReceive `local_prefill`).
 """
@@ -50,7 +54,8 @@ def _mean_queue(endpoints: Sequence) -> float:
 
 def plan(prompt_token_ids: Sequence[int], kv_window_end: int | str, decode, prefill_pool: Sequence,
          decode_pool: Sequence, min_remote_prefill_tokens: int = 0,
-         prefill_saturated_queue: int = 0, max_tail: float = 0.5) -> Plan:
+         prefill_saturated_queue: int = 0, max_tail: float = 0.5,
+         saturated_s: float = 0.0) -> Plan:
     """The plan for one request on decode node `decode` (see the module docstring)."""
     n = len(prompt_token_ids)
     if not prefill_pool:
@@ -69,7 +74,13 @@ def plan(prompt_token_ids: Sequence[int], kv_window_end: int | str, decode, pref
     hit = min(decode.prefixes.match(prompt_token_ids), end - 1)
     if end - hit <= min_remote_prefill_tokens:
         return Plan(0, 0, True, "short_window")
-    if prefill_saturated_queue > 0 and all(e.queue >= prefill_saturated_queue
-                                           for e in prefill_pool):
+    if all(_saturated(e, prefill_saturated_queue, saturated_s) for e in prefill_pool):
         return Plan(0, 0, True, "prefill_saturated")
     return Plan(kv_window_end, end)
+
+
+def _saturated(endpoint, queue_bound: int, latency_bound_s: float) -> bool:
+    if queue_bound > 0 and endpoint.queue >= queue_bound:
+        return True
+    return latency_bound_s > 0 and endpoint.queue > 0 and \
+        endpoint.send_wait_s >= latency_bound_s

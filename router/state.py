@@ -71,3 +71,4 @@ class EarlySend:
 
     prefill: object  # router.registry.Endpoint
     call: asyncio.Future
+    token: object = None  # from `prefill.send_started()`: its time counts for saturation

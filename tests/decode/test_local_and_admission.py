@@ -241,17 +241,19 @@ def test_one_caller_holds_at_most_its_share_of_pages_in_reservations_not_started
         return dataclasses.replace(prepare(request_id, prompt_of(PROMPT_LEN, seed)), caller=caller)
 
     async def go():
-        role = node.role(max_parked_fraction_per_caller=0.25)  # 16 of 64 pages: 4 reservations
+        role = node.role(max_parked_fraction_per_caller=0.25,  # 16 of 64 pages: 4 of these
+                         max_queue_wait_s=0.3)
         for i in range(4):
             await role.prepare_receive(asked(f"hog-{i}", hog, seed=100 + i))
         with pytest.raises(NodeOverloaded, match=rf"caller '{hog}' holds 16 KV pages in "
                                                  r"reservations not yet started; 4 more would "
                                                  r"pass its bound of 16") as err:
-            await role.prepare_receive(asked("hog-4", hog, seed=104))
+            await within(role.prepare_receive(asked("hog-4", hog, seed=104)))  # waits, then no
         assert status_of(err.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
-        await role.prepare_receive(asked("fine", other, seed=200))
-        assert await role.abort("hog-0", settled=True)
-        await role.prepare_receive(asked("hog-4", hog, seed=104))
+        await within(role.prepare_receive(asked("fine", other, seed=200)), 0.2)  # not behind it
+        waiting = asyncio.ensure_future(role.prepare_receive(asked("hog-4", hog, seed=104)))
+        assert await role.abort("hog-0", settled=True)  # its own share frees: it goes on
+        await within(waiting)
         for request_id in ("hog-1", "hog-2", "hog-3", "hog-4", "fine"):
             assert await role.abort(request_id, settled=True)
         assert await free_pages(node.decode) == PAGES

@@ -85,6 +85,35 @@ def test_selective_plan_skips_remote_send_when_decode_lacks_little_or_prefill_is
     assert plan.local and plan.reason == "prefill_saturated"
 
 
+def test_a_prefill_node_whose_sends_take_half_the_lease_is_saturated_while_work_waits():
+    prompt = list(range(40))
+    d, p = _eps(0)[0], _eps(0, role="prefill")
+    p[0].send_latency_s = 16.0  # recent sends took about 16 s
+    p[0].reported_queue = 1
+    plan = selective.plan(prompt, -1, d, p, [d], saturated_s=15.0)
+    assert plan.local and plan.reason == "prefill_saturated"
+    assert not selective.plan(prompt, -1, d, p, [d], saturated_s=0).local  # off
+    p[0].reported_queue = 0  # its queue drained: it gets work again, and fresh figures
+    assert not selective.plan(prompt, -1, d, p, [d], saturated_s=15.0).local
+
+
+def test_a_send_still_in_flight_counts_as_slow_as_it_is_old(monkeypatch):
+    """A queue that grows shows before any of its sends ends."""
+    import router.registry
+
+    now = [100.0]
+    monkeypatch.setattr(router.registry.time, "monotonic", lambda: now[0])
+    p = _eps(0, role="prefill")[0]
+    token = p.send_started()
+    now[0] = 120.0
+    assert p.send_wait_s == 20.0 and p.send_latency_s == 0.0
+    p.send_ended(token)
+    assert p.send_latency_s == 0.3 * 20.0 and p.send_wait_s == 6.0
+    untimed = p.send_started()
+    p.send_ended(untimed, timed=False)  # cancelled: not a measure of the node
+    assert p.send_latency_s == 6.0
+
+
 def test_auto_window_lets_decode_prefill_more_of_the_tail_when_prefill_queues_are_longer():
     assert selective.auto_tail(101, 0, 0) == 1        # idle prefill: the usual split
     assert selective.auto_tail(101, 4, 0) == 1 + 40   # 100 * 0.5 * 4/5
