@@ -74,7 +74,7 @@ def test_a_burst_several_times_the_cache_completes_in_full_and_in_order(small):
                 sent.append(time.monotonic())
                 calls.append(asyncio.ensure_future(client.complete(
                     prompt(i, length), max_tokens=max_tokens, timeout=120, **GREEDY)))
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # arrivals 50 ms apart: an order to keep, not a wait
             outs = await asyncio.gather(*calls)
             alone = [await client.complete(prompt(i, length), max_tokens=max_tokens, **GREEDY)
                      for i in range(n)]
