@@ -18,7 +18,7 @@ from pathlib import Path
 from pdserve.client import Client
 from tests.cluster.conftest import SLOW
 from tests.cluster.nodes import (GREEDY, full, gate_open, load, open_gates, run, stopped_at,
-                                 wait_for, wait_pools_full)
+                                 wait_for, wait_pools_full, wait_until)
 
 PROMPT = [(i * 29) % 480 + 20 for i in range(120)]
 
@@ -51,7 +51,8 @@ def test_writer_stopped_mid_window_is_fenced_changes_no_output_and_leaks_nothing
                 name = await stopped_at(c, "kv_write", request_id,
                                         tuple(n for n in ("p1", "p2") if n not in frozen))
                 await gate_open(c.address(name), "kv_write", request_id)
-                await asyncio.to_thread(_wait, lambda: _stopped(c.nodes[name]))
+                await asyncio.to_thread(wait_until, lambda: _stopped(c.nodes[name]),
+                                        "the prefill node to stop itself", 20)
                 frozen.append(name)
             try:
                 out = await slow  # D prefilled it itself once both leases ran out
@@ -90,9 +91,3 @@ def test_writer_stopped_mid_window_is_fenced_changes_no_output_and_leaks_nothing
     assert late >= 2  # both second halves landed (after SIGCONT), into pages still held
     assert all(full(r) for r in reports), reports
 
-
-def _wait(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "the prefill node never stopped itself"
-        time.sleep(0.05)

@@ -148,5 +148,22 @@ async def start_router(prefill: list[FakeWorker], decode: list[FakeWorker], **cf
     return f"127.0.0.1:{port}", dispatcher, stop
 
 
+async def one_request(prefill: list[FakeWorker], decode: list[FakeWorker], request_id: str,
+                      until=None, **cfg):
+    """One "hello" through a router over these workers; with `until`, the router stays up
+    until that awaitable is done (a call the router makes after the answer)."""
+    from pdserve.client import Client
+
+    addr, _, stop = await start_router(prefill, decode, **cfg)
+    try:
+        async with Client(addr) as client:
+            out = await client.complete("hello", request_id=request_id)
+        if until is not None:
+            await asyncio.wait_for(until, 5)
+    finally:
+        await stop()
+    return out
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))

@@ -10,8 +10,7 @@ import grpc
 import pytest
 
 from pdserve.client import Client
-from tests.router.fake_worker import FakeWorker
-from tests.router.fake_worker import start_router, run
+from tests.router.fake_worker import FakeWorker, one_request, run, start_router
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
@@ -22,9 +21,11 @@ class RecordingWorker(FakeWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.aborts: list[tuple[str, bool]] = []
+        self.aborted = asyncio.Event()  # set by the first Abort
 
     async def Abort(self, request, context):
         self.aborts.append((request.request_id, request.kv_write_settled))
+        self.aborted.set()
         return await super().Abort(request, context)
 
 
@@ -135,12 +136,7 @@ def test_a_full_decode_node_gets_no_abort_and_a_node_that_may_have_reserved_no_r
     free a newer reservation that a prefill node is writing."""
     async def go():
         full = FailsFirstPrepare("full", matched=100, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
-        addr, _, stop = await start_router([FakeWorker("p")], [full], full_retry_s=5)
-        try:
-            async with Client(addr) as client:
-                out = await client.complete("hello", request_id="r1")
-        finally:
-            await stop()
+        out = await one_request([FakeWorker("p")], [full], "r1", full_retry_s=5)
         assert out.token_ids == [5, 6, 7]
         assert full.rpcs() == ["PrepareReceive", "PrepareReceive", "StartGeneration"]
         assert full.aborts == []
@@ -150,24 +146,14 @@ def test_a_full_decode_node_gets_no_abort_and_a_node_that_may_have_reserved_no_r
         d1 = FailsFirstPrepare("d1", matched=100, code=grpc.StatusCode.DEADLINE_EXCEEDED)
         d2 = FailsFirstPrepare("d2", matched=100, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
         d1.healthy = True
-        addr, _, stop = await start_router([FakeWorker("p")], [d1, d2], full_retry_s=5)
-        try:
-            async with Client(addr) as client:
-                out = await client.complete("hello", request_id="r2")
-            await asyncio.wait_for(aborted(d1), 5)
-        finally:
-            await stop()
+        out = await one_request([FakeWorker("p")], [d1, d2], "r2", until=d1.aborted.wait(),
+                                full_retry_s=5)
         assert out.token_ids == [5, 6, 7]
         assert d1.rpcs() == ["PrepareReceive"] and d1.aborts == [("r2", True)]
         assert d2.rpcs() == ["PrepareReceive", "PrepareReceive", "StartGeneration"]
         assert d2.aborts == []
 
     run(go())
-
-
-async def aborted(worker: RecordingWorker) -> None:
-    while not worker.aborts:
-        await asyncio.sleep(0.01)
 
 
 class LeaseEndsFirst(RecordingWorker):
@@ -190,12 +176,7 @@ class LeaseEndsFirst(RecordingWorker):
 def test_a_lease_that_ended_before_start_generation_lets_the_decode_node_prefill_itself():
     async def go():
         d = LeaseEndsFirst("d")
-        addr, _, stop = await start_router([FakeWorker("p")], [d])
-        try:
-            async with Client(addr) as client:
-                out = await client.complete("hello", request_id="r")
-        finally:
-            await stop()
+        out = await one_request([FakeWorker("p")], [d], "r")
         assert out.token_ids == [5, 6, 7]
         # The fake records the local prepare riding in the second StartGeneration first.
         assert d.rpcs() == ["PrepareReceive", "StartGeneration", "PrepareReceive",
