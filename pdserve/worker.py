@@ -70,6 +70,11 @@ class NodeService:
 
     def __init__(self, node: Node) -> None:
         self.node = node
+        # Who this node is, without its agent metadata (fixed for the process's life):
+        # load reports carry it to routers; GetTransferInfo adds the metadata for peers.
+        self.identity = pdserve_pb2.TransferInfo(
+            agent_name=node.agent.name, layout=pdserve_pb2.KVLayout(**node.layout.to_dict()),
+            role=node.role, model=node.identity.model, model_hash=node.identity.model_hash)
 
     async def Abort(self, request, context):
         found = False
@@ -79,11 +84,10 @@ class NodeService:
         return pdserve_pb2.AbortResponse(found=found)
 
     async def GetTransferInfo(self, request, context):
-        n = self.node
-        return pdserve_pb2.TransferInfo(
-            agent_name=n.agent.name, agent_metadata=n.agent.metadata(),
-            layout=pdserve_pb2.KVLayout(**n.layout.to_dict()), role=n.role,
-            model=n.identity.model, model_hash=n.identity.model_hash)
+        info = pdserve_pb2.TransferInfo()
+        info.CopyFrom(self.identity)
+        info.agent_metadata = self.node.agent.metadata()
+        return info
 
     async def Drain(self, request, context):
         self.node.stop.set()  # serve() turns health NOT_SERVING, deregisters, drains, exits
@@ -92,10 +96,8 @@ class NodeService:
     async def GetLoad(self, request, context):
         n = self.node
         free, total = await n.engine.run(lambda e: (e.num_free_pages(), e.num_total_pages()))
-        report = pdserve_pb2.LoadReport(role=n.role, free_pages=free, total_pages=total)
-        report.identity.CopyFrom(pdserve_pb2.TransferInfo(
-            agent_name=n.agent.name, layout=pdserve_pb2.KVLayout(**n.layout.to_dict()),
-            role=n.role, model=n.identity.model, model_hash=n.identity.model_hash))
+        report = pdserve_pb2.LoadReport(role=n.role, free_pages=free, total_pages=total,
+                                        identity=self.identity)
         if n.prefill is not None:
             p = n.prefill.load()
             report.num_running += p.num_running
