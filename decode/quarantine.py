@@ -7,7 +7,8 @@ lives. So a reservation freed before its KV arrived is held here, pages and all,
 there is proof that no write can land:
 - its KV-ready notification (the writes have landed; counted in `late_writes_total`),
 - the prefill node's no-write notice (it never began writing),
-- a settled Abort (`settle`: the router knows no RemoteSend can still write),
+- a settled Abort naming the lease (`settle`: the router knows no RemoteSend of that
+  reservation can still write; one naming no lease settles nothing here),
 - the named writer's answer to FenceWrites, or its death (decode/fence.py), asked at once
   and then again with backoff.
 No page comes back on the strength of a clock. A writer that gives no proof by the lease's
@@ -58,10 +59,10 @@ class Quarantine:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def settle(self, request_id: str, lease_id: str = "") -> bool:
-        """Release every quarantined reservation of `request_id` (or only `lease_id`) now."""
+    def settle(self, request_id: str, lease_id: str) -> bool:
+        """Release the quarantined reservation (`request_id`, `lease_id`) now."""
         held = [lease for lease in self._held.values() if lease.request_id == request_id
-                and lease_id in ("", lease.lease_id)]
+                and lease.lease_id == lease_id]
         for lease in held:
             self._settled.add(lease.engine_key)  # a watch that has not begun yet sees it
             self.inbox.interrupt(tags(lease), Interrupted.SETTLED)

@@ -230,7 +230,10 @@ class DecodeRole:
             else:
                 await self._free(started.lease.engine_key)
             return True
-        return settled and self.quarantine.settle(request_id, lease_id)
+        # Only an Abort naming the lease releases a quarantined reservation: a request may
+        # hold several (one per failed attempt), and the caller's word that no write can
+        # come covers only the attempt it knows of.
+        return settled and bool(lease_id) and self.quarantine.settle(request_id, lease_id)
 
     # ---- internals -------------------------------------------------------------------------
     async def _reserve(self, key: str, run):

@@ -37,8 +37,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import signal
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -278,7 +278,9 @@ class PrefillRole:
         def write_in_halves():  # a writer frozen mid-window (runtime/gates.py)
             first, rest = plan.halves()
             self.agent.write(agent_name, first, b"", timeout_s)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            # To this thread, not the process: a process-directed SIGSTOP is taken by the
+            # main thread, and this one would run on (and write the rest) until it is.
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
             self.agent.write(agent_name, rest, tag, timeout_s)
 
         async def write_kv():

@@ -28,6 +28,13 @@ def _stopped(node) -> bool:
                for pid in node.pids())
 
 
+def _story(c, request_id: str) -> str:
+    """What the routers and decode nodes logged about the request (for a failure)."""
+    return "\n".join(f"{name}: {line}" for name in ("short", "d1", "d2", "p1", "p2")
+                     for line in c.log_text(name).splitlines()
+                     if request_id in line or "fenced" in line or "proof" in line)
+
+
 def test_writer_stopped_mid_window_is_fenced_changes_no_output_and_leaks_nothing(fault_cluster):
     c = fault_cluster
     request_id = f"{SLOW}sigstop-1"
@@ -58,7 +65,10 @@ def test_writer_stopped_mid_window_is_fenced_changes_no_output_and_leaks_nothing
                 out = await slow  # D prefilled it itself once both leases ran out
                 elapsed = time.monotonic() - started
                 # Past lease + grace a frozen writer is fenced: listed, its pages still held.
-                walls = await wait_for(fenced, timeout_s=20)
+                try:
+                    walls = await wait_for(fenced, timeout_s=20)
+                except AssertionError:
+                    raise AssertionError(f"no writer fenced:\n{_story(c, request_id)}") from None
                 bystanders = await asyncio.gather(*(
                     main.complete(bystander(i), max_tokens=6, **GREEDY) for i in range(6)))
                 quarantined = sum([(await load(d)).num_quarantined for d in d_addresses])

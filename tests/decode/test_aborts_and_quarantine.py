@@ -196,8 +196,9 @@ def test_settled_abort_right_after_an_unsettled_one_frees_the_pages_at_once(node
     async def go():
         role = node.role()
         prepared = await role.prepare_receive(prepare("r"))
+        lease_id = prepared.lease.lease_id
         assert await role.abort("r") is True                 # quarantined, may be written
-        assert await role.abort("r", settled=True) is True   # the router: no write can come
+        assert await role.abort("r", settled=True, lease_id=lease_id)  # no write can come
         # A settled release takes one engine round trip; half a second is "at once" here
         # (a quarantine that missed the settle waits for the lease end plus 5 s of grace).
         await asyncio.wait(list(role.quarantine._tasks), timeout=0.5)
@@ -217,12 +218,34 @@ def test_settled_abort_of_a_waiting_quarantine_frees_its_pages(node):
         assert await role.abort("r") is True
         await node.polled(1)  # the quarantine's watch waits for a notification
         assert await free_pages(node.decode) == PAGES - RESERVED_PAGES
-        assert await role.abort("r", settled=True) is True
+        lease_id = prepared.lease.lease_id
+        assert await role.abort("r", settled=True, lease_id=lease_id) is True
         await quarantine_ended(role)
         assert await free_pages(node.decode) == PAGES
         assert role.load().late_writes_total == 0
-        assert await role.abort("r", settled=True) is False  # nothing left
+        assert await role.abort("r", settled=True, lease_id=lease_id) is False  # nothing left
         assert prepared.lease.request_id == "r"
+
+    asyncio.run(go())
+
+
+def test_a_settled_abort_naming_no_lease_leaves_a_quarantined_reservation_held(node):
+    """A request's first attempt is quarantined (its writer may still write); its retry
+    then ends with a RemoteSend the prefill node answered, and the router's closing Abort
+    says "settled". That word covers the retry only: the first writer's pages stay held."""
+    async def go():
+        role = node.role()
+        first = await role.prepare_receive(prepare("r"))
+        assert await role.abort("r", lease_id=first.lease.lease_id) is True  # quarantined
+        await node.polled(1)
+        assert await role.abort("r", settled=True) is False
+        await node.polled(2)
+        assert role.load().num_quarantined == 1
+        assert await free_pages(node.decode) == PAGES - RESERVED_PAGES
+        await node.write_kv(first)  # the first writer's late write lands in held pages
+        await quarantine_ended(role)
+        assert await free_pages(node.decode) == PAGES
+        assert role.load().late_writes_total == 1
 
     asyncio.run(go())
 
