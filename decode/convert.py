@@ -6,6 +6,7 @@ carries its finish_reason, and the stream ends with exactly one message carrying
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -43,16 +44,20 @@ async def stream_responses(
     """Turn engine RequestOutput deltas into GenerateResponse messages, then usage."""
     ttft = 0.0
     prompt_tokens = cached = 0
+    queued = prefill = 0.0
     completion: dict[int, int] = {}
     finished: set[int] = set()
+    gaps = TokenGaps()
     async for out in outputs:
         prompt_tokens, cached = out.num_prompt_tokens, out.num_cached_tokens
+        queued, prefill = out.queued_s, out.prefill_s
         for c in out.outputs:
             completion[c.index] = len(c.token_ids)
-            if not c.new_token_ids and not c.finish_reason:
-                continue
+            if c.index in finished or not (c.new_token_ids or c.finish_reason):
+                continue  # (a choice that ended is in every later delta of the request)
             if not ttft and c.new_token_ids:
                 ttft = time.perf_counter() - arrived
+            gaps.add(c.index, len(c.new_token_ids))
             n_new = len(c.new_token_ids)
             new_logprobs = c.logprobs[-n_new:] if c.logprobs and n_new else []
             yield pdserve_pb2.GenerateResponse(
@@ -70,4 +75,33 @@ async def stream_responses(
         prompt_tokens=prompt_tokens, completion_tokens=total_completion,
         total_tokens=prompt_tokens + total_completion,
         time_to_first_token_s=ttft or time.perf_counter() - arrived,
-        cached_prompt_tokens=cached))
+        cached_prompt_tokens=cached, queue_time_s=queued, prefill_time_s=prefill,
+        time_per_output_token_s=gaps.mean(), time_per_output_token_p90_s=gaps.quantile(0.9)))
+
+
+class TokenGaps:
+    """Time between each choice's successive output tokens, as they are streamed (a delta
+    of k tokens counts as k gaps of a k-th of the time since the choice's last delta)."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, float] = {}
+        self._gaps: list[float] = []
+
+    def add(self, index: int, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        now = time.perf_counter()
+        last = self._last.get(index)
+        if last is not None:
+            self._gaps += [(now - last) / num_tokens] * num_tokens
+        self._last[index] = now
+
+    def mean(self) -> float:
+        return sum(self._gaps) / len(self._gaps) if self._gaps else 0.0
+
+    def quantile(self, q: float) -> float:
+        """The nearest-rank `q` quantile (0 without gaps)."""
+        if not self._gaps:
+            return 0.0
+        ordered = sorted(self._gaps)
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]

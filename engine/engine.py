@@ -28,6 +28,8 @@ NIXL bandwidth in `pdserve bench transfer`; page-major reaches ~1.0.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .completion import append_token
@@ -212,6 +214,9 @@ class Engine:
             touched[seq.request.request_id] = seq.request
         if batch:
             seqs, num_new = batch.seqs, batch.num_new_tokens
+            now = time.perf_counter()
+            for seq in seqs:
+                seq.request.scheduled_at = seq.request.scheduled_at or now
             wants = [not s.request.prefill_only and s.num_computed + n == s.num_tokens for s, n in zip(seqs, num_new)]
             logits = self.runner.run(seqs, num_new, wants, self._layer_hook_for(seqs, num_new))
             for seq, n in zip(seqs, num_new):
@@ -294,7 +299,19 @@ class Engine:
         finished = request.finished
         if finished and not request.prefill_only:
             self.requests.pop(request.request_id, None)
-        return RequestOutput(request.request_id, outs, finished, len(request.prompt_token_ids), request.num_cached_tokens)
+        if not request.prefilled_at and request.scheduled_at and (
+                finished or any(o.new_token_ids for o in outs)):
+            request.prefilled_at = time.perf_counter()
+        return RequestOutput(request.request_id, outs, finished, len(request.prompt_token_ids),
+                             request.num_cached_tokens, *_timings(request))
+
+
+def _timings(request: Request) -> tuple[float, float]:
+    """(queued_s, prefill_s) of `request` so far."""
+    if not request.scheduled_at:
+        return 0.0, 0.0
+    prefill = request.prefilled_at - request.scheduled_at if request.prefilled_at else 0.0
+    return request.scheduled_at - request.added_at, prefill
 
 
 def _eos_token_ids(hf_config, tokenizer) -> set[int]:

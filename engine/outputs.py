@@ -28,6 +28,8 @@ class RequestOutput:
     finished: bool
     num_prompt_tokens: int
     num_cached_tokens: int
+    queued_s: float = 0.0   # from add_request to its first scheduled step
+    prefill_s: float = 0.0  # from then to its first token (or, prefill-only, its last prompt KV)
 
     @property
     def token_ids(self) -> list[int]:

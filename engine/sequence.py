@@ -14,6 +14,7 @@ A sequence's tokens are its prompt followed by its output. Invariants:
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +84,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (first admission)
     kv_window_end: int | None = None  # set by prepare_receive
     other_samples_started: bool = False  # samples 1..n-1 queued (after sample 0's prefill)
+    # perf_counter times: added, first scheduled, first token (or prefilled); 0: not yet
+    added_at: float = field(default_factory=time.perf_counter)
+    scheduled_at: float = 0.0
+    prefilled_at: float = 0.0
 
     @property
     def finished(self) -> bool:

@@ -43,7 +43,7 @@ class Conversation:
 async def answer(client, messages: list[dict], sampling: dict, timeout: float | None,
                  shown: list[str]) -> None:
     """Stream the reply to `messages` onto stdout, each piece also into `shown`."""
-    async for msg in client.stream(messages=messages, timeout=timeout, **sampling):
+    async for msg in client.responses(messages=messages, timeout=timeout, **sampling):
         if msg.index == 0 and msg.text:
             print(msg.text, end="", flush=True)
             shown.append(msg.text)
@@ -91,9 +91,9 @@ def cmd_chat(args) -> int:
 
 
 async def _open(server: str, api_key: str | None):
-    from pdserve.client import Client
+    from pdserve.client import AsyncClient
 
-    return Client(server, api_key=api_key)  # its channel belongs to the Runner's loop
+    return AsyncClient(server, api_key=api_key)  # its channel belongs to the Runner's loop
 
 
 def add_chat_parser(sub) -> None:

@@ -5,7 +5,7 @@
     pdserve decode   [--port P]                                     decode worker
     pdserve serve    [--port P]                                     colocated worker (role both)
     pdserve up       [--port P]            router + one prefill + one decode on localhost
-    pdserve generate --server HOST:PORT --prompt TEXT               stream an answer
+    pdserve generate --server HOST:PORT --prompt TEXT [--n N]       stream an answer (pdserve.generate_cli)
     pdserve chat     --server HOST:PORT [--system TEXT]             chat in the terminal
     pdserve bench engine|step|transfer|serve|router ...             benchmarks
     pdserve health   [--server HOST:PORT]                           exit 0 if the node is SERVING
@@ -138,58 +138,6 @@ def cmd_up(args) -> int:
         raise SystemExit(f"pdserve up: {err}") from None
 
 
-def cmd_generate(args) -> int:
-    import asyncio
-    import json
-
-    import grpc
-
-    from pdserve.client import Client
-    from pdserve.credentials import client_api_key, configure_tls
-
-    configure_tls(args)
-    api_key = client_api_key(args)
-    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-
-    async def go() -> int:
-        async with Client(args.server, api_key=api_key) as client:
-            if args.json:
-                out = await client.complete(args.prompt, timeout=args.timeout, **sampling)
-                print(json.dumps(out.to_dict()))
-                return 0
-            async for msg in client.stream(args.prompt, timeout=args.timeout, **sampling):
-                if msg.index == 0 and msg.text:
-                    print(msg.text, end="", flush=True)
-            print()
-            return 0
-
-    try:
-        return asyncio.run(go())
-    except grpc.aio.AioRpcError as err:
-        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
-
-
-def cmd_health(args) -> int:
-    import os
-
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    server = args.server or f"127.0.0.1:{os.environ.get('PDSERVE_PORT', '50051')}"
-    try:
-        with grpc.insecure_channel(server) as ch:
-            reply = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
-    except grpc.RpcError as err:
-        print(f"{server}: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{server}: {status}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
 def cmd_bench(args) -> int:
     # The benchmarks are the layer above this CLI: each runs as its own program.
     import subprocess
@@ -200,6 +148,8 @@ def cmd_bench(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from decode.config import DecodeConfig
     from pdserve.chat import add_chat_parser
+    from pdserve.generate_cli import add_generate_parser
+    from pdserve.health_cli import add_health_parser
     from pdserve.models import add_model_flag, add_models_parser
     from pdserve.up import UpConfig
     from pdserve.worker import DEFAULT_PORTS
@@ -248,21 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after `--`: extra flags for both workers (e.g. -- --page-size 8)")
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("generate", help="send one prompt to a router or colocated node")
-    p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT (default: %(default)s)")
-    p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (server default 16)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (server default 1.0)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1.0)")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible output")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (text, token_ids, finish_reason, usage) at the end")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    add_options(p.add_argument_group("TLS (runtime/tls.py)"), TLSConfig)
-    add_options(p.add_argument_group("authentication (runtime/auth.py)"), APIKeyConfig)
-    p.set_defaults(func=cmd_generate)
+    add_generate_parser(sub)
     add_chat_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks: `bench engine --help`, `bench transfer --help`, "
@@ -272,14 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags for that benchmark")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("health", help="exit 0 if a node's gRPC health service says SERVING "
-                                      "(container health checks)")
-    p.add_argument("--server", default=None, metavar="HOST:PORT",
-                   help="node to ask (default: 127.0.0.1 and $PDSERVE_PORT, else 50051)")
-    p.add_argument("--service", default="",
-                   help="service name to check; empty = the whole node (default: empty)")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds (default: %(default)s)")
-    p.set_defaults(func=cmd_health)
+    add_health_parser(sub)
 
     add_models_parser(sub)
     return apply_env_defaults(parser)

@@ -1,28 +1,69 @@
-"""A small client for the `pdserve.v1.Generation` service (router or colocated node).
+"""pdserve's client library for the `pdserve.v1.Generation` service of a router or of a
+colocated node: `AsyncClient` for asyncio code, `Client` for everything else (the same
+calls, blocking).
 
-`Client.stream()` yields the raw `GenerateResponse` messages as they come;
-`Client.complete()` gathers one whole answer into a `Completion`. A request's prompt is text,
-token ids, or a conversation, `messages=[{"role": ..., "content": ...}]`, which the server
-renders with the model's chat template (and stops at its end of turn). A server started
-with an API key needs it on every call: `Client(address, api_key=...)`, by default
-`$PDSERVE_API_KEY` (`api_key=""` sends none).
+    from pdserve.client import Client
+    with Client("127.0.0.1:50051") as client:
+        out = client.generate("Once upon a time", max_tokens=16, temperature=0)
+
+- `generate(prompt or messages=..., **sampling) -> Completion`: every choice (`n`), token
+  ids, text, finish reasons, logprobs (`logprobs=N`), and `usage` with timings and route.
+- `stream(...)`: `Delta`s as they come (each names its choice); the last carries `usage`.
+- `abort(request_id)`, `models()`, `health()`.
+- A prompt is text, token ids, or a conversation (`messages=[{"role", "content"}]`, which
+  the server renders with the model's chat template). Sampling keywords are the fields of
+  `SamplingParams` (max_tokens, temperature, top_p, top_k, min_p, seed, n, stop,
+  stop_token_ids, ignore_eos, logprobs); an unknown one is a TypeError before any call.
+- `tls`: None (plaintext, unless this process configured `runtime.tls`, as the CLI does
+  from its --tls-* flags), True (the system's CA roots), or `TLS(ca=..., cert=..., key=...)`
+  (a private CA; cert and key for servers that require client certificates).
+- `api_key`: sent as `authorization: Bearer`; by default `$PDSERVE_API_KEY` ("" sends none).
+- Errors are `PdserveError` (gRPC status and the server's message). Retried, up to
+  `retries` times with backoff, only what is safe to retry: the unary reads and Abort
+  (idempotent) on UNAVAILABLE, and a Generate whose connection was never made (the server
+  never saw it). A Generate that may have started is never retried.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
-from google.protobuf.json_format import MessageToDict
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime.bearer import bearer_metadata
-from runtime.server import channel
+from pdserve.results import (Choice, Completion, Delta, Gather, Model, PdserveError, Route,
+                             TokenLogprob, TopLogprob, Usage, delta_of)
 from proto import pdserve_pb2, pdserve_pb2_grpc
+from runtime.bearer import bearer_metadata
+from runtime.server import GRPC_OPTIONS, channel
+
+__all__ = ["AsyncClient", "Client", "TLS", "Completion", "Choice", "Delta", "Usage", "Route",
+           "Model", "TokenLogprob", "TopLogprob", "PdserveError"]
 
 API_KEY_ENV = "PDSERVE_API_KEY"
-
 SAMPLING_FIELDS = {f.name for f in pdserve_pb2.SamplingParams.DESCRIPTOR.fields}
+RETRY_BACKOFF_S = 0.2
+_NEVER_CONNECTED = ("failed to connect", "connection refused", "name resolution")
+
+
+@dataclass(frozen=True)
+class TLS:
+    """Files of a TLS connection: the CA that signed the server's certificate, and this
+    client's certificate and key for servers that require one (mutual TLS)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path):
+            return Path(path).read_bytes() if path else None
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
 
 
 def sampling_params(**kwargs) -> pdserve_pb2.SamplingParams:
@@ -33,83 +74,23 @@ def sampling_params(**kwargs) -> pdserve_pb2.SamplingParams:
     return pdserve_pb2.SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
 
 
-@dataclass
-class Completion:
-    request_id: str = ""
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-    usage: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "usage": self.usage}
-
-
-class Client:
-    def __init__(self, address: str, api_key: str | None = None) -> None:
-        self.address = address
-        api_key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
-        self.metadata = bearer_metadata(api_key) if api_key else None
-        self._channel = channel(address)
-        self.stub = pdserve_pb2_grpc.GenerationStub(self._channel)
-
-    async def __aenter__(self) -> "Client":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    def request(self, prompt: str | list[int] | None = None, *,
-                messages: list[dict] | None = None, request_id: str = "",
-                kv_window_end: int | None = None, **sampling) -> pdserve_pb2.GenerateRequest:
-        """A GenerateRequest of exactly one of `prompt` (text or token ids) or `messages`.
-        A message's missing role or content stays unset: the server names it."""
-        if (prompt is None) == (messages is None):
-            raise TypeError("give exactly one of prompt or messages")
-        msg = pdserve_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling))
-        if messages is not None:
-            msg.messages.extend(chat_message(m) for m in messages)
-        elif isinstance(prompt, str):
-            msg.prompt = prompt
-        else:
-            msg.prompt_token_ids.extend(prompt)
-        if kv_window_end is not None:
-            msg.kv_window_end = kv_window_end
-        return msg
-
-    async def stream(self, prompt=None, *, timeout: float | None = None, **kwargs
-                     ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-        call = self.stub.Generate(self.request(prompt, **kwargs), timeout=timeout,
-                                  metadata=self.metadata)
-        try:
-            async for msg in call:
-                yield msg
-        finally:
-            call.cancel()  # a consumer that stops early disconnects, freeing the request
-
-    async def complete(self, prompt=None, **kwargs) -> Completion:
-        """The whole answer of choice 0 (other choices are ignored)."""
-        out = Completion()
-        async for msg in self.stream(prompt, **kwargs):
-            out.request_id = msg.request_id
-            if msg.HasField("usage"):
-                out.usage = usage_dict(msg.usage)
-            elif msg.index == 0:
-                out.text += msg.text
-                out.token_ids.extend(msg.token_ids)
-                out.finish_reason = msg.finish_reason or out.finish_reason
-        return out
-
-    async def abort(self, request_id: str) -> bool:
-        request = pdserve_pb2.AbortRequest(request_id=request_id)
-        return (await self.stub.Abort(request, metadata=self.metadata)).found
-
-    async def model_info(self) -> pdserve_pb2.ModelInfo:
-        return await self.stub.GetModelInfo(pdserve_pb2.ModelInfoRequest(), metadata=self.metadata)
+def generate_request(prompt: str | list[int] | None = None, *,
+                     messages: list[dict] | None = None, request_id: str = "",
+                     kv_window_end: int | None = None, **sampling) -> pdserve_pb2.GenerateRequest:
+    """A GenerateRequest of exactly one of `prompt` (text or token ids) or `messages`.
+    A message's missing role or content stays unset: the server names it."""
+    if (prompt is None) == (messages is None):
+        raise TypeError("give exactly one of prompt or messages")
+    msg = pdserve_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling))
+    if messages is not None:
+        msg.messages.extend(chat_message(m) for m in messages)
+    elif isinstance(prompt, str):
+        msg.prompt = prompt
+    else:
+        msg.prompt_token_ids.extend(prompt)
+    if kv_window_end is not None:
+        msg.kv_window_end = kv_window_end
+    return msg
 
 
 def chat_message(message: dict) -> pdserve_pb2.ChatMessage:
@@ -120,6 +101,150 @@ def chat_message(message: dict) -> pdserve_pb2.ChatMessage:
     return out
 
 
-def usage_dict(usage: pdserve_pb2.Usage) -> dict:
-    return MessageToDict(usage, preserving_proto_field_name=True,
-                         always_print_fields_with_no_presence=True)
+def _never_connected(err: grpc.aio.AioRpcError) -> bool:
+    details = (err.details() or "").lower()
+    return err.code() == grpc.StatusCode.UNAVAILABLE and any(s in details for s in _NEVER_CONNECTED)
+
+
+class AsyncClient:
+    def __init__(self, address: str, *, tls: bool | TLS | None = None,
+                 api_key: str | None = None, timeout: float | None = None,
+                 retries: int = 2) -> None:
+        self.address, self.timeout, self.retries = address, timeout, retries
+        api_key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
+        self.metadata = bearer_metadata(api_key) if api_key else None
+        if tls is None or tls is False:
+            self._channel = channel(address)  # plaintext, or the process's runtime.tls
+        else:
+            credentials = grpc.ssl_channel_credentials() if tls is True else tls.credentials()
+            self._channel = grpc.aio.secure_channel(address, credentials, options=GRPC_OPTIONS)
+        self.stub = pdserve_pb2_grpc.GenerationStub(self._channel)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    # ---- generation ------------------------------------------------------------------
+    async def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> Completion:
+        """The whole answer: every choice, in index order, and the usage."""
+        gather = Gather(bool(kwargs.get("logprobs") is not None))
+        async for delta in self.stream(prompt, timeout=timeout, **kwargs):
+            gather.add(delta)
+        return gather.result()
+
+    async def stream(self, prompt=None, *, timeout: float | None = None, **kwargs
+                     ) -> AsyncIterator[Delta]:
+        """`Delta`s of every choice as the server sends them; the last one has `usage`."""
+        with_logprobs = kwargs.get("logprobs") is not None
+        async for msg in self.responses(prompt, timeout=timeout, **kwargs):
+            yield delta_of(msg, with_logprobs)
+
+    async def responses(self, prompt=None, *, timeout: float | None = None, **kwargs
+                        ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        """The raw `GenerateResponse` messages (what `stream` is made of)."""
+        request = generate_request(prompt, **kwargs)
+        for attempt in range(self.retries + 1):
+            call = self.stub.Generate(request, timeout=self._timeout(timeout),
+                                      metadata=self.metadata)
+            received = False
+            try:
+                async for msg in call:
+                    received = True
+                    yield msg
+                return
+            except grpc.aio.AioRpcError as err:
+                if received or attempt == self.retries or not _never_connected(err):
+                    raise PdserveError.of(err) from None
+            finally:
+                call.cancel()  # a consumer that stops early disconnects, freeing the request
+            await asyncio.sleep(RETRY_BACKOFF_S * 2 ** attempt)
+
+    # ---- the rest ----------------------------------------------------------------------
+    async def abort(self, request_id: str) -> bool:
+        """Stop a running request (its stream ends with finish_reason "abort"); whether the
+        server knew it."""
+        request = pdserve_pb2.AbortRequest(request_id=request_id)
+        return (await self._unary(self.stub.Abort, request)).found
+
+    async def models(self) -> list[Model]:
+        """The model served (one: pdserve serves one model per deployment)."""
+        info = await self._unary(self.stub.GetModelInfo, pdserve_pb2.ModelInfoRequest())
+        return [Model(info.model, info.vocab_size, info.max_model_len,
+                      list(info.eos_token_ids), info.role)]
+
+    async def health(self, service: str = "") -> str:
+        """The server's gRPC health status: "SERVING", "NOT_SERVING", ..."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        reply = await self._unary(stub.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def _unary(self, method, request):
+        for attempt in range(self.retries + 1):
+            try:
+                return await method(request, timeout=self._timeout(None), metadata=self.metadata)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                    raise PdserveError.of(err) from None
+            await asyncio.sleep(RETRY_BACKOFF_S * 2 ** attempt)
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+
+class Client:
+    """`AsyncClient`'s calls, blocking: they run on an event loop of the client's own thread."""
+
+    def __init__(self, address: str, **kwargs) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name=f"pdserve-client-{address}")
+        self._thread.start()
+        self._async = self._run(_make(address, kwargs))
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._run(self._async.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def generate(self, prompt=None, **kwargs) -> Completion:
+        return self._run(self._async.generate(prompt, **kwargs))
+
+    def stream(self, prompt=None, **kwargs) -> Iterator[Delta]:
+        deltas = self._async.stream(prompt, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._run(deltas.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:  # also when the caller stops early: the call is cancelled on the server
+            self._run(deltas.aclose())
+
+    def abort(self, request_id: str) -> bool:
+        return self._run(self._async.abort(request_id))
+
+    def models(self) -> list[Model]:
+        return self._run(self._async.models())
+
+    def health(self, service: str = "") -> str:
+        return self._run(self._async.health(service))
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+async def _make(address: str, kwargs: dict) -> AsyncClient:
+    return AsyncClient(address, **kwargs)  # its channel belongs to the client's loop

@@ -71,7 +71,7 @@ class RouteInfo(_message.Message):
     def __init__(self, prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., prefix_matched_length: _Optional[int] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., remote_send_skipped: _Optional[bool] = ..., prefill_cached_tokens: _Optional[int] = ..., skip_reason: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "time_to_first_token_s", "cached_prompt_tokens", "route", "queue_time_s")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "time_to_first_token_s", "cached_prompt_tokens", "route", "queue_time_s", "time_per_output_token_s", "time_per_output_token_p90_s", "prefill_time_s", "kv_transfer_time_s")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,10 @@ class Usage(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_PER_OUTPUT_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_PER_OUTPUT_TOKEN_P90_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_TIME_S_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -86,7 +90,11 @@ class Usage(_message.Message):
     cached_prompt_tokens: int
     route: RouteInfo
     queue_time_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ..., queue_time_s: _Optional[float] = ...) -> None: ...
+    time_per_output_token_s: float
+    time_per_output_token_p90_s: float
+    prefill_time_s: float
+    kv_transfer_time_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ..., queue_time_s: _Optional[float] = ..., time_per_output_token_s: _Optional[float] = ..., time_per_output_token_p90_s: _Optional[float] = ..., prefill_time_s: _Optional[float] = ..., kv_transfer_time_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "text", "token_ids", "finish_reason", "logprobs", "usage")

@@ -237,8 +237,13 @@ class NodeCalls:
                         msg.usage.time_to_first_token_s = time.perf_counter() - state.arrived
                     else:
                         msg.usage.time_to_first_token_s = state.ttft
-                    msg.usage.route.CopyFrom(state.route)
-                    msg.usage.queue_time_s = state.queue_s
+                    usage = msg.usage
+                    usage.route.CopyFrom(state.route)
+                    # D's engine queue counts only when D prefilled: otherwise its request
+                    # sat reserved while the KV came, which is prefill and transfer time.
+                    usage.queue_time_s = state.queue_s + (usage.queue_time_s if state.local else 0.0)
+                    usage.prefill_time_s += state.prefill_s
+                    usage.kv_transfer_time_s = state.transfer_s
                 elif first and msg.token_ids:
                     state.ttft = time.perf_counter() - state.arrived
                     first = False

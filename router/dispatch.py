@@ -138,6 +138,7 @@ class Dispatcher:
                         decode.address)
         metrics.record_fallback("lease_ended")
         state.local = True
+        state.prefill_s = state.transfer_s = 0.0  # that KV went unused: D prefills it all
         state.route.remote_send_skipped, state.route.skip_reason = True, "lease_ended"
         request = self.calls.start_local_request(state, prompt_token_ids, sampling)
         async for msg in self.calls.start(decode, state, request):
@@ -232,6 +233,7 @@ class Dispatcher:
                     reply = await self.calls.remote_send(state, decode, prefill, reserved,
                                                          prompt_token_ids)
                 state.route.prefill_cached_tokens = reply.prefill_cached_tokens
+                state.prefill_s, state.transfer_s = reply.prefill_s, reply.transfer_s
                 prefill.prefixes.insert(prompt_token_ids[:reserved.prep.kv_window_end])
                 return reserved, True
             except DispatchError as err:

@@ -142,6 +142,8 @@ class OpenAIFrontend:
                 ids = completion_prompt(body, self.tokenizer.encode)
                 default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
             sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max)
+            if body.get("user"):  # OpenAI's end-user id: on the request's log line
+                observer.fields["user"] = body["user"]
             if chat:  # stops at the template's end of turn, as a gRPC conversation does
                 sampling = validation.chat_sampling(sampling, self.tokenizer)
             try:  # the very checks a gRPC Generate gets, so both APIs fail alike

@@ -32,11 +32,22 @@ HTTP_STATUS = {
 }
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error"}
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "ignore_eos",
-                   "stop_token_ids")
-# Accepted only at their neutral value: pdserve has no such sampling control.
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "echo": False,
-           "suffix": None, "tools": None, "functions": None, "response_format": None}
+# Every request field, and what pdserve does with it (the README's "OpenAI parameters"
+# table). Implemented: what both endpoints take, then each one's own.
+IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
+               "stream_options", "logprobs", "user",
+               "top_k", "min_p", "ignore_eos", "stop_token_ids"}  # pdserve's (vLLM's) extras
+IMPLEMENTED_ONLY = {False: {"prompt", "best_of"},
+                    True: {"messages", "max_completion_tokens", "top_logprobs",
+                           "parallel_tool_calls"}}
+# Accepted only at a value that asks for nothing pdserve lacks (no penalties, biases, tools,
+# structured output, audio, storage); any other value is a 400 naming the field.
+NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+           "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
+           "tool_choice": ("none",), "function_call": ("none",),
+           "response_format": ({"type": "text"},), "store": (False,), "metadata": ({},),
+           "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
+           "prediction": (), "reasoning_effort": (), "web_search_options": ()}
 # "top_p must be ...", "prompt token id 9999 is outside ...", "prompt of 900 tokens is
 # longer ...", after any "Call on node: STATUS: " prefixes the nodes add.
 _FIELD_IN_MESSAGE = re.compile(r"(?:^|: )([a-z_]+)(?: token ids?)?(?: -?\d+)? (?:must|of \d+|is)")
@@ -74,15 +85,31 @@ def _typed(body: dict, name: str, kinds: tuple, what: str):
     return value
 
 
-def _check_neutral(body: dict) -> None:
-    for name, neutral in NEUTRAL.items():
-        value = body.get(name)
-        if value not in (neutral, None, {}, []):
-            raise invalid(f"{name} is not supported by pdserve (got {value!r})", name)
+def check_fields(body: dict, chat: bool) -> None:
+    """Every field is one pdserve implements, or one at its neutral value: none is ignored."""
+    known = IMPLEMENTED | IMPLEMENTED_ONLY[chat]
+    for name, value in body.items():
+        if name in known:
+            continue
+        if name in NEUTRAL:
+            if value is not None and value not in NEUTRAL[name]:
+                raise invalid(f"{name} is not supported by pdserve (got {value!r:.80})", name)
+            continue
+        where = "chat completions" if chat else "completions"
+        raise invalid(f"unknown parameter {name!r} for {where}", name)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise invalid(f"best_of must equal n (pdserve returns every choice it generates), "
+                      f"got best_of={best_of!r}", "best_of")
+    if chat and body.get("top_logprobs") is not None and not body.get("logprobs"):
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise invalid(f"user must be a string, got {user!r:.80}", "user")
 
 
 def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int) -> pdserve_pb2.SamplingParams:
-    _check_neutral(body)
+    check_fields(body, chat)
     pb = pdserve_pb2.SamplingParams()
     max_tokens = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None \
         else body.get("max_tokens")
@@ -157,7 +184,13 @@ def usage_body(usage: pdserve_pb2.Usage | None) -> dict | None:
         return None
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+            "timings": {name: getattr(usage, name) for name in TIMINGS}}
+
+
+# pdserve's extra usage field `timings` (seconds), the same as gRPC's Usage.
+TIMINGS = ("time_to_first_token_s", "time_per_output_token_s", "time_per_output_token_p90_s",
+           "queue_time_s", "prefill_time_s", "kv_transfer_time_s")
 
 
 class ChoiceLogprobs:
@@ -178,8 +211,15 @@ class ChoiceLogprobs:
                                 for e in entries]}
         return {"tokens": [self.token_text(e.token_id) for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.token_text(t.token_id): t.logprob for t in e.top}
-                                 for e in entries]}
+                "top_logprobs": [self._by_text(e.top) for e in entries]}
+
+    def _by_text(self, top) -> dict[str, float]:
+        """OpenAI's completions shape keys alternatives by text: of two ids that decode to
+        the same text, the likelier (listed first) keeps the entry."""
+        out: dict[str, float] = {}
+        for t in top:
+            out.setdefault(self.token_text(t.token_id), t.logprob)
+        return out
 
 
 def chunk(kind: str, response_id: str, created: int, model: str, choices: list, usage=None) -> dict:

@@ -39,6 +39,8 @@ class RequestState:
     route: pdserve_pb2.RouteInfo = field(default_factory=pdserve_pb2.RouteInfo)
     ttft: float = 0.0
     queue_s: float = 0.0  # waited for a turn: a dispatch slot here, KV pages on D
+    prefill_s: float = 0.0   # the prefill node's prefill and KV writes (RemoteSend's reply)
+    transfer_s: float = 0.0
     aborted: bool = False
     local: bool = False  # D prefills the whole prompt itself (selective disaggregation)
 

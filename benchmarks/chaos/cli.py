@@ -25,7 +25,7 @@ from benchmarks.chaos.cluster import ChaosCluster
 from benchmarks.chaos.faults import FaultInjector, FaultTimes
 from benchmarks.model_choice import add_model_flag, node_dtype, resolve_or_exit
 from benchmarks.serve.workload import parse_range
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from pdserve.procs import NodeProcess, die_with_parent
 
 PROG = "pdserve bench chaos"
@@ -110,8 +110,8 @@ async def _oracle(model: str, worker_flags: list[str], args, logs: Path):
                         *worker_flags], log=logs / "oracle.log", threads=1)
     try:
         address = await asyncio.to_thread(node.wait_ready, 180)
-        async with Client(address) as client:
-            vocab = (await client.model_info()).vocab_size
+        async with AsyncClient(address) as client:
+            vocab = (await client.models())[0].vocab_size
         prompts = plan.prompt_set(args.num_prompts, vocab, args.seed, args.input_len,
                                   args.output_len)
         return prompts, await traffic.oracle(address, prompts, args.deadline_s)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from benchmarks.chaos.plan import Prompt
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 
 
 @dataclass
@@ -44,7 +44,7 @@ async def send(client: Client, prompt: Prompt, index: int, request_id: str, dead
     out = Outcome(request_id, index, sent_s)
     start = time.monotonic()
     try:
-        async for msg in client.stream(list(prompt.token_ids), request_id=request_id,
+        async for msg in client.responses(list(prompt.token_ids), request_id=request_id,
                                        timeout=deadline_s, temperature=0.0, ignore_eos=True,
                                        max_tokens=prompt.max_tokens):
             if msg.HasField("usage"):
@@ -73,7 +73,7 @@ async def oracle(address: str, prompts: list[Prompt], deadline_s: float,
         async with limit:
             return await send(client, prompts[i], i, f"oracle-{i}", deadline_s)
 
-    async with Client(address) as client:
+    async with AsyncClient(address) as client:
         outs = await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
     failed = [o for o in outs if not o.completed]
     if failed:
@@ -97,7 +97,7 @@ async def capacity(address: str, prompts: list[Prompt], duration_s: float, concu
             outcomes.append(await send(client, prompts[n % len(prompts)], n % len(prompts),
                                        f"capacity-{n}", deadline_s))
 
-    async with Client(address) as client:
+    async with AsyncClient(address) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     elapsed = time.monotonic() - start
     done = sum(o.completed for o in outcomes)
@@ -116,7 +116,7 @@ async def open_loop(address: str, prompts: list[Prompt], arrivals: list[float], 
     ones do, and gather every outcome (each ends by its deadline)."""
     chosen = picks(len(arrivals), len(prompts), seed)
     tasks: list[asyncio.Task] = []
-    async with Client(address) as client:
+    async with AsyncClient(address) as client:
         for i, (at, k) in enumerate(zip(arrivals, chosen)):
             await asyncio.sleep(max(0.0, soak_start + at - time.monotonic()))
             sent = time.monotonic() - soak_start

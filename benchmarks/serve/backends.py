@@ -28,21 +28,21 @@ class GrpcBackend:
     name = "grpc"
 
     def __init__(self, address: str, timeout_s: float | None = None) -> None:
-        from pdserve.client import Client
+        from pdserve.client import AsyncClient
 
-        self.client = Client(address)
+        self.client = AsyncClient(address)
         self.timeout_s = timeout_s
 
     async def limits(self) -> ModelLimits:
-        info = await self.client.model_info()
-        return ModelLimits(info.vocab_size, info.max_model_len or None, info.model)
+        info = (await self.client.models())[0]
+        return ModelLimits(info.vocab_size, info.max_model_len or None, info.id)
 
     async def send(self, req: BenchRequest) -> RequestResult:
         import grpc
 
         result = RequestResult(prompt_len=req.prompt_len, start=time.perf_counter())
         try:
-            async for msg in self.client.stream(req.prompt, timeout=self.timeout_s,
+            async for msg in self.client.responses(req.prompt, timeout=self.timeout_s,
                                                 max_tokens=req.output_len, temperature=0.0,
                                                 ignore_eos=True):
                 if msg.HasField("usage"):

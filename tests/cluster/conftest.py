@@ -2,7 +2,7 @@
 tests/cluster/nodes.py and stopped at the end whatever happened:
 
 - `cluster`: router + prefill + decode serving the tiny checkpoint, every node with
-  /metrics, JSON logs, and the router's OpenAI HTTP API.
+  /metrics, JSON logs, and the router's OpenAI HTTP API (`api`: the `openai` client on it).
 - `colocated`: one role-`both` node (the baseline the disaggregated path must equal).
 - `fault_cluster`: 2 prefill + 2 decode nodes and 2 routers (`main` leases reservations for
   8 s, `short` for 2 s); prefill nodes stop requests whose id starts with `slow-` at their
@@ -174,6 +174,17 @@ def colocated(tiny_model, tmp_path_factory):
                                   *WORKER_FLAGS])
     finally:
         both.stop()
+
+
+@pytest.fixture(scope="module")
+def api(cluster):
+    """The official `openai` client on the `cluster` router's HTTP API."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.http + "/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import urllib.request
 import grpc
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from pdserve.procs import free_port
 from tests.cluster.nodes import (GREEDY, Cluster, gate_open, gate_reached, load, run, sample,
                                  scrape, wait_for, wait_pools_full, wait_until)
@@ -68,15 +68,15 @@ def test_a_burst_several_times_the_cache_completes_in_full_and_in_order(small):
     n, length, max_tokens = 6, 200, 100
 
     async def go():
-        async with Client(c.address("main")) as client:
+        async with AsyncClient(c.address("main")) as client:
             sent, calls = [], []
             for i in range(n):
                 sent.append(time.monotonic())
-                calls.append(asyncio.ensure_future(client.complete(
+                calls.append(asyncio.ensure_future(client.generate(
                     prompt(i, length), max_tokens=max_tokens, timeout=120, **GREEDY)))
                 await asyncio.sleep(0.05)  # arrivals 50 ms apart: an order to keep, not a wait
             outs = await asyncio.gather(*calls)
-            alone = [await client.complete(prompt(i, length), max_tokens=max_tokens, **GREEDY)
+            alone = [await client.generate(prompt(i, length), max_tokens=max_tokens, **GREEDY)
                      for i in range(n)]
         reports = await wait_pools_full([c.address("prefill"), c.address("decode")])
         return sent, outs, alone, reports
@@ -84,9 +84,9 @@ def test_a_burst_several_times_the_cache_completes_in_full_and_in_order(small):
     sent, outs, alone, reports = run(go(), timeout_s=240)
     assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
     assert all(len(o.token_ids) == max_tokens for o in outs)
-    waits = [o.usage["queue_time_s"] for o in outs]
+    waits = [o.usage.queue_time_s for o in outs]
     assert max(waits) > 0.2, waits  # they really waited for pages
-    first_tokens = [s + o.usage["time_to_first_token_s"] for s, o in zip(sent, outs)]
+    first_tokens = [s + o.usage.time_to_first_token_s for s, o in zip(sent, outs)]
     assert first_tokens == sorted(first_tokens), (first_tokens, waits)
     assert all(r.free_pages == r.total_pages and r.num_parked == 0 for r in reports), reports
 
@@ -101,8 +101,8 @@ def test_a_request_whose_deadline_passes_in_line_gets_deadline_exceeded_and_take
         return (await load(c.address("decode"))).num_parked == 2
 
     async def go():
-        async with Client(c.address("main")) as client:
-            holders = [asyncio.ensure_future(client.complete(
+        async with AsyncClient(c.address("main")) as client:
+            holders = [asyncio.ensure_future(client.generate(
                 prompt(50 + i, 150), request_id=rid, max_tokens=8, **GREEDY))
                 for i, rid in enumerate(held)]  # 19 pages each
             for rid in held:
@@ -110,14 +110,14 @@ def test_a_request_whose_deadline_passes_in_line_gets_deadline_exceeded_and_take
             await wait_for(parked, timeout_s=10)
             started = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await client.complete(prompt(60), max_tokens=8, timeout=2, **GREEDY)
+                await client.generate(prompt(60), max_tokens=8, timeout=2, **GREEDY)
             waited = time.monotonic() - started
             in_line = (await load(c.address("decode"))).num_parked
             for rid in held:
                 for phase in ("kv_write", "prefill"):  # the prefill node holds both phases
                     await gate_open(c.address("prefill"), phase, rid)
             outs = await asyncio.gather(*holders)
-            alone = [await client.complete(prompt(50 + i, 150), max_tokens=8, **GREEDY)
+            alone = [await client.generate(prompt(50 + i, 150), max_tokens=8, **GREEDY)
                      for i in range(2)]
         reports = await wait_pools_full([c.address("prefill"), c.address("decode")])
         return err.value, waited, in_line, outs, alone, reports
@@ -152,17 +152,17 @@ def test_past_the_queue_bound_a_client_gets_429_with_retry_after(small):
         return err.value
 
     async def go():
-        async with Client(c.address("tight")) as client:
-            running = asyncio.ensure_future(client.complete(
+        async with AsyncClient(c.address("tight")) as client:
+            running = asyncio.ensure_future(client.generate(
                 prompt(71, 10), request_id=rid, max_tokens=4, **GREEDY))  # holds the one slot
             await gate_reached(c.address("decode"), "stream", rid)
-            queued = asyncio.ensure_future(client.complete(prompt(72, 10), max_tokens=4,
+            queued = asyncio.ensure_future(client.generate(prompt(72, 10), max_tokens=4,
                                                            **GREEDY))  # the one queue place
             await asyncio.to_thread(wait_until, lambda: in_router(c) == 2,
                                     "the second request in the router's queue")
             queued_at = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as grpc_err:
-                await client.complete(prompt(73, 10), max_tokens=4, **GREEDY)
+                await client.generate(prompt(73, 10), max_tokens=4, **GREEDY)
             http_err = await asyncio.to_thread(http_completion)
             in_queue_s = time.monotonic() - queued_at  # at least: it is still queued here
             await gate_open(c.address("decode"), "stream", rid)
@@ -175,4 +175,4 @@ def test_past_the_queue_bound_a_client_gets_429_with_retry_after(small):
     assert http_err.code == 429 and http_err.headers["Retry-After"] == "1"
     assert json.loads(http_err.read())["error"]["type"] == "rate_limit_error"
     assert all(len(o.token_ids) == 4 for o in outs)
-    assert outs[1].usage["queue_time_s"] >= in_queue_s  # its wait for a turn, in its usage
+    assert outs[1].usage.queue_time_s >= in_queue_s  # its wait for a turn, in its usage

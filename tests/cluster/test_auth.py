@@ -20,7 +20,7 @@ import grpc
 import openai
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from pdserve.procs import ROOT, free_port
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from runtime.bearer import bearer_metadata
@@ -87,8 +87,8 @@ async def pools_full(c: KeyedCluster) -> bool:
 
 
 async def answer(c: KeyedCluster, api_key: str | None, prompt: str = "keys and locks"):
-    async with Client(c.address("router"), api_key=api_key) as client:
-        return await client.complete(prompt, max_tokens=4, timeout=60, **GREEDY)
+    async with AsyncClient(c.address("router"), api_key=api_key) as client:
+        return await client.generate(prompt, max_tokens=4, timeout=60, **GREEDY)
 
 
 def test_grpc_clients_need_the_api_key(keyed, monkeypatch):
@@ -219,8 +219,8 @@ def test_abort_and_drain_by_a_stranger_or_a_worker_are_refused_and_the_stream_go
     abort = pdserve_pb2.AbortRequest(request_id=request_id)
 
     async def go():
-        async with Client(c.address("router"), api_key=API_KEY) as client:
-            stream = client.stream("a secret of one user", request_id=request_id,
+        async with AsyncClient(c.address("router"), api_key=API_KEY) as client:
+            stream = client.responses("a secret of one user", request_id=request_id,
                                    max_tokens=6, timeout=60, **GREEDY)
             first = await anext(stream)
             await gate_reached(c.address("decode"), "stream", request_id)

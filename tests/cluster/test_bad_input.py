@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from runtime.server import channel
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.cluster.conftest import SLOW
@@ -45,9 +45,9 @@ def test_router_names_the_bad_value(fault_cluster, fields, named):
     prompt = prompt if prompt is not None else fields.pop("prompt_token_ids")
 
     async def go():
-        async with Client(fault_cluster.address("main")) as client:
+        async with AsyncClient(fault_cluster.address("main")) as client:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await client.complete(prompt, timeout=10, **fields)
+                await client.generate(prompt, timeout=10, **fields)
         return err.value
 
     err = run(go())
@@ -57,18 +57,18 @@ def test_router_names_the_bad_value(fault_cluster, fields, named):
 
 def test_duplicate_request_id_and_oversized_message(fault_cluster):
     async def go():
-        async with Client(fault_cluster.address("main")) as client:
-            first = asyncio.ensure_future(client.complete("hello", request_id=f"{SLOW}twice",
+        async with AsyncClient(fault_cluster.address("main")) as client:
+            first = asyncio.ensure_future(client.generate("hello", request_id=f"{SLOW}twice",
                                                           max_tokens=8, **GREEDY))
             prefill = await stopped_at(fault_cluster, "prefill", f"{SLOW}twice")
             with pytest.raises(grpc.aio.AioRpcError) as dup:
-                await client.complete("hello", request_id=f"{SLOW}twice", timeout=10)
+                await client.generate("hello", request_id=f"{SLOW}twice", timeout=10)
             assert await client.abort(f"{SLOW}twice")
             await gate_open(fault_cluster.address(prefill), "prefill", f"{SLOW}twice")
             with pytest.raises(grpc.aio.AioRpcError):
                 await first
             with pytest.raises(grpc.aio.AioRpcError) as big:
-                await client.complete("x" * (65 * 1024 * 1024), timeout=30)
+                await client.generate("x" * (65 * 1024 * 1024), timeout=30)
             unknown = await client.abort("never-seen")
         return dup.value, big.value, unknown
 
@@ -206,8 +206,8 @@ def test_random_requests_to_a_worker_get_a_status(fault_cluster):
 
 def _still_serves(cluster):
     async def go():
-        async with Client(cluster.address("main")) as client:
-            return await client.complete("a normal request after the storm", max_tokens=5,
+        async with AsyncClient(cluster.address("main")) as client:
+            return await client.generate("a normal request after the storm", max_tokens=5,
                                          timeout=30, **GREEDY)
 
     out = run(go())

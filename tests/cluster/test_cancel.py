@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from proto import pdserve_pb2
 from runtime.server import channel
 from tests.cluster.conftest import GRACE_MS, SLOW
@@ -41,8 +41,8 @@ def test_cancel_during_remote_send_frees_pages_on_every_node(fault_cluster, phas
     async def go():
         if phase == "kv_write":  # it passes the prefill on its way there
             await open_gates(c, "prefill", request_id)
-        async with Client(c.address(router)) as client:
-            task = asyncio.ensure_future(client.complete(PROMPT, request_id=request_id,
+        async with AsyncClient(c.address(router)) as client:
+            task = asyncio.ensure_future(client.generate(PROMPT, request_id=request_id,
                                                          max_tokens=300, **GREEDY))
             prefill = await stopped_at(c, phase, request_id)
             busy = (await load(c.address(prefill))).num_running
@@ -69,8 +69,8 @@ def test_cancel_during_remote_send_frees_pages_on_every_node(fault_cluster, phas
 @pytest.mark.parametrize("how", ["disconnect", "abort"])
 def test_cancel_while_decoding_frees_pages_on_every_node(fault_cluster, how):
     async def go():
-        async with Client(fault_cluster.address("main")) as client:
-            stream = client.stream(PROMPT, request_id=f"decoding-{how}", max_tokens=400, **GREEDY)
+        async with AsyncClient(fault_cluster.address("main")) as client:
+            stream = client.responses(PROMPT, request_id=f"decoding-{how}", max_tokens=400, **GREEDY)
             got = []
             async for msg in stream:
                 got += msg.token_ids
@@ -152,10 +152,10 @@ def test_parked_reservation_abort_and_lease_expiry_on_the_worker_api(fault_clust
 
 def test_client_deadline_is_honoured_and_frees_pages(fault_cluster):
     async def go():
-        async with Client(fault_cluster.address("main")) as client:
+        async with AsyncClient(fault_cluster.address("main")) as client:
             t0 = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await client.complete(PROMPT, request_id=f"{SLOW}deadline", timeout=1.0,
+                await client.generate(PROMPT, request_id=f"{SLOW}deadline", timeout=1.0,
                                       max_tokens=8, **GREEDY)
             took = time.monotonic() - t0
         return err.value, took, await wait_pools_full(fault_cluster.workers, timeout_s=8)

@@ -14,7 +14,7 @@ import sys
 import grpc
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from proto import pdserve_pb2
 from router.tokenizer import PromptTokenizer
 from tests.chat_checkpoint import answer_with_end_of_turn_first, write_chatml_tokenizer
@@ -31,14 +31,14 @@ def test_grpc_messages_give_the_tokens_of_the_conversation_templated_by_hand(clu
         CONVERSATION, tokenize=False, add_generation_prompt=True)
 
     async def both():
-        async with Client(cluster.grpc) as client:
-            return (await client.complete(messages=CONVERSATION, **GREEDY),
-                    await client.complete(text, **GREEDY))
+        async with AsyncClient(cluster.grpc) as client:
+            return (await client.generate(messages=CONVERSATION, **GREEDY),
+                    await client.generate(text, **GREEDY))
 
     chat, by_hand = run(both())
     assert chat.token_ids == by_hand.token_ids and len(chat.token_ids) > 0
-    assert chat.usage["prompt_tokens"] == by_hand.usage["prompt_tokens"]
-    assert chat.usage["route"]["decode_endpoint"] == cluster.address("decode")
+    assert chat.usage.prompt_tokens == by_hand.usage.prompt_tokens
+    assert chat.usage.route.decode_endpoint == cluster.address("decode")
 
 
 @pytest.mark.parametrize("messages,named", [
@@ -48,11 +48,11 @@ def test_grpc_messages_give_the_tokens_of_the_conversation_templated_by_hand(clu
 ])
 def test_bad_messages_are_invalid_argument_while_other_requests_go_on(cluster, messages, named):
     async def go():
-        async with Client(cluster.grpc) as client:
-            long = asyncio.ensure_future(client.complete(
+        async with AsyncClient(cluster.grpc) as client:
+            long = asyncio.ensure_future(client.generate(
                 messages=CONVERSATION, temperature=0.0, max_tokens=48, ignore_eos=True))
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await client.complete(messages=messages, timeout=10)
+                await client.generate(messages=messages, timeout=10)
             return err.value, await long
 
     err, long = run(go())
@@ -87,10 +87,10 @@ def test_a_conversation_stops_at_its_end_of_turn_even_where_it_is_not_the_eos(en
     assert end_of_turn not in tokenizer.card.eos_token_ids
 
     async def ask():
-        async with Client(address) as client:
-            return (await client.complete(messages=CONVERSATION, **GREEDY),
-                    await client.complete(tokenizer.chat_ids(CONVERSATION), **GREEDY),
-                    await client.complete(messages=CONVERSATION, ignore_eos=True, **GREEDY))
+        async with AsyncClient(address) as client:
+            return (await client.generate(messages=CONVERSATION, **GREEDY),
+                    await client.generate(tokenizer.chat_ids(CONVERSATION), **GREEDY),
+                    await client.generate(messages=CONVERSATION, ignore_eos=True, **GREEDY))
 
     chat, same_ids_as_prompt, ignoring_eos = run(ask())
     assert (chat.finish_reason, chat.token_ids, chat.text) == ("stop", [end_of_turn], "")
@@ -113,8 +113,8 @@ def router_requests(cluster) -> list[dict]:
 
 def greedy_answers(cluster, *conversations: list[dict]) -> list[str]:
     async def ask():
-        async with Client(cluster.grpc) as client:
-            return [(await client.complete(messages=c, temperature=0.0, max_tokens=6)).text
+        async with AsyncClient(cluster.grpc) as client:
+            return [(await client.generate(messages=c, temperature=0.0, max_tokens=6)).text
                     for c in conversations]
 
     return run(ask())

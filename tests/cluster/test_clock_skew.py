@@ -15,7 +15,7 @@ import os
 import libfaketime
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from runtime import auth, cluster_key
 from tests.cluster.nodes import GREEDY, WORKER_FLAGS, Cluster, full, run, wait_pools_full
 
@@ -64,15 +64,15 @@ def test_minutes_of_clock_skew_change_neither_the_route_nor_the_answer(skewed_cl
     prompts = [[(i * 23 + j * 3) % 480 + 20 for j in range(40 + 9 * i)] for i in range(6)]
 
     async def go():
-        async with Client(c.address("router")) as client:
-            outs = [await client.complete(p, max_tokens=8, **GREEDY) for p in prompts]
-            local = [await client.complete(p, kv_window_end=0, max_tokens=8, **GREEDY)
+        async with AsyncClient(c.address("router")) as client:
+            outs = [await client.generate(p, max_tokens=8, **GREEDY) for p in prompts]
+            local = [await client.generate(p, kv_window_end=0, max_tokens=8, **GREEDY)
                      for p in prompts]
         return outs, local, await wait_pools_full([c.address(n) for n in ("p", "d1", "d2")])
 
     outs, local, reports = run(go())
-    routes = [o.usage["route"] for o in outs]
+    routes = [o.usage.route for o in outs]
     assert not any(r["remote_send_skipped"] for r in routes), routes
-    assert {r["decode_endpoint"] for r in routes} == {c.address("d1"), c.address("d2")}
+    assert {r.decode_endpoint for r in routes} == {c.address("d1"), c.address("d2")}
     assert [o.token_ids for o in outs] == [o.token_ids for o in local]
     assert all(full(r) for r in reports), reports

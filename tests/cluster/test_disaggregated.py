@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from tests.cluster.nodes import load, run, wait_pools_full
 
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -41,8 +41,8 @@ def test_greedy_output_equals_colocated_and_transformers(cluster, colocated, tin
     tok = AutoTokenizer.from_pretrained(tiny_model)
 
     async def go():
-        async with Client(cluster.address("router")) as r, Client(colocated.address) as c:
-            return [(await r.complete(p, **GREEDY), await c.complete(p, **GREEDY)) for p in PROMPTS]
+        async with AsyncClient(cluster.address("router")) as r, AsyncClient(colocated.address) as c:
+            return [(await r.generate(p, **GREEDY), await c.generate(p, **GREEDY)) for p in PROMPTS]
 
     for prompt, (disagg, coloc) in zip(PROMPTS, run(go())):
         expected = hf_greedy(tiny_model, tok.encode(prompt), GREEDY["max_tokens"])
@@ -53,20 +53,20 @@ def test_greedy_output_equals_colocated_and_transformers(cluster, colocated, tin
 
 def test_32_concurrent_streams_all_complete(cluster):
     async def go():
-        async with Client(cluster.address("router")) as client:
+        async with AsyncClient(cluster.address("router")) as client:
             return await asyncio.gather(*(
-                client.complete(f"{PROMPTS[i % 4]} {i}", temperature=0.8, seed=i, max_tokens=6,
+                client.generate(f"{PROMPTS[i % 4]} {i}", temperature=0.8, seed=i, max_tokens=6,
                                 ignore_eos=True) for i in range(32)))
 
     outs = run(go(), timeout_s=300)
     assert all(len(o.token_ids) == 6 and o.finish_reason == "length" for o in outs)
-    assert all(o.usage["completion_tokens"] == 6 for o in outs)
+    assert all(o.usage.completion_tokens == 6 for o in outs)
 
 
 def test_stream_order_and_final_usage_message(cluster):
     async def go():
-        async with Client(cluster.address("router")) as client:
-            return [m async for m in client.stream(PROMPTS[0], request_id="order-1", **GREEDY)]
+        async with AsyncClient(cluster.address("router")) as client:
+            return [m async for m in client.responses(PROMPTS[0], request_id="order-1", **GREEDY)]
 
     msgs = run(go())
     *content, final = msgs
@@ -88,18 +88,18 @@ def test_shared_prefix_gets_decode_prefix_hit_and_remote_send_starts_past_it(clu
     prefix = " ".join(["river mountain city light shadow window garden music"] * 4)
 
     async def go():
-        async with Client(cluster.address("router")) as r, Client(colocated.address) as c:
-            first = await r.complete(prefix + " paper letter", **GREEDY)
-            second = await r.complete(prefix + " story market winter", **GREEDY)
-            expected = await c.complete(prefix + " story market winter", **GREEDY)
+        async with AsyncClient(cluster.address("router")) as r, AsyncClient(colocated.address) as c:
+            first = await r.generate(prefix + " paper letter", **GREEDY)
+            second = await r.generate(prefix + " story market winter", **GREEDY)
+            expected = await c.generate(prefix + " story market winter", **GREEDY)
             return first, second, expected, await load(cluster.address("prefill"))
 
     _, second, expected, prefill_load = run(go())
-    route = second.usage["route"]
-    assert route["prefix_matched_length"] >= 24  # page size 8: whole pages of the shared prefix
-    assert route["kv_window_begin"] == route["prefix_matched_length"] > 0
-    assert not route["remote_send_skipped"]
-    assert prefill_load.last_kv_window_begin == route["kv_window_begin"]
+    route = second.usage.route
+    assert route.prefix_matched_length >= 24  # page size 8: whole pages of the shared prefix
+    assert route.kv_window_begin == route.prefix_matched_length > 0
+    assert not route.remote_send_skipped
+    assert prefill_load.last_kv_window_begin == route.kv_window_begin
     assert second.token_ids == expected.token_ids
 
 
@@ -108,19 +108,19 @@ def test_kv_window_end_minus_k_gives_the_same_output(cluster, colocated, k):
     prompt = PROMPTS[1] + " seven bright stars"
 
     async def go():
-        async with Client(cluster.address("router")) as r, Client(colocated.address) as c:
-            windowed = await r.complete(prompt, kv_window_end=-k, **GREEDY)
-            return windowed, await c.complete(prompt, **GREEDY)
+        async with AsyncClient(cluster.address("router")) as r, AsyncClient(colocated.address) as c:
+            windowed = await r.generate(prompt, kv_window_end=-k, **GREEDY)
+            return windowed, await c.generate(prompt, **GREEDY)
 
     windowed, expected = run(go())
     assert windowed.token_ids == expected.token_ids
-    assert windowed.usage["route"]["kv_window_end"] == windowed.usage["prompt_tokens"] - k
+    assert windowed.usage.route.kv_window_end == windowed.usage.prompt_tokens - k
 
 
 def test_client_disconnect_frees_pages_on_both_nodes(cluster):
     async def go():
-        async with Client(cluster.address("router")) as client:
-            async for _ in client.stream(PROMPTS[2], max_tokens=200, ignore_eos=True):
+        async with AsyncClient(cluster.address("router")) as client:
+            async for _ in client.responses(PROMPTS[2], max_tokens=200, ignore_eos=True):
                 break
         return await wait_pools_full([cluster.address("prefill"), cluster.address("decode")])
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from tests.cluster.nodes import full, run, wait_pools_full
 
 STREAMS = 500
@@ -36,9 +36,9 @@ def test_500_concurrent_streams_through_one_router(fault_cluster):
 
     async def one(client, i):
         try:
-            out = await client.complete(f"load {i} the river under the bridge", max_tokens=8,
+            out = await client.generate(f"load {i} the river under the bridge", max_tokens=8,
                                         temperature=0.7, seed=i, ignore_eos=True, timeout=120)
-            assert len(out.token_ids) == 8 and out.usage["completion_tokens"] == 8
+            assert len(out.token_ids) == 8 and out.usage.completion_tokens == 8
             return "OK"
         except grpc.aio.AioRpcError as err:
             assert err.code() in CLEAR, (err.code(), err.details())
@@ -46,7 +46,7 @@ def test_500_concurrent_streams_through_one_router(fault_cluster):
             return err.code().name
 
     async def go():
-        async with Client(c.address("main")) as client:
+        async with AsyncClient(c.address("main")) as client:
             t0 = time.monotonic()
             outcomes = await asyncio.gather(*(one(client, i) for i in range(STREAMS)))
             wall = time.monotonic() - t0

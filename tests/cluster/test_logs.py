@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from tests.cluster.nodes import run
 from tests.cluster.nodes import wait_until
 
@@ -20,8 +20,8 @@ def test_json_logs_parse_and_hold_one_line_per_request_per_node(cluster):
     c = cluster
 
     async def ask():
-        async with Client(c.grpc) as client:
-            return await client.complete("logs of one request", request_id="log-me-1",
+        async with AsyncClient(c.grpc) as client:
+            return await client.generate("logs of one request", request_id="log-me-1",
                                          temperature=0.0, max_tokens=3, ignore_eos=True)
 
     run(ask())

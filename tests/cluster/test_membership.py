@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from runtime.membership import new_client
 from runtime.server import channel
@@ -12,15 +12,15 @@ from tests.cluster.test_routing import GREEDY, prompt
 
 
 async def _decode_names(c, router: str, n: int, seed: int) -> list[str]:
-    async with Client(c.address(router)) as client:
-        outs = [await client.complete(prompt(seed + i, 12), **GREEDY) for i in range(n)]
-    return [c.name_of(o.usage["route"]["decode_endpoint"]) for o in outs]
+    async with AsyncClient(c.address(router)) as client:
+        outs = [await client.generate(prompt(seed + i, 12), **GREEDY) for i in range(n)]
+    return [c.name_of(o.usage.route.decode_endpoint) for o in outs]
 
 
 async def _prefill_names(c, router: str, n: int, seed: int) -> list[str]:
-    async with Client(c.address(router)) as client:
-        outs = [await client.complete(prompt(seed + i, 12), **GREEDY) for i in range(n)]
-    return [c.name_of(o.usage["route"]["prefill_endpoint"]) for o in outs]
+    async with AsyncClient(c.address(router)) as client:
+        outs = [await client.generate(prompt(seed + i, 12), **GREEDY) for i in range(n)]
+    return [c.name_of(o.usage.route.prefill_endpoint) for o in outs]
 
 
 async def _registered(c) -> set[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from tests.cluster.nodes import load, run, sample, wait_until
 
 GREEDY = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -29,20 +29,20 @@ def test_counters_move_by_the_traffic_sent(cluster):
     prefill_before = run(load(c.address("prefill")))
 
     async def traffic():
-        async with Client(c.grpc) as client:
-            outs = [await client.complete(p, **GREEDY) for p in (LONG, LONG, "hello there")]
+        async with AsyncClient(c.grpc) as client:
+            outs = [await client.generate(p, **GREEDY) for p in (LONG, LONG, "hello there")]
             with pytest.raises(grpc.aio.AioRpcError) as bad:
-                await client.complete("hello", top_p=1.5)
+                await client.generate("hello", top_p=1.5)
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             return outs
 
     outs = run(traffic())
     usages = [o.usage for o in outs]
-    routes = [u["route"] for u in usages]
-    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
-    matched = sum(r["prefix_matched_length"] for r in routes)
-    sent_tokens = sum(r["kv_window_end"] - r["kv_window_begin"] for r in routes
-                      if not r["remote_send_skipped"])
+    routes = [u.route for u in usages]
+    prompt_tokens = sum(u.prompt_tokens for u in usages)
+    matched = sum(r.prefix_matched_length for r in routes)
+    sent_tokens = sum(r.kv_window_end - r.kv_window_begin for r in routes
+                      if not r.remote_send_skipped)
     assert matched > 0, "the repeated long prompt should hit the decode node's prefix cache"
     def settled():  # every node has recorded the end of all three streams
         now = scrape_all(c)

@@ -16,7 +16,7 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from proto import pdserve_pb2
 from runtime.server import channel
 from tests.cluster.conftest import GRACE_MS, HELD, SLOW
@@ -28,7 +28,7 @@ LONG_IDS = [(i * 37) % 480 + 20 for i in range(300)]
 
 async def _fresh(client, prompt, max_tokens):
     """The answer computed from scratch on a decode node (no transfer, no prefix cache)."""
-    return await client.complete(prompt, kv_window_end=0, max_tokens=max_tokens, **GREEDY)
+    return await client.generate(prompt, kv_window_end=0, max_tokens=max_tokens, **GREEDY)
 
 
 def test_sigkill_prefill_node_during_transfer_still_gives_the_right_answer(fault_cluster):
@@ -39,8 +39,8 @@ def test_sigkill_prefill_node_during_transfer_still_gives_the_right_answer(fault
 
     async def go():
         await open_gates(c, "prefill", request_id)
-        async with Client(c.address("short")) as client:
-            task = asyncio.ensure_future(client.complete(
+        async with AsyncClient(c.address("short")) as client:
+            task = asyncio.ensure_future(client.generate(
                 LONG_IDS, request_id=request_id, max_tokens=8, **GREEDY))
             victim = await stopped_at(c, "kv_write", request_id)
             survivor = "p2" if victim == "p1" else "p1"
@@ -63,8 +63,8 @@ def test_sigkill_prefill_node_during_transfer_still_gives_the_right_answer(fault
                 c.restart(name)
     assert out.token_ids == expected.token_ids and len(out.token_ids) == 8
     assert out.finish_reason == "length"
-    route = out.usage["route"]
-    assert route["prefill_endpoint"] in ("", c.address("p2" if victim == "p1" else "p1"))
+    route = out.usage.route
+    assert route.prefill_endpoint in ("", c.address("p2" if victim == "p1" else "p1"))
     assert all(full(r) for r in reports), reports
 
 
@@ -76,7 +76,7 @@ def test_sigkill_decode_node_is_unavailable_naming_it_and_traffic_moves_on(fault
     killed: list[str] = []
 
     async def first_tokens(client, request_id, max_tokens):
-        stream = client.stream(f"a long story {request_id}", request_id=request_id,
+        stream = client.responses(f"a long story {request_id}", request_id=request_id,
                                max_tokens=max_tokens, **GREEDY)
         msg = await stream.__anext__()
         return stream, list(msg.token_ids), await stopped_at(c, "stream", request_id, decodes)
@@ -89,7 +89,7 @@ def test_sigkill_decode_node_is_unavailable_naming_it_and_traffic_moves_on(fault
         return tokens, reason
 
     async def go():
-        async with Client(c.address("main")) as client:
+        async with AsyncClient(c.address("main")) as client:
             doomed, _, victim = await first_tokens(client, f"{HELD}doomed", 500)
             other = "d2" if victim == "d1" else "d1"
             for i in range(4):  # round robin: one of the next streams lands on the other node
@@ -106,15 +106,15 @@ def test_sigkill_decode_node_is_unavailable_naming_it_and_traffic_moves_on(fault
                 await drain(doomed)
             await gate_open(c.address(other), "stream", bystander_id)
             rest, reason = await drain(bystander)
-            after = [await client.complete(f"next request {i}", max_tokens=4, **GREEDY)
+            after = [await client.generate(f"next request {i}", max_tokens=4, **GREEDY)
                      for i in range(4)]
             survivors = await wait_pools_full(
                 [c.address(n) for n in ("p1", "p2", other)], timeout_s=10)
             c.restart(victim)
 
             async def routed_to_victim():
-                out = await client.complete("welcome back", max_tokens=2, **GREEDY)
-                return out.usage["route"]["decode_endpoint"] == c.address(victim)
+                out = await client.generate("welcome back", max_tokens=2, **GREEDY)
+                return out.usage.route.decode_endpoint == c.address(victim)
 
             await wait_for(routed_to_victim, timeout_s=15, poll_s=0.2)
         return victim, other, err.value, got + rest, reason, after, survivors
@@ -129,7 +129,7 @@ def test_sigkill_decode_node_is_unavailable_naming_it_and_traffic_moves_on(fault
     assert f"decode node {c.address(victim)}" in err.details()
     assert len(bystander_tokens) == 120 and reason == "length"
     assert all(len(o.token_ids) == 4 for o in after)
-    assert all(o.usage["route"]["decode_endpoint"] == c.address(other) for o in after)
+    assert all(o.usage.route.decode_endpoint == c.address(other) for o in after)
     assert all(full(r) for r in survivors), survivors
 
 
@@ -159,8 +159,8 @@ def test_lease_expiry_while_prefill_node_still_writes_changes_no_other_output(fa
     async def go():
         before = sum([(await load(d)).late_writes_total for d in decodes])
         await open_gates(c, "prefill", request_id)
-        async with Client(c.address("short")) as short, Client(c.address("main")) as main:
-            slow = asyncio.ensure_future(short.complete(
+        async with AsyncClient(c.address("short")) as short, AsyncClient(c.address("main")) as main:
+            slow = asyncio.ensure_future(short.generate(
                 LONG_IDS[:120], request_id=request_id, max_tokens=6, **GREEDY))
             outs = []
             stop = asyncio.Event()
@@ -169,7 +169,7 @@ def test_lease_expiry_while_prefill_node_still_writes_changes_no_other_output(fa
                 while not stop.is_set():
                     batch = [bystander(len(outs) + k) for k in range(6)]
                     outs.extend(zip(batch, await asyncio.gather(*(
-                        main.complete(p, max_tokens=6, **GREEDY) for p in batch))))
+                        main.generate(p, max_tokens=6, **GREEDY) for p in batch))))
 
             traffic = asyncio.ensure_future(bystanders())
             for attempt in range(2):  # one prefill node, then the other
@@ -191,7 +191,7 @@ def test_lease_expiry_while_prefill_node_still_writes_changes_no_other_output(fa
     out, slow_expected, outs, expected, late_writes, reports = run(go(), timeout_s=120)
     assert late_writes == 2  # both prefill nodes really wrote after their leases ended
     assert out.token_ids == slow_expected.token_ids
-    assert out.usage["route"]["remote_send_skipped"]  # both prefill attempts ran out of lease
+    assert out.usage.route.remote_send_skipped  # both prefill attempts ran out of lease
     assert len(outs) >= 12
     mismatched = [i for i, ((_, o), e) in enumerate(zip(outs, expected)) if o.token_ids != e.token_ids]
     assert not mismatched, f"{len(mismatched)} of {len(outs)} bystanders changed: {mismatched}"

@@ -11,19 +11,11 @@ import urllib.request
 import openai
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from tests.cluster.nodes import run, sample, wait_until
 
 GREEDY = dict(temperature=0.0, max_tokens=6, extra_body={"ignore_eos": True})
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a fox"}]
-
-
-@pytest.fixture(scope="module")
-def api(cluster):
-    client = openai.OpenAI(base_url=cluster.http + "/v1", api_key="unused", max_retries=0,
-                           timeout=60)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +55,8 @@ def test_chat_prompt_is_rendered_by_the_tokenizer_chat_template(api, model, clus
                      add_special_tokens=False)
 
     async def grpc_answer():
-        async with Client(cluster.grpc) as client:
-            return await client.complete(ids, temperature=0.0, max_tokens=6, ignore_eos=True)
+        async with AsyncClient(cluster.grpc) as client:
+            return await client.generate(ids, temperature=0.0, max_tokens=6, ignore_eos=True)
 
     whole = api.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
     assert whole.usage.prompt_tokens == len(ids)
@@ -79,8 +71,8 @@ def test_openai_client_streams_a_completion(api, model, cluster):
     assert all(c.object == "text_completion" for c in chunks)
 
     async def grpc_answer():
-        async with Client(cluster.grpc) as client:
-            return await client.complete(prompt, temperature=0.0, max_tokens=6, ignore_eos=True)
+        async with AsyncClient(cluster.grpc) as client:
+            return await client.generate(prompt, temperature=0.0, max_tokens=6, ignore_eos=True)
 
     assert text == run(grpc_answer()).text
     whole = api.completions.create(model=model, prompt=prompt, logprobs=2, **GREEDY)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from tests.cluster.nodes import WORKER_FLAGS, Cluster, load, run, wait_pools_full
 from tests.real_model_oracle import EOS, MAX_NEW, chat_prompts, chat_texts, greedy_reference
 
@@ -46,25 +46,25 @@ def test_remote_prefill_greedy_equals_transformers_and_pools_refill(real_cluster
 
     async def go():
         before = await load(prefill)
-        async with Client(real_cluster.address("router")) as client:
+        async with AsyncClient(real_cluster.address("router")) as client:
             outs = await asyncio.gather(*(
-                client.complete(text, temperature=0.0, max_tokens=MAX_NEW) for text in texts))
+                client.generate(text, temperature=0.0, max_tokens=MAX_NEW) for text in texts))
         return before, outs, await load(prefill)
 
     before, outs, after = run(go(), timeout_s=300)
     for prompt, want, out in zip(prompts, expected, outs):
-        assert out.usage["prompt_tokens"] == len(prompt)
+        assert out.usage.prompt_tokens == len(prompt)
         assert out.token_ids == list(want), f"prompt of {len(prompt)} tokens: {out.text!r}"
         assert out.finish_reason == ("stop" if want[-1] == EOS else "length")
-        route = out.usage["route"]
-        assert not route["remote_send_skipped"], route
-        assert route["prefill_endpoint"] == prefill and route["decode_endpoint"] == decode
-        assert route["kv_window_end"] == len(prompt) - 1  # all but the last prompt token
-        assert route["kv_window_begin"] == route["prefix_matched_length"]
-    long_route = outs[-1].usage["route"]
-    assert long_route["kv_window_end"] - long_route["kv_window_begin"] > 1000  # KV moved
+        route = out.usage.route
+        assert not route.remote_send_skipped, route
+        assert route.prefill_endpoint == prefill and route.decode_endpoint == decode
+        assert route.kv_window_end == len(prompt) - 1  # all but the last prompt token
+        assert route.kv_window_begin == route.prefix_matched_length
+    long_route = outs[-1].usage.route
+    assert long_route.kv_window_end - long_route.kv_window_begin > 1000  # KV moved
 
-    sent_tokens = sum(o.usage["route"]["kv_window_end"] - o.usage["route"]["kv_window_begin"]
+    sent_tokens = sum(o.usage.route.kv_window_end - o.usage.route.kv_window_begin
                       for o in outs)
     assert after.remote_sends_total - before.remote_sends_total == len(prompts)
     assert after.kv_bytes_sent_total - before.kv_bytes_sent_total == \

@@ -7,7 +7,7 @@ import asyncio
 import collections
 import random
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from runtime.server import channel
 from tests.cluster.conftest import SCALE_PAGE as PAGE
@@ -22,15 +22,15 @@ def prompt(seed: int, n: int = 24) -> list[int]:
 
 
 async def routes(router: str, prompts, **kwargs) -> list[dict]:
-    async with Client(router) as client:
-        return [(await client.complete(p, **GREEDY, **kwargs)).usage["route"] for p in prompts]
+    async with AsyncClient(router) as client:
+        return [(await client.generate(p, **GREEDY, **kwargs)).usage.route for p in prompts]
 
 
 def test_round_robin_spreads_requests_evenly_over_both_pools(scale_cluster):
     c = scale_cluster
     got = run(routes(c.address("rr"), [prompt(100 + i) for i in range(4)]))
-    prefill = collections.Counter(c.name_of(r["prefill_endpoint"]) for r in got)
-    decode = collections.Counter(c.name_of(r["decode_endpoint"]) for r in got)
+    prefill = collections.Counter(c.name_of(r.prefill_endpoint) for r in got)
+    decode = collections.Counter(c.name_of(r.decode_endpoint) for r in got)
     assert prefill == {"p1": 2, "p2": 2} and decode == {"d1": 2, "d2": 2}, got
 
 
@@ -84,8 +84,8 @@ def test_least_loaded_avoids_the_nodes_busy_with_work_from_elsewhere(scale_clust
         return got
 
     got = run(go())
-    assert {c.name_of(r["decode_endpoint"]) for r in got} == {"d2"}, got
-    assert {c.name_of(r["prefill_endpoint"]) for r in got} == {"p2"}, got
+    assert {c.name_of(r.decode_endpoint) for r in got} == {"d2"}, got
+    assert {c.name_of(r.prefill_endpoint) for r in got} == {"p2"}, got
 
 
 def test_prefix_aware_sends_a_shared_prefix_follow_up_to_the_node_holding_it(scale_cluster):
@@ -127,7 +127,7 @@ def test_several_routers_share_no_state_and_all_route_every_node(scale_cluster):
         seen = {}
         for name in ("rr", "ll", "px"):
             got = await routes(c.address(name), [prompt(300 + i, 12) for i in range(4)])
-            seen[name] = {c.name_of(r["decode_endpoint"]) for r in got}
+            seen[name] = {c.name_of(r.decode_endpoint) for r in got}
         return seen
 
     seen = run(go())

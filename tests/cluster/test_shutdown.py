@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from runtime.server import channel
 from tests.cluster.conftest import ROUTER_FLAGS, SLOW
 from tests.cluster.nodes import (GREEDY, Cluster, full, gate_open, load, run, stopped_at,
@@ -41,15 +41,15 @@ def test_sigterm_on_the_router_lets_streams_finish_and_refuses_new_ones(fault_cl
     request_id = f"{SLOW}drain"
 
     async def go():
-        async with Client(router.address) as client:
+        async with AsyncClient(router.address) as client:
             # In flight at SIGTERM: held at its prefill node's gate, then it decodes.
-            stream = asyncio.ensure_future(_consume(client.stream(
+            stream = asyncio.ensure_future(_consume(client.responses(
                 "drain me slowly", request_id=request_id, max_tokens=300, **GREEDY)))
             prefill = await stopped_at(c, "prefill", request_id)
             router.send_signal(signal.SIGTERM)
             await wait_for(lambda: _not_serving(router.address), timeout_s=10)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await client.complete("too late", max_tokens=2, timeout=10)
+                await client.generate("too late", max_tokens=2, timeout=10)
             for phase in ("prefill", "kv_write"):
                 await gate_open(c.address(prefill), phase, request_id)
             tokens, reason = await stream
@@ -69,15 +69,15 @@ def test_sigterm_on_a_decode_node_finishes_its_stream_while_traffic_moves_on(fau
     c = fault_cluster
 
     async def go():
-        async with Client(c.address("main")) as client:
-            stream = client.stream("a stream on a node about to stop", max_tokens=300, **GREEDY)
+        async with AsyncClient(c.address("main")) as client:
+            stream = client.responses("a stream on a node about to stop", max_tokens=300, **GREEDY)
             first = await stream.__anext__()
             running = {d: (await load(c.address(d))).num_running for d in ("d1", "d2")}
             victim = next(d for d, n in running.items() if n)
             other = "d2" if victim == "d1" else "d1"
             c.nodes[victim].send_signal(signal.SIGTERM)
             await wait_for(lambda: _not_serving(c.address(victim)), timeout_s=10)
-            during = [await client.complete(f"during drain {i}", max_tokens=3, timeout=20,
+            during = [await client.generate(f"during drain {i}", max_tokens=3, timeout=20,
                                             **GREEDY) for i in range(3)]
             tokens, reason = await _consume(stream)
             code = await asyncio.to_thread(c.nodes[victim].proc.wait, 20)
@@ -91,6 +91,6 @@ def test_sigterm_on_a_decode_node_finishes_its_stream_while_traffic_moves_on(fau
             if not c.nodes[name].alive():
                 c.restart(name)
     assert len(tokens) == 300 and reason == "length"
-    assert all(o.usage["route"]["decode_endpoint"] == c.address(other) for o in during)
+    assert all(o.usage.route.decode_endpoint == c.address(other) for o in during)
     assert code == 0  # it exited by itself once its stream was done
     assert all(full(r) for r in reports), reports

@@ -15,7 +15,7 @@ import signal
 import time
 from pathlib import Path
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from tests.cluster.conftest import SLOW
 from tests.cluster.nodes import (GREEDY, full, gate_open, load, open_gates, run, stopped_at,
                                  wait_for, wait_pools_full, wait_until)
@@ -49,9 +49,9 @@ def test_writer_stopped_mid_window_is_fenced_changes_no_output_and_leaks_nothing
     async def go():
         before = sum([(await load(d)).late_writes_total for d in d_addresses])
         await open_gates(c, "prefill", request_id)
-        async with Client(c.address("short")) as short, Client(c.address("main")) as main:
+        async with AsyncClient(c.address("short")) as short, AsyncClient(c.address("main")) as main:
             started = time.monotonic()
-            slow = asyncio.ensure_future(short.complete(
+            slow = asyncio.ensure_future(short.generate(
                 PROMPT, request_id=request_id, max_tokens=6, timeout=40, **GREEDY))
             frozen = []
             for _ in range(2):  # the first prefill node, then the one the router retries
@@ -70,20 +70,20 @@ def test_writer_stopped_mid_window_is_fenced_changes_no_output_and_leaks_nothing
                 except AssertionError:
                     raise AssertionError(f"no writer fenced:\n{_story(c, request_id)}") from None
                 bystanders = await asyncio.gather(*(
-                    main.complete(bystander(i), max_tokens=6, **GREEDY) for i in range(6)))
+                    main.generate(bystander(i), max_tokens=6, **GREEDY) for i in range(6)))
                 quarantined = sum([(await load(d)).num_quarantined for d in d_addresses])
             finally:
                 for name in frozen:
                     c.nodes[name].send_signal(signal.SIGCONT)
             reports = await wait_pools_full([*c.workers], timeout_s=20)
             after = sum([r.late_writes_total for r in reports if r.role == "decode"])
-            expected = await asyncio.gather(*(main.complete(
+            expected = await asyncio.gather(*(main.generate(
                 bystander(i), kv_window_end=0, max_tokens=6, **GREEDY) for i in range(6)))
-            slow_expected = await main.complete(PROMPT, kv_window_end=0, max_tokens=6, **GREEDY)
+            slow_expected = await main.generate(PROMPT, kv_window_end=0, max_tokens=6, **GREEDY)
 
             async def disaggregated_again():
-                o = await main.complete(bystander(100), max_tokens=2, **GREEDY)
-                return not o.usage["route"]["remote_send_skipped"]
+                o = await main.generate(bystander(100), max_tokens=2, **GREEDY)
+                return not o.usage.route.remote_send_skipped
 
             await wait_for(disaggregated_again, timeout_s=20, poll_s=0.3)
         return (out, elapsed, walls, bystanders, quarantined, reports, after - before, expected,
@@ -96,7 +96,7 @@ def test_writer_stopped_mid_window_is_fenced_changes_no_output_and_leaks_nothing
     # Both half-written reservations (and any bystander's sent to a frozen node before the
     # main router heard) are held while their writers are frozen.
     assert quarantined >= len(walls)
-    assert all(b.usage["route"]["remote_send_skipped"] for b in bystanders)  # frozen: not used
+    assert all(b.usage.route.remote_send_skipped for b in bystanders)  # frozen: not used
     assert [b.token_ids for b in bystanders] == [e.token_ids for e in expected]
     assert late >= 2  # both second halves landed (after SIGCONT), into pages still held
     assert all(full(r) for r in reports), reports

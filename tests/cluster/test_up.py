@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from pdserve.procs import NodeProcess
 from tests.cluster.nodes import run
 
@@ -36,8 +36,8 @@ def test_up_answers_within_15s_and_idles_under_5_percent_of_a_core(tiny_model, t
         node.wait_ready()
 
         async def ask():
-            async with Client(node.address) as client:
-                return await client.complete("hello", max_tokens=4, temperature=0.0)
+            async with AsyncClient(node.address) as client:
+                return await client.generate("hello", max_tokens=4, temperature=0.0)
 
         out = run(ask())
         first_answer_s = time.monotonic() - start
@@ -90,11 +90,11 @@ def test_up_keys_its_nodes_with_a_fresh_private_cluster_key_removed_at_exit(tiny
         assert not any("sk-up-test" in a for args in nodes.values() for a in args)
 
         async def go():
-            async with Client(node.address, api_key="sk-up-test") as client:
-                out = await client.complete("hello", max_tokens=2, temperature=0.0)
-            async with Client(node.address, api_key="") as client:
+            async with AsyncClient(node.address, api_key="sk-up-test") as client:
+                out = await client.generate("hello", max_tokens=2, temperature=0.0)
+            async with AsyncClient(node.address, api_key="") as client:
                 with pytest.raises(grpc.aio.AioRpcError) as anonymous_client:
-                    await client.complete("hello", max_tokens=2)
+                    await client.generate("hello", max_tokens=2)
             async with channel(f"127.0.0.1:{value('decode', '--port')}") as ch:
                 with pytest.raises(grpc.aio.AioRpcError) as anonymous_call:
                     await pdserve_pb2_grpc.WorkerStub(ch).GetLoad(pdserve_pb2.LoadRequest())

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from models.catalogue import DEFAULT_MODEL
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from tests.deploy.compose_local import PDSERVE, REPO, LocalCompose, image_environment
 from tests.deploy.conftest import VARIABLES
 
@@ -30,8 +30,8 @@ def test_router_streams_an_answer_through_dns_discovered_prefill_and_decode(comp
     assert container_ports == [compose.ports["router"][0]], "publish the port the router serves"
 
     async def ask():
-        async with Client(router.address, api_key=keys["api"]) as client:
-            return [msg async for msg in client.stream("the quick brown fox", max_tokens=8,
+        async with AsyncClient(router.address, api_key=keys["api"]) as client:
+            return [msg async for msg in client.responses("the quick brown fox", max_tokens=8,
                                                        temperature=0.0, ignore_eos=True,
                                                        timeout=60)]
 
@@ -54,10 +54,10 @@ def test_every_service_serves_the_default_model_from_the_image_cache(compose, im
         assert service.env["PDSERVE_CACHE"] == image_cache, f"{name} must read the image's cache"
 
     async def model_info():
-        async with Client(compose.services["router"].address, api_key=keys["api"]) as client:
-            return await client.model_info()
+        async with AsyncClient(compose.services["router"].address, api_key=keys["api"]) as client:
+            return (await client.models())[0]
 
-    assert asyncio.run(model_info()).model == DEFAULT_MODEL
+    assert asyncio.run(model_info()).id == DEFAULT_MODEL
     # Nothing was converted, locked or written at start: the cache is as the build left it.
     assert os.listdir(Path(image_cache, "models")) == [DEFAULT_MODEL]
 

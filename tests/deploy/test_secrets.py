@@ -11,7 +11,7 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from runtime.bearer import bearer_metadata
 from runtime.cluster_key import ClusterKey
@@ -69,9 +69,9 @@ def test_compose_nodes_refuse_callers_without_the_keys_and_answer_those_with_the
                 pdserve_pb2.LoadRequest(), metadata=metadata, timeout=30)
 
     async def go():
-        async with Client(compose.services["router"].address, api_key="") as client:
+        async with AsyncClient(compose.services["router"].address, api_key="") as client:
             with pytest.raises(grpc.aio.AioRpcError) as anonymous:
-                await client.model_info()
+                await client.models()
         refused, loads = [], []
         for name in ("prefill", "decode"):
             address = compose.services[name].address

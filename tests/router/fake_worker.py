@@ -152,12 +152,12 @@ async def one_request(prefill: list[FakeWorker], decode: list[FakeWorker], reque
                       until=None, **cfg):
     """One "hello" through a router over these workers; with `until`, the router stays up
     until that awaitable is done (a call the router makes after the answer)."""
-    from pdserve.client import Client
+    from pdserve.client import AsyncClient
 
     addr, _, stop = await start_router(prefill, decode, **cfg)
     try:
-        async with Client(addr) as client:
-            out = await client.complete("hello", request_id=request_id)
+        async with AsyncClient(addr) as client:
+            out = await client.generate("hello", request_id=request_id)
         if until is not None:
             await asyncio.wait_for(until, 5)
     finally:

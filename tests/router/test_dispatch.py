@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from tests.router.fake_worker import FakeWorker, start_router, run
 
 
@@ -16,8 +16,8 @@ def test_calls_prepare_then_remote_send_then_start_and_streams_back():
         p, d = FakeWorker("p"), FakeWorker("d", matched=2)
         addr, _, stop = await start_router([p], [d])
         try:
-            async with Client(addr) as client:
-                msgs = [m async for m in client.stream("hello", request_id="r1", temperature=0.0)]
+            async with AsyncClient(addr) as client:
+                msgs = [m async for m in client.responses("hello", request_id="r1", temperature=0.0)]
         finally:
             await stop()
         assert d.rpcs() == ["PrepareReceive", "StartGeneration"]
@@ -46,13 +46,13 @@ def test_remote_send_skipped_when_decode_holds_the_whole_window():
         p, d = FakeWorker("p"), FakeWorker("d", matched=100)
         addr, _, stop = await start_router([p], [d])
         try:
-            async with Client(addr) as client:
-                out = await client.complete("hello")
+            async with AsyncClient(addr) as client:
+                out = await client.generate("hello")
         finally:
             await stop()
         assert p.rpcs() == []
         assert d.calls[1][1].expect_kv_notification is False
-        assert out.usage["route"]["remote_send_skipped"] is True
+        assert out.usage.route.remote_send_skipped is True
         assert out.token_ids == [5, 6, 7]
 
     run(go())
@@ -63,8 +63,8 @@ def test_per_request_kv_window_end_reaches_the_decode_node():
         p, d = FakeWorker("p"), FakeWorker("d")
         addr, _, stop = await start_router([p], [d], kv_window_end=-1)
         try:
-            async with Client(addr) as client:
-                await client.complete("hello world", kv_window_end=-3)
+            async with AsyncClient(addr) as client:
+                await client.generate("hello world", kv_window_end=-3)
         finally:
             await stop()
         assert d.calls[0][1].kv_window_end == -3
@@ -78,8 +78,8 @@ def test_client_disconnect_aborts_on_the_decode_node():
         p, d = FakeWorker("p"), FakeWorker("d", tokens=range(100), token_delay_s=0.05)
         addr, dispatcher, stop = await start_router([p], [d])
         try:
-            async with Client(addr) as client:
-                async for msg in client.stream("hello", request_id="gone"):
+            async with AsyncClient(addr) as client:
+                async for msg in client.responses("hello", request_id="gone"):
                     break  # disconnect after the first token
             for _ in range(100):
                 if d.aborted:
@@ -99,8 +99,8 @@ def test_abort_during_remote_send_reaches_prefill_and_decode():
         p.remote_send_gate = asyncio.Event()
         addr, _, stop = await start_router([p], [d])
         try:
-            async with Client(addr) as client:
-                task = asyncio.ensure_future(client.complete("hello", request_id="x"))
+            async with AsyncClient(addr) as client:
+                task = asyncio.ensure_future(client.generate("hello", request_id="x"))
                 while p.rpcs() != ["RemoteSend"]:
                     await asyncio.sleep(0.01)
                 assert await client.abort("x") is True
@@ -121,9 +121,9 @@ def test_decode_failure_is_unavailable_naming_the_node():
         p, d = FakeWorker("p"), FakeWorker("d", fail={"StartGeneration": grpc.StatusCode.UNAVAILABLE})
         addr, _, stop = await start_router([p], [d])
         try:
-            async with Client(addr) as client:
+            async with AsyncClient(addr) as client:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await client.complete("hello")
+                    await client.generate("hello")
         finally:
             await stop()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -136,9 +136,9 @@ def test_bad_prompt_is_invalid_argument():
     async def go():
         addr, _, stop = await start_router([FakeWorker("p")], [FakeWorker("d")])
         try:
-            async with Client(addr) as client:
+            async with AsyncClient(addr) as client:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await client.complete("")
+                    await client.generate("")
         finally:
             await stop()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -152,9 +152,9 @@ def test_round_robin_spreads_over_decode_nodes():
         d1, d2 = FakeWorker("d1", matched=100), FakeWorker("d2", matched=100)
         addr, _, stop = await start_router([], [d1, d2])
         try:
-            async with Client(addr) as client:
+            async with AsyncClient(addr) as client:
                 for _ in range(4):
-                    await client.complete("hi")
+                    await client.generate("hi")
         finally:
             await stop()
         assert d1.rpcs().count("StartGeneration") == 2 == d2.rpcs().count("StartGeneration")
@@ -189,9 +189,9 @@ def test_a_refused_reservation_ends_an_overlapped_remote_send_the_abort_overtook
         d = FakeWorker("d", fail={"PrepareReceive": grpc.StatusCode.INVALID_ARGUMENT})
         addr, _, stop = await start_router([p], [d])
         try:
-            async with Client(addr) as client:
+            async with AsyncClient(addr) as client:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await client.complete("hello", timeout=5)
+                    await client.generate("hello", timeout=5)
         finally:
             await stop()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value

@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from tests.router.fake_worker import FakeWorker, one_request, run, start_router
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -35,8 +35,8 @@ def test_failed_remote_send_is_retried_on_another_prefill_node_with_a_fresh_rese
         d = RecordingWorker("d")
         addr, _, stop = await start_router([p1, p2], [d])
         try:
-            async with Client(addr) as client:
-                out = await client.complete("hello", request_id="r")
+            async with AsyncClient(addr) as client:
+                out = await client.generate("hello", request_id="r")
         finally:
             await stop()
         assert out.token_ids == [5, 6, 7]
@@ -55,8 +55,8 @@ def test_when_every_prefill_node_fails_the_decode_node_prefills_itself():
         d = RecordingWorker("d")
         addr, _, stop = await start_router([p1, p2], [d])
         try:
-            async with Client(addr) as client:
-                out = await client.complete("hello world", request_id="r")
+            async with AsyncClient(addr) as client:
+                out = await client.generate("hello world", request_id="r")
         finally:
             await stop()
         assert out.token_ids == [5, 6, 7] and out.finish_reason == "length"
@@ -66,8 +66,8 @@ def test_when_every_prefill_node_fails_the_decode_node_prefills_itself():
         assert d.aborts == [("r", True), ("r", False)]
         start = d.calls[-1][1]
         assert start.kv_window_begin == 0 and not start.expect_kv_notification
-        route = out.usage["route"]
-        assert route["remote_send_skipped"] and route["prefill_endpoint"] == ""
+        route = out.usage.route
+        assert route.remote_send_skipped and route.prefill_endpoint == ""
 
     run(go())
 
@@ -78,8 +78,8 @@ def test_unavailable_decode_node_is_skipped_and_marked_down():
         d2 = FakeWorker("d2", matched=100)
         addr, dispatcher, stop = await start_router([], [d1, d2])
         try:
-            async with Client(addr) as client:
-                outs = [await client.complete("hi") for _ in range(4)]
+            async with AsyncClient(addr) as client:
+                outs = [await client.generate("hi") for _ in range(4)]
             await asyncio.sleep(0.2)  # the health check (fake nodes have none) fails
             routable = {e.address: e.routable for e in dispatcher.registry.decode}
         finally:
@@ -97,13 +97,13 @@ def test_past_the_queue_bound_requests_get_resource_exhausted():
         d = FakeWorker("d", matched=100, tokens=range(20), token_delay_s=0.05)
         addr, _, stop = await start_router([], [d], max_concurrent_requests=1, max_queued_requests=1)
         try:
-            async with Client(addr) as client:
-                running = asyncio.ensure_future(client.complete("a"))
+            async with AsyncClient(addr) as client:
+                running = asyncio.ensure_future(client.generate("a"))
                 await asyncio.sleep(0.2)
-                queued = asyncio.ensure_future(client.complete("b"))
+                queued = asyncio.ensure_future(client.generate("b"))
                 await asyncio.sleep(0.2)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await client.complete("c")
+                    await client.generate("c")
                 outs = [await running, await queued]
         finally:
             await stop()
@@ -183,6 +183,6 @@ def test_a_lease_that_ended_before_start_generation_lets_the_decode_node_prefill
                             "StartGeneration"]
         retry = d.calls[-1][1]
         assert retry.HasField("prepare") and retry.prepare.local_prefill
-        assert out.usage["route"]["skip_reason"] == "lease_ended"
+        assert out.usage.route.skip_reason == "lease_ended"
 
     run(go())

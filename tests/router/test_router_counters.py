@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 from prometheus_client import REGISTRY
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient
 from tests.router.fake_worker import FakeWorker
 from tests.router.fake_worker import start_router, run
 
@@ -30,8 +30,8 @@ def _serve(prefill_fails: list[bool]) -> tuple[float, float, float]:
         addr, _, stop = await start_router(prefill, [FakeWorker("d")])
         try:
             before = counters()
-            async with Client(addr) as client:
-                out = await client.complete("hello world")
+            async with AsyncClient(addr) as client:
+                out = await client.generate("hello world")
             assert out.finish_reason == "length"
             return tuple(a - b for a, b in zip(counters(), before))
         finally:

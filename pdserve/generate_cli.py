@@ -1,0 +1,115 @@
+"""`pdserve generate`: one request to a router or colocated node, from the terminal.
+
+The prompt is `--prompt TEXT`, `--prompt-file PATH` (`-`: standard input), or a
+conversation of `--message ROLE:CONTENT` (repeatable; rendered with the model's chat
+template on the server). One choice streams as it comes; with `--n` > 1 every choice is
+printed once complete, each under its index and finish reason. `--logprobs N` prints each
+token's log-probability and its N most likely alternatives; `--json` prints the whole
+`Completion` (every choice, logprobs, usage with timings and route) as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop",
+                  "stop_token_ids", "ignore_eos", "logprobs")
+
+
+def add_generate_parser(sub) -> None:
+    from runtime.auth import APIKeyConfig
+    from runtime.options import add_options
+    from runtime.tls import TLSConfig
+
+    p = sub.add_parser("generate", help="send one prompt to a router or colocated node")
+    p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT (default: %(default)s)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt from PATH (- : stdin)")
+    prompt.add_argument("--message", action="append", metavar="ROLE:CONTENT",
+                        help="a chat turn, e.g. --message 'user:Hi' (repeat for a conversation)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (server default 16)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (server default 1.0)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default off)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens less likely than this share of the most likely (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible output")
+    p.add_argument("--n", type=int, default=None, help="choices to generate (default 1)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop before this text (repeatable)")
+    p.add_argument("--stop-token-ids", type=_ids, default=None, metavar="ID,ID",
+                   help="stop after any of these token ids")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each token's log-probability and its N most likely alternatives")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (every choice, logprobs, usage) at the end")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_options(p.add_argument_group("TLS (runtime/tls.py)"), TLSConfig)
+    add_options(p.add_argument_group("authentication (runtime/auth.py)"), APIKeyConfig)
+    p.set_defaults(func=cmd_generate)
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids must be integers separated by commas, "
+                                         f"got {text!r}") from None
+
+
+def prompt_of(args) -> dict:
+    """The request's prompt keyword: `prompt` (text) or `messages`."""
+    if args.message:
+        messages = []
+        for turn in args.message:
+            role, sep, content = turn.partition(":")
+            if not sep or not role:
+                raise SystemExit(f"pdserve generate: --message must be ROLE:CONTENT, got {turn!r}")
+            messages.append({"role": role, "content": content})
+        return {"messages": messages}
+    if args.prompt_file is not None:
+        if args.prompt_file == "-":
+            return {"prompt": sys.stdin.read()}
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return {"prompt": f.read()}
+    return {"prompt": args.prompt}
+
+
+def cmd_generate(args) -> int:
+    import json
+
+    from pdserve.client import Client, PdserveError
+    from pdserve.credentials import client_api_key, configure_tls
+
+    configure_tls(args)
+    sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    request = prompt_of(args)
+    try:
+        with Client(args.server, api_key=client_api_key(args), timeout=args.timeout) as client:
+            if args.json or (args.n or 1) > 1 or args.logprobs is not None:
+                out = client.generate(**request, **sampling)
+                print(json.dumps(out.to_dict()) if args.json else show(out, args.logprobs is not None))
+                return 0
+            for delta in client.stream(**request, **sampling):
+                print(delta.text, end="", flush=True)
+            print()
+            return 0
+    except PdserveError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+def show(out, with_logprobs: bool) -> str:
+    """Every choice under its index and finish reason, and its tokens' logprobs if asked."""
+    lines = []
+    for choice in out.choices:
+        lines.append(f"--- choice {choice.index} ({choice.finish_reason})")
+        lines.append(choice.text)
+        if with_logprobs:
+            for entry in choice.logprobs or []:
+                top = "  ".join(f"{t.token_id}:{t.logprob:.4f}" for t in entry.top)
+                lines.append(f"  token {entry.token_id:>6} logprob {entry.logprob:9.4f}   {top}")
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""What a gRPC client gets, against a real router + prefill + decode: the README's client
+examples run exactly as printed, the blocking and asyncio clients agree, errors carry the
+status and the server's message, and `pdserve generate` prints every choice, logprobs,
+and reads prompts from standard input or chat turns."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve.client import AsyncClient, Client, PdserveError
+from tests.cluster.nodes import run
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTION = "## From Python: the client library"
+
+
+def readme_examples() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(SECTION):]
+    section = section[:section.index("\n## ", len(SECTION))]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def run_python(code: str, address: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PDSERVE_ADDRESS": address})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_the_readme_client_examples_run_as_printed(cluster):
+    sync_example, async_example = readme_examples()
+    out = run_python(sync_example, cluster.address("router")).splitlines()
+    assert re.fullmatch(r".* length \d+\.\d+", out[0])
+    assert [line.split()[:2] for line in out[1:4]] == [["0", "length"], ["1", "length"],
+                                                      ["2", "length"]]
+    scored = [line.split(None, 2) for line in out[4:8]]
+    assert all(len(json.loads(top)) == 2 and float(lp) <= 0 for _, lp, top in scored)
+    assert re.fullmatch(r"\d+ tokens, \d+\.\d ms per token", out[-1])
+
+    out = run_python(async_example, cluster.address("router")).splitlines()
+    assert out[0] == "aborted: True"
+    assert out[1] == "ended with ['abort']"
+    assert out[2].startswith("INVALID_ARGUMENT ") and "top_p" in out[2]
+
+
+def test_blocking_and_async_clients_agree_and_stream_every_choice(cluster):
+    params = dict(n=3, seed=4, temperature=1.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    with Client(cluster.address("router"), timeout=60) as client:
+        whole = client.generate("a shared prompt", **params)
+        deltas = list(client.stream("a shared prompt", **params))
+        assert client.health() == "SERVING"
+        (model,) = client.models()
+
+    async def go():
+        async with AsyncClient(cluster.address("router")) as client:
+            return await client.generate("a shared prompt", **params)
+
+    assert [c.token_ids for c in run(go()).choices] == [c.token_ids for c in whole.choices]
+    assert model.id == cluster.model and model.role == "router" and model.vocab_size == 512
+    *pieces, last = deltas
+    assert last.usage is not None and last.usage.completion_tokens == 18
+    for choice in whole.choices:
+        mine = [d for d in pieces if d.index == choice.index]
+        assert sum((d.token_ids for d in mine), []) == choice.token_ids
+        assert [d.finish_reason for d in mine if d.finish_reason] == ["length"]
+        assert len(choice.logprobs) == 6 and all(len(e.top) == 1 for e in choice.logprobs)
+
+
+def test_errors_carry_the_status_and_the_servers_message(cluster):
+    with Client(cluster.address("router")) as client:
+        with pytest.raises(PdserveError) as err:
+            client.generate("x", max_tokens=4, top_p=1.5)
+        with pytest.raises(TypeError, match="unknown sampling fields: \\['top_q'\\]"):
+            client.generate("x", top_q=0.5)
+        assert client.abort("never-sent") is False
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "top_p" in err.value.message and str(err.value).startswith("INVALID_ARGUMENT: ")
+
+
+def test_a_client_of_no_server_retries_then_says_unavailable():
+    with Client("127.0.0.1:1", timeout=5, retries=1) as client:
+        with pytest.raises(PdserveError) as err:
+            client.generate("x", max_tokens=1)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def pdserve_generate(cluster, *args: str, stdin: str | None = None) -> str:
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--server",
+                          cluster.address("router"), *args], cwd=ROOT, capture_output=True,
+                         text=True, input=stdin, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_pdserve_generate_prints_every_choice_logprobs_and_reads_stdin(cluster):
+    sampling = ["--n", "3", "--seed", "2", "--temperature", "1", "--max-tokens", "5",
+                "--ignore-eos"]
+    as_json = json.loads(pdserve_generate(cluster, "--prompt-file", "-", "--json", *sampling,
+                                          stdin="a prompt from stdin"))
+    with Client(cluster.address("router")) as client:
+        expected = client.generate("a prompt from stdin", n=3, seed=2, temperature=1.0,
+                                   max_tokens=5, ignore_eos=True)
+    assert [c["token_ids"] for c in as_json["choices"]] == [c.token_ids for c in expected.choices]
+    assert as_json["usage"]["time_to_first_token_s"] > 0
+
+    shown = pdserve_generate(cluster, "--prompt-file", "-", *sampling, stdin="a prompt from stdin")
+    assert [line for line in shown.splitlines() if line.startswith("--- choice")] == [
+        "--- choice 0 (length)", "--- choice 1 (length)", "--- choice 2 (length)"]
+    scored = pdserve_generate(cluster, "--prompt", "the sky", "--logprobs", "2",
+                              "--max-tokens", "3", "--temperature", "0", "--ignore-eos")
+    assert len([line for line in scored.splitlines() if " logprob " in line]) == 3
+
+    chat = json.loads(pdserve_generate(cluster, "--message", "system:be brief", "--message",
+                                       "user:hello", "--max-tokens", "4", "--temperature", "0",
+                                       "--json"))
+    with Client(cluster.address("router")) as client:
+        want = client.generate(messages=[{"role": "system", "content": "be brief"},
+                                         {"role": "user", "content": "hello"}],
+                               max_tokens=4, temperature=0)
+    assert chat["choices"][0]["token_ids"] == want.token_ids

@@ -1,0 +1,138 @@
+"""Every sampling option through router + prefill + decode, checked by value against the
+colocated node (the same engine without disaggregation): n choices with a seed, logprobs
+and top logprobs (within 1e-4 in fp32), stop strings and stop ids, min_p, top_k and seed;
+then the same through the OpenAI endpoint with the `openai` client; and the timings every
+result carries."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.client import AsyncClient
+from tests.cluster.nodes import run
+
+PROMPT = [(i * 37) % 400 + 30 for i in range(40)]  # token ids: the same prompt everywhere
+LONG = dict(max_tokens=8, ignore_eos=True)
+CASES = {
+    "n3-seeded": dict(n=3, seed=7, temperature=1.0, **LONG),
+    "n2-top_k": dict(n=2, seed=11, temperature=0.9, top_k=5, **LONG),
+    "n4-min_p-top_p": dict(n=4, seed=3, temperature=1.0, min_p=0.02, top_p=0.95, **LONG),
+    "greedy-logprobs": dict(temperature=0.0, logprobs=3, **LONG),
+    "seeded-logprobs-n2": dict(n=2, seed=5, temperature=1.0, logprobs=2, **LONG),
+}
+
+
+def both(cluster, colocated, **kwargs):
+    async def go():
+        async with AsyncClient(cluster.address("router")) as r, AsyncClient(colocated.address) as c:
+            return await r.generate(PROMPT, **kwargs), await c.generate(PROMPT, **kwargs)
+    return run(go())
+
+
+def assert_same_logprobs(got, want):
+    assert (got is None) == (want is None)
+    for g, w in zip(got or [], want or [], strict=True):
+        assert g.token_id == w.token_id and g.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert [t.token_id for t in g.top] == [t.token_id for t in w.top]
+        assert [t.logprob for t in g.top] == pytest.approx([t.logprob for t in w.top], abs=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_choices_and_logprobs_equal_the_colocated_node(cluster, colocated, case):
+    params = CASES[case]
+    disagg, coloc = both(cluster, colocated, **params)
+    n = params.get("n", 1)
+    assert [c.index for c in disagg.choices] == [c.index for c in coloc.choices] == list(range(n))
+    assert not disagg.usage.route.remote_send_skipped  # the KV came from the prefill node
+    for d, c in zip(disagg.choices, coloc.choices):
+        assert d.token_ids == c.token_ids and d.text == c.text, (case, d.index)
+        assert d.finish_reason == c.finish_reason == "length" and len(d.token_ids) == 8
+        assert_same_logprobs(d.logprobs, c.logprobs)
+        if params.get("logprobs"):
+            assert all(len(e.top) == params["logprobs"] for e in d.logprobs)
+    if n > 1 and params.get("temperature"):  # each choice is its own sample
+        assert len({tuple(c.token_ids) for c in disagg.choices}) > 1
+
+
+def test_top_k_1_and_min_p_1_are_greedy_and_a_seed_repeats(cluster, colocated):
+    greedy, _ = both(cluster, colocated, temperature=0.0, **LONG)
+    top1, _ = both(cluster, colocated, temperature=1.0, top_k=1, seed=1, **LONG)
+    min_p1, _ = both(cluster, colocated, temperature=1.0, min_p=1.0, seed=2, **LONG)
+    assert top1.token_ids == min_p1.token_ids == greedy.token_ids
+    once, _ = both(cluster, colocated, temperature=1.0, seed=42, **LONG)
+    again, _ = both(cluster, colocated, temperature=1.0, seed=42, **LONG)
+    other, _ = both(cluster, colocated, temperature=1.0, seed=43, **LONG)
+    assert once.token_ids == again.token_ids != other.token_ids
+
+
+def test_stop_string_and_stop_id_end_every_choice_as_on_the_colocated_node(cluster, colocated):
+    free, _ = both(cluster, colocated, temperature=0.0, **LONG)
+    stop_text = free.text[len(free.text) // 2:][:3]
+    by_text, coloc_text = both(cluster, colocated, temperature=0.0, stop=[stop_text], **LONG)
+    assert by_text.text == coloc_text.text == free.text[:free.text.index(stop_text)]
+    assert by_text.finish_reason == coloc_text.finish_reason == "stop"
+    stop_id = free.token_ids[3]
+    by_id, coloc_id = both(cluster, colocated, temperature=0.0, stop_token_ids=[stop_id], **LONG)
+    assert by_id.token_ids == coloc_id.token_ids
+    assert by_id.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
+    assert by_id.finish_reason == coloc_id.finish_reason == "stop"
+    seeded, coloc_seeded = both(cluster, colocated, n=3, seed=9, temperature=1.0,
+                                stop_token_ids=[stop_id], **LONG)
+    for d, c in zip(seeded.choices, coloc_seeded.choices, strict=True):
+        assert (d.token_ids, d.finish_reason) == (c.token_ids, c.finish_reason)
+
+
+def test_openai_completions_carry_the_same_choices_and_logprobs(api, cluster, colocated):
+    params = dict(n=3, seed=7, temperature=1.0, max_tokens=8, logprobs=2)
+    _, coloc = both(cluster, colocated, ignore_eos=True, **params)
+    out = api.completions.create(model=cluster.model, prompt=PROMPT, **params,
+                                 extra_body={"ignore_eos": True, "top_k": -1, "min_p": 0.0})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for got, want in zip(out.choices, coloc.choices, strict=True):
+        assert got.text == want.text and got.finish_reason == want.finish_reason == "length"
+        assert got.logprobs.token_logprobs == pytest.approx(
+            [e.logprob for e in want.logprobs], abs=1e-4)
+        # OpenAI keys top logprobs by token text: two ids of the same text share one entry
+        for top, entry in zip(got.logprobs.top_logprobs, want.logprobs, strict=True):
+            assert 1 <= len(top) <= 2
+            assert max(top.values()) == pytest.approx(entry.top[0].logprob, abs=1e-4)
+    timings = out.usage.model_extra["timings"]
+    assert timings["time_per_output_token_s"] > 0 and timings["prefill_time_s"] > 0
+    assert timings["kv_transfer_time_s"] > 0 and timings["time_to_first_token_s"] > 0
+
+
+def test_openai_chat_logprobs_stop_and_top_k_equal_grpc(api, cluster, colocated):
+    messages = [{"role": "user", "content": "name three colours"}]
+
+    async def grpc_answer(**kwargs):
+        async with AsyncClient(colocated.address) as c:
+            return await c.generate(messages=messages, **kwargs)
+
+    want = run(grpc_answer(temperature=0.0, logprobs=2, max_tokens=6, ignore_eos=True))
+    got = api.chat.completions.create(model=cluster.model, messages=messages, temperature=0.0,
+                                      max_tokens=6, logprobs=True, top_logprobs=2,
+                                      extra_body={"ignore_eos": True, "top_k": 1})
+    content = got.choices[0].logprobs.content
+    assert got.choices[0].message.content == want.text
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in want.logprobs],
+                                                         abs=1e-4)
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    stop_text = want.text[2:5]
+    stopped = api.chat.completions.create(model=cluster.model, messages=messages, temperature=0.0,
+                                          max_tokens=6, stop=[stop_text],
+                                          extra_body={"ignore_eos": True})
+    assert stopped.choices[0].message.content == want.text[:want.text.index(stop_text)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_usage_timings_of_disaggregated_and_colocated_requests(cluster, colocated):
+    disagg, coloc = both(cluster, colocated, temperature=0.0, **LONG)
+    d, c = disagg.usage, coloc.usage
+    assert not d.route.remote_send_skipped and c.route is None
+    for u in (d, c):
+        assert 0 < u.time_per_output_token_s <= u.time_per_output_token_p90_s * 8
+        assert u.time_per_output_token_p90_s > 0 and u.prefill_time_s > 0
+        assert u.time_to_first_token_s > 0 and u.queue_time_s >= 0
+    assert d.kv_transfer_time_s > 0 and c.kv_transfer_time_s == 0
+    # the prefill and the KV writes happen before the first token: they fit inside its time
+    assert d.prefill_time_s + d.kv_transfer_time_s < d.time_to_first_token_s

@@ -1,0 +1,69 @@
+"""No OpenAI parameter is silently ignored: each is implemented, accepted only at its neutral
+value, or refused with a 400 naming it (router/openai_protocol.py `check_fields`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.openai_protocol import (IMPLEMENTED, IMPLEMENTED_ONLY, NEUTRAL, OpenAIError,
+                                    sampling_from_body)
+
+
+def sampling(body: dict, chat: bool = False):
+    return sampling_from_body({"model": "m", **body}, chat=chat, default_max_tokens=16)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("name,value", [
+    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"50": 5}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("function_call", "auto"), ("response_format", {"type": "json_object"}), ("store", True),
+    ("metadata", {"k": "v"}), ("service_tier", "flex"), ("modalities", ["audio"]),
+    ("audio", {"voice": "x"}), ("prediction", {"type": "content"}), ("reasoning_effort", "low"),
+    ("web_search_options", {}), ("echo", True), ("suffix", "end"),
+    ("repetition_penalty", 1.2), ("foo", 1),
+])
+def test_a_parameter_pdserve_lacks_is_a_400_naming_it(chat, name, value):
+    with pytest.raises(OpenAIError) as err:
+        sampling({name: value}, chat)
+    assert err.value.status == 400 and err.value.param == name and name in err.value.message
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_neutral_values_are_accepted(chat):
+    neutral = {name: values[0] for name, values in NEUTRAL.items() if values}
+    neutral.update({name: None for name, values in NEUTRAL.items() if not values})
+    assert sampling(neutral, chat).max_tokens == 16
+
+
+def test_best_of_must_equal_n():
+    assert sampling({"best_of": 3, "n": 3}).n == 3
+    assert sampling({"best_of": 1}).max_tokens == 16
+    with pytest.raises(OpenAIError, match="best_of must equal n") as err:
+        sampling({"best_of": 4, "n": 2})
+    assert err.value.param == "best_of"
+
+
+def test_top_logprobs_needs_logprobs_in_chat():
+    assert sampling({"logprobs": True, "top_logprobs": 3}, chat=True).logprobs == 3
+    with pytest.raises(OpenAIError, match="top_logprobs needs logprobs") as err:
+        sampling({"top_logprobs": 3}, chat=True)
+    assert err.value.param == "top_logprobs"
+
+
+def test_each_endpoint_refuses_the_others_fields():
+    with pytest.raises(OpenAIError, match="unknown parameter 'messages' for completions"):
+        sampling({"messages": []})
+    with pytest.raises(OpenAIError, match="unknown parameter 'prompt' for chat completions"):
+        sampling({"prompt": "x"}, chat=True)
+
+
+def test_user_is_a_string():
+    assert sampling({"user": "alice"}).max_tokens == 16
+    with pytest.raises(OpenAIError, match="user must be a string"):
+        sampling({"user": 7})
+
+
+def test_every_parameter_has_one_decision():
+    both = IMPLEMENTED | IMPLEMENTED_ONLY[False] | IMPLEMENTED_ONLY[True]
+    assert not both & set(NEUTRAL)
