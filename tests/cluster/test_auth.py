@@ -143,7 +143,7 @@ def test_health_and_pdserve_generate_work_as_documented(keyed, tmp_path):
     with_key = subprocess.run([*ask, "--api-key-file", str(keyed.logs / "api.key")], cwd=ROOT,
                               env=env, capture_output=True, text=True, timeout=60)
     assert with_key.returncode == 0, with_key.stderr
-    assert len(json.loads(with_key.stdout)["token_ids"]) == 3
+    assert len(json.loads(with_key.stdout)["choices"][0]["token_ids"]) == 3
 
 
 def test_worker_calls_without_the_cluster_token_are_refused_and_change_nothing(keyed):

@@ -72,7 +72,7 @@ def test_minutes_of_clock_skew_change_neither_the_route_nor_the_answer(skewed_cl
 
     outs, local, reports = run(go())
     routes = [o.usage.route for o in outs]
-    assert not any(r["remote_send_skipped"] for r in routes), routes
+    assert not any(r.remote_send_skipped for r in routes), routes
     assert {r.decode_endpoint for r in routes} == {c.address("d1"), c.address("d2")}
     assert [o.token_ids for o in outs] == [o.token_ids for o in local]
     assert all(full(r) for r in reports), reports

@@ -74,7 +74,7 @@ def test_counters_move_by_the_traffic_sent(cluster):
 
     p0, p1 = before["prefill"], after["prefill"]
     sends = prefill_after.remote_sends_total - prefill_before.remote_sends_total
-    assert sends == sum(not r["remote_send_skipped"] for r in routes) >= 2
+    assert sends == sum(not r.remote_send_skipped for r in routes) >= 2
     assert delta(p1, p0, "pdserve_kv_transfers_total", outcome="ok") == sends
     assert delta(p1, p0, "pdserve_kv_transfer_bytes_total") == \
         prefill_after.kv_bytes_sent_total - prefill_before.kv_bytes_sent_total > 0

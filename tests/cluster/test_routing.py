@@ -104,19 +104,19 @@ def test_prefix_aware_sends_a_shared_prefix_follow_up_to_the_node_holding_it(sca
         return out
 
     for group, (first, long_tail, short_tail) in run(go()).items():
-        assert not first["remote_send_skipped"] and first["prefix_matched_length"] == 0
+        assert not first.remote_send_skipped and first.prefix_matched_length == 0
         # The follow-up with a long new tail: same decode and prefill node, both hitting
         # the shared prefix.
-        assert long_tail["decode_endpoint"] == first["decode_endpoint"], group
-        assert long_tail["prefill_endpoint"] == first["prefill_endpoint"], group
-        assert long_tail["prefix_matched_length"] == shared, long_tail
-        assert long_tail["prefill_cached_tokens"] == shared, long_tail
+        assert long_tail.decode_endpoint == first.decode_endpoint, group
+        assert long_tail.prefill_endpoint == first.prefill_endpoint, group
+        assert long_tail.prefix_matched_length == shared, long_tail
+        assert long_tail.prefill_cached_tokens == shared, long_tail
         # The follow-up with a short new tail: selective disaggregation, D alone, reusing
         # its cached prefix.
-        assert short_tail["decode_endpoint"] == first["decode_endpoint"], group
-        assert short_tail["remote_send_skipped"] and short_tail["skip_reason"] == "short_window"
-        assert short_tail["prefill_endpoint"] == ""
-        assert short_tail["prefix_matched_length"] >= shared, short_tail
+        assert short_tail.decode_endpoint == first.decode_endpoint, group
+        assert short_tail.remote_send_skipped and short_tail.skip_reason == "short_window"
+        assert short_tail.prefill_endpoint == ""
+        assert short_tail.prefix_matched_length >= shared, short_tail
 
 
 def test_several_routers_share_no_state_and_all_route_every_node(scale_cluster):
