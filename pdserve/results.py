@@ -126,15 +126,22 @@ class Model:
 
 
 class PdserveError(grpc.aio.AioRpcError):
-    """A failed call: `code` (grpc.StatusCode) and the server's `message`."""
+    """A failed call: `code` (grpc.StatusCode) and the server's `message`; a refusal for
+    load (RESOURCE_EXHAUSTED) says in `retry_after_s` when to try again."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=message)
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 trailing: grpc.aio.Metadata | None = None) -> None:
+        super().__init__(code, grpc.aio.Metadata(), trailing or grpc.aio.Metadata(),
+                         details=message)
         self.status, self.message = code, message
+        retry_after = dict(trailing or ()).get("retry-after")
+        self.retry_after_s = float(retry_after) if retry_after else None
 
     @classmethod
     def of(cls, err: grpc.aio.AioRpcError) -> "PdserveError":
-        return err if isinstance(err, cls) else cls(err.code(), err.details() or "")
+        if isinstance(err, cls):
+            return err
+        return cls(err.code(), err.details() or "", err.trailing_metadata())
 
     def __str__(self) -> str:
         return f"{self.status.name}: {self.message}"

@@ -35,12 +35,11 @@ from router.openai_protocol import (
     ChoiceLogprobs, OpenAIError, chat_prompt, chunk, completion_prompt, invalid, now,
     sampling_from_body, usage_body)
 from runtime import auth, metrics
-from runtime.errors import NodeError
+from runtime.errors import RETRY_AFTER_S, NodeError
 from runtime.observe import StreamObserver
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers hold no key
-RETRY_AFTER_S = 1  # a client refused for load waits this long (s) before trying again
 
 
 def _as_openai_error(err: BaseException, chat: bool) -> OpenAIError:

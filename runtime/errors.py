@@ -72,9 +72,17 @@ def status_of(err: BaseException) -> grpc.StatusCode | None:
     return None
 
 
+RETRY_AFTER_S = 1  # a caller refused for load waits this long (s) before trying again
+
+
 async def abort_with(context: grpc.aio.ServicerContext, err: BaseException) -> None:
-    """End the call with `err`'s status and message; re-raise an error that has none."""
+    """End the call with `err`'s status and message; re-raise an error that has none. A
+    refusal for load (RESOURCE_EXHAUSTED) says when to try again, as HTTP's Retry-After
+    does: `retry-after` (seconds) and gRPC's own `grpc-retry-pushback-ms` trailers."""
     code = status_of(err)
     if code is None:
         raise err
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_S)),
+                                       ("grpc-retry-pushback-ms", str(RETRY_AFTER_S * 1000))))
     await context.abort(code, str(err))

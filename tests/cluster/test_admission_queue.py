@@ -5,8 +5,8 @@ router + prefill + decode whose decode node has a small KV cache (40 pages of 8 
   same request run alone, first tokens in the order the requests came, every page back;
 - a request whose deadline passes while it waits for pages gets DEADLINE_EXCEEDED and
   takes nothing from the requests holding the pages;
-- past the router's queue bound a client gets RESOURCE_EXHAUSTED, over HTTP 429 with
-  Retry-After.
+- past the router's queue bound a client gets RESOURCE_EXHAUSTED with `retry-after`
+  trailers, over HTTP 429 with Retry-After.
 """
 
 from __future__ import annotations
@@ -172,6 +172,8 @@ def test_past_the_queue_bound_a_client_gets_429_with_retry_after(small):
     grpc_err, http_err, outs, in_queue_s = run(go(), timeout_s=120)
     assert grpc_err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "router is full" in grpc_err.details()
+    assert grpc_err.retry_after_s == 1  # gRPC's trailers say it as HTTP's Retry-After does
+    assert ("grpc-retry-pushback-ms", "1000") in tuple(grpc_err.trailing_metadata())
     assert http_err.code == 429 and http_err.headers["Retry-After"] == "1"
     assert json.loads(http_err.read())["error"]["type"] == "rate_limit_error"
     assert all(len(o.token_ids) == 4 for o in outs)
