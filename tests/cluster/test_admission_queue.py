@@ -41,7 +41,9 @@ class SmallCacheCluster(Cluster):
         common = ["--model", self.model, "--host", "127.0.0.1"]
         self.start("prefill", ["prefill", *common, "--num-threads", "1", "--num-pages", "256",
                                "--page-size", "8", "--test-gates", SLOW], wait=False)
-        self.start("decode", ["decode", *common, *DECODE_FLAGS], wait=False)
+        self.decode_http = free_port()
+        self.start("decode", ["decode", *common, *DECODE_FLAGS, "--metrics-port",
+                              str(self.decode_http)], wait=False)
         self.wait("prefill", "decode")
         workers = ["--prefill", self.address("prefill"), "--decode", self.address("decode")]
         self.start("main", ["router", *common, *workers], wait=False)
@@ -68,13 +70,17 @@ def test_a_burst_several_times_the_cache_completes_in_full_and_in_order(small):
     n, length, max_tokens = 6, 200, 100
 
     async def go():
+        before = await at_decode(c)
         async with AsyncClient(c.address("main")) as client:
             sent, calls = [], []
             for i in range(n):
                 sent.append(time.monotonic())
                 calls.append(asyncio.ensure_future(client.generate(
                     prompt(i, length), max_tokens=max_tokens, timeout=120, **GREEDY)))
-                await asyncio.sleep(0.05)  # arrivals 50 ms apart: an order to keep, not a wait
+
+                async def arrived(count=i + 1) -> bool:  # the order of arrival to keep
+                    return await at_decode(c) - before >= count
+                await wait_for(arrived, timeout_s=30, poll_s=0.01)
             outs = await asyncio.gather(*calls)
             alone = [await client.generate(prompt(i, length), max_tokens=max_tokens, **GREEDY)
                      for i in range(n)]
@@ -128,6 +134,16 @@ def test_a_request_whose_deadline_passes_in_line_gets_deadline_exceeded_and_take
     assert in_line == 2  # it took nothing: the two held reservations are all D holds
     assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
     assert all(r.free_pages == r.total_pages and r.num_parked == 0 for r in reports), reports
+
+
+async def at_decode(c: SmallCacheCluster) -> float:
+    """Reservations that reached the decode node: granted so far, or waiting in its line.
+    Granted ones are read first: one granted between the two reads is missed (the caller
+    waits a poll longer), never counted twice."""
+    granted = (await load(c.address("decode"))).requests_total
+    line = sample(await asyncio.to_thread(scrape, f"http://127.0.0.1:{c.decode_http}/metrics"),
+                  "pdserve_queue_depth", role="decode", queue="page_line")
+    return granted + line
 
 
 def in_router(c: SmallCacheCluster) -> float:
