@@ -4,6 +4,8 @@
 layer-major, see ``layout.py``) and a ``TransferAgent`` over it,
 and answers commands over a pipe (wait for a notification, checksum slots, fill the
 pool). The pool lives only in the child; the parent sees its metadata and ``KVLayout``.
+With ``netns`` the child first moves into that network namespace ("another host", see
+``link.py``), so its agent's sockets and devices are that host's.
 Invariant: every command gets exactly one reply, and ``close()`` always ends the child.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,7 +94,12 @@ def slot_checksums(pool: Any, slots: Any = None) -> Any:
 
 
 def _serve(conn: Any, name: str, spec: PoolSpec, fill_seed: int | None, huge_pages: bool,
-           agent_kwargs: dict[str, Any]) -> None:
+           agent_kwargs: dict[str, Any], netns: str | None = None, env: dict[str, str] | None = None) -> None:
+    os.environ.update(env or {})  # before NIXL loads: UCX reads its settings once
+    if netns is not None:  # before the agent exists: its sockets and devices are this host's
+        from pdserve.netns import enter
+
+        enter(netns)
     import torch
 
     torch.set_num_threads(1)
@@ -124,12 +132,15 @@ class ReceiverProcess:
     """Handle on a spawned receiver: ``metadata``, ``layout``, and command helpers."""
 
     def __init__(self, name: str, spec: PoolSpec, *, fill_seed: int | None = None,
-                 huge_pages: bool = False, start_timeout_s: float = 60.0, **agent_kwargs: Any) -> None:
-        """``agent_kwargs`` go to the child's ``TransferAgent`` (progress mode, UCX params)."""
+                 huge_pages: bool = False, start_timeout_s: float = 60.0, netns: str | None = None,
+                 env: dict[str, str] | None = None, **agent_kwargs: Any) -> None:
+        """``agent_kwargs`` go to the child's ``TransferAgent`` (progress mode, UCX params).
+        ``netns``: the network namespace (``ip netns``) the child moves into before it
+        makes its agent; ``env``: variables (``UCX_*``) it sets before loading NIXL."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=_serve, args=(child, name, spec, fill_seed, huge_pages, agent_kwargs), daemon=True
+            target=_serve, args=(child, name, spec, fill_seed, huge_pages, agent_kwargs, netns, env), daemon=True
         )
         self.process.start()
         child.close()

@@ -9,6 +9,8 @@ engine is moving to: a run of consecutive pages is then one descriptor over all 
 ``efficiency = kv_gbps / raw_nixl_gbps``; the raw and KV writes go
 through the same ``TransferAgent.write`` (notification included) and alternate, so load
 from other processes on the machine hits both alike. Medians are reported.
+With ``--link RATE[,DELAY]`` sender and receiver run on two hosts joined by a shaped link
+and NIXL uses TCP over it (``transfer_link.py``), instead of shared memory on one host.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -70,6 +73,15 @@ def _fill_pattern(pool: Any) -> None:
         words[block].mul_(-1640531535).add_(block * 97 + 1)
 
 
+def _link_arg(text: str) -> tuple[str, float]:
+    from benchmarks.link import parse_link
+
+    try:
+        return parse_link(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=4096, help="tokens in the KV window (default 4096)")
@@ -92,6 +104,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="use NIXL's UCX progress thread instead of the agent's own slow poller")
     p.add_argument("--progress-delay-us", type=int, default=2000,
                    help="NIXL progress thread poll delay (pthrDelay) in microseconds (default 2000)")
+    p.add_argument("--receiver-poll-ms", type=float, default=None,
+                   help="poll the receiver agent itself at this interval in ms instead of NIXL's progress "
+                        "thread (a decode node's agent); over TCP (--link) the receiver's progress paces "
+                        "the transfer")
     p.add_argument("--ucx-param", action="append", default=[], metavar="KEY=VALUE",
                    help="NIXL UCX backend parameter for both agents (repeatable), e.g. num_threads=2")
     p.add_argument("--raw-chunks", type=int, default=1,
@@ -101,6 +117,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="allocate both pools page-aligned with MADV_HUGEPAGE (transparent huge pages)")
     p.add_argument("--timeout", type=float, default=60.0, help="per-transfer timeout in seconds (default 60)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--link", type=_link_arg, default=None, metavar="RATE[,DELAY]",
+                   help="run sender and receiver in two network namespaces joined by a veth shaped "
+                        "to RATE (tc units: 200mbit, 1gbit, 25gbit) with an optional DELAY (1ms, 500us); "
+                        "NIXL then uses TCP over it (needs root, ip and tc); see --receiver-poll-ms")
+    p.add_argument("--receiver-netns", default=None, help=argparse.SUPPRESS)  # set by --link's sender
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="also sweep window sizes and plot bandwidth against transfer size")
     a = p.parse_args(argv)
@@ -115,6 +136,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         a.backend_params = dict(kv.split("=", 1) for kv in a.ucx_param)
     except ValueError:
         p.error(f"--ucx-param takes KEY=VALUE, got {a.ucx_param}")
+    if a.receiver_poll_ms is not None and a.receiver_poll_ms <= 0:
+        p.error(f"--receiver-poll-ms must be positive, got {a.receiver_poll_ms}")
     if not 0.0 <= a.fragmentation <= 1.0:
         p.error(f"--fragmentation must be in [0, 1], got {a.fragmentation}")
     return a
@@ -147,8 +170,13 @@ class _Session:
         src_spec = PoolSpec(a.layers, a.kv_heads, a.head_dim, a.page_size, src_pool_pages, a.dtype, a.layout)
         dst_spec = PoolSpec(a.layers, a.kv_heads, a.head_dim, a.dst_page_size, max(dst_need, 1), a.dtype,
                             a.dst_layout)
+        ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}  # --link: TCP on pd0
+        # The receiver's agent is a decode node's (pdserve/worker.py): NIXL's progress thread,
+        # unless --receiver-poll-ms asks for the agent's own poll at that interval.
+        receiver_kwargs = {**self.agent_kwargs(a), "progress_thread": a.receiver_poll_ms is None} \
+            if a.receiver_poll_ms is None else {**self.agent_kwargs(a), "poll_interval_s": a.receiver_poll_ms / 1e3}
         self.receiver = ReceiverProcess("bench-decode", dst_spec, huge_pages=a.huge_pages,
-                                        **self.agent_kwargs(a))
+                                        netns=a.receiver_netns, env=ucx_env, **receiver_kwargs)
         try:
             self.pool = allocate(src_spec.shape, a.dtype, a.huge_pages)
             _fill_pattern(self.pool)
@@ -272,7 +300,12 @@ def _plot(points: list[dict[str, Any]], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = _parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = _parse(argv)
+    if a.link is not None and a.receiver_netns is None:  # this process makes the link
+        from benchmarks.transfer_link import run_over_link
+
+        return run_over_link(a, argv)
     import torch
     from tqdm import tqdm
 
@@ -294,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "fragmentation": a.fragmentation, "repeats": a.repeats,
         "progress_thread": a.progress_thread, "progress_delay_us": a.progress_delay_us, "ucx_params": a.backend_params,
         "huge_pages": a.huge_pages,
-        "raw_chunks": a.raw_chunks,
+        "raw_chunks": a.raw_chunks, "receiver_poll_ms": a.receiver_poll_ms,
     })
     if a.plot:
         _plot(points, a.plot)

@@ -189,6 +189,56 @@ class TransferAgent:
         arr[:, 2] = self._dev_id
         return self._b.nixlXferDList(self._mem, arr)
 
+    def post(self, remote_name: str, plan: TransferPlan | Sequence[tuple[int, int, int]],
+             notification: bytes = b"") -> Any:
+        """Start a WRITE of ``plan``'s descriptors into ``remote_name`` (with
+        ``notification`` delivered after its data, if not empty); the handle for `done`
+        and `release`. Every posted handle must be released."""
+        if isinstance(notification, str):
+            notification = notification.encode()
+        if self._closed:
+            raise TransferError(f"agent {self.name!r} is closed")
+        if remote_name not in self._remotes:
+            raise TransferError(f"unknown remote agent {remote_name!r}: call add_remote first")
+        if isinstance(plan, TransferPlan):
+            src, dst, sizes = plan.src_addrs, plan.dst_addrs, plan.sizes
+        else:
+            arr = np.asarray(list(plan), dtype=np.uint64).reshape(-1, 3)
+            src, dst, sizes = arr[:, 0], arr[:, 1], arr[:, 2]
+        b = self._b
+        try:
+            handle = self._agent.createXferReq(b.NIXL_WRITE, self._dlist(src, sizes), self._dlist(dst, sizes),
+                                               remote_name, notification, [self._backend])
+        except Exception as e:
+            raise TransferError(f"cannot create a WRITE to {remote_name!r}: {e}") from e
+        try:
+            self._agent.postXferReq(handle, notification)
+        except Exception as e:
+            self.release(handle)
+            raise TransferError(f"WRITE to {remote_name!r} failed: {e}") from e
+        return handle
+
+    def done(self, handle: Any) -> bool:
+        """Whether a posted WRITE has landed remotely (each NIXL UCX transfer ends with an
+        endpoint flush, so done means the bytes are in the peer's memory); progresses it
+        (without NIXL's thread, this call moves the data). Raises TransferError if it failed."""
+        try:
+            status = self._agent.getXferStatus(handle)
+        except Exception as e:
+            raise TransferError(f"WRITE failed: {e}") from e
+        if status == self._b.NIXL_IN_PROG:
+            return False
+        if status != self._b.NIXL_SUCCESS:
+            raise TransferError(f"WRITE failed: {status}")
+        return True
+
+    def release(self, handle: Any) -> None:
+        """Free a handle (cancelling its WRITE if still in flight)."""
+        try:
+            self._agent.releaseXferReq(handle)
+        except Exception:
+            pass  # NIXL could not cancel; the agent frees it at destruction
+
     def write(
         self,
         remote_name: str,
@@ -201,61 +251,26 @@ class TransferAgent:
         Returns once the data is in place remotely; raises ``TransferError`` on failure
         or when ``timeout_s`` passes (the request is cancelled).
         """
-        if isinstance(notification, str):
-            notification = notification.encode()
-        if self._closed:
-            raise TransferError(f"agent {self.name!r} is closed")
-        if remote_name not in self._remotes:
-            raise TransferError(f"unknown remote agent {remote_name!r}: call add_remote first")
-        if isinstance(plan, TransferPlan):
-            src, dst, sizes = plan.src_addrs, plan.dst_addrs, plan.sizes
-        else:
-            arr = np.asarray(list(plan), dtype=np.uint64).reshape(-1, 3)
-            src, dst, sizes = arr[:, 0], arr[:, 1], arr[:, 2]
-        if sizes.size == 0:
+        if not (plan.num_descriptors if isinstance(plan, TransferPlan) else len(plan)):
             self.send_notification(remote_name, notification)
             return
         deadline = time.monotonic() + timeout_s
-        b = self._b
+        handle = self.post(remote_name, plan, notification)
         try:
-            handle = self._agent.createXferReq(
-                b.NIXL_WRITE,
-                self._dlist(src, sizes),
-                self._dlist(dst, sizes),
-                remote_name,
-                notification,
-                [self._backend],
-            )
-        except Exception as e:
-            raise TransferError(f"cannot create a WRITE to {remote_name!r}: {e}") from e
-        try:
-            status = self._agent.postXferReq(handle, notification)
             delay = 0.0
             polls = 0
-            while status == b.NIXL_IN_PROG:
+            while not self.done(handle):
                 polls += 1
                 if polls % 64 == 0 and time.monotonic() > deadline:
-                    raise TransferError(
-                        f"WRITE of {int(sizes.sum())} bytes to {remote_name!r} timed out after {timeout_s}s"
-                    )
+                    raise TransferError(f"WRITE to {remote_name!r} timed out after {timeout_s}s")
                 if self._progress_thread:
                     # NIXL's thread moves the data; polling it hard only fights for its lock
                     time.sleep(delay)
                     delay = min(0.001, delay * 2 or 0.00002)
                 elif polls % 256 == 0:
                     time.sleep(0)  # each status call copies the next chunk; let other threads run
-                status = self._agent.getXferStatus(handle)
-            if status != b.NIXL_SUCCESS:
-                raise TransferError(f"WRITE to {remote_name!r} failed: {status}")
-        except TransferError:
-            raise
-        except Exception as e:
-            raise TransferError(f"WRITE to {remote_name!r} failed: {e}") from e
         finally:
-            try:
-                self._agent.releaseXferReq(handle)  # cancels it if still in flight
-            except Exception:
-                pass  # NIXL could not cancel; the agent frees it at destruction
+            self.release(handle)  # cancels it if still in flight
 
     # -------------------------------------------------------------------- notifications
     def send_notification(self, remote_name: str, message: bytes) -> None:

@@ -7,7 +7,7 @@
     pdserve up       [--port P]            router + one prefill + one decode on localhost
     pdserve generate --server HOST:PORT --prompt TEXT [--n N]       stream an answer (pdserve.generate_cli)
     pdserve chat     --server HOST:PORT [--system TEXT]             chat in the terminal
-    pdserve bench engine|step|transfer|serve|router ...             benchmarks
+    pdserve bench engine|step|transfer|ttft|serve|router ...        benchmarks
     pdserve health   [--server HOST:PORT]                           exit 0 if the node is SERVING
     pdserve models   list|fetch|path [NAME]                         the known models
 
@@ -35,7 +35,7 @@ from pdserve.envflags import apply_env_defaults
 
 BENCHMARKS = {"engine": "benchmarks.engine", "transfer": "benchmarks.transfer",
               "serve": "benchmarks.serve", "router": "benchmarks.router", "step": "benchmarks.step",
-              "chaos": "benchmarks.chaos", "trust": "benchmarks.trust"}
+              "chaos": "benchmarks.chaos", "trust": "benchmarks.trust", "ttft": "benchmarks.ttft"}
 WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: `bench engine --help`, `bench transfer --help`, "
                                      "`bench serve --help`, `bench router --help`, `bench step --help`, "
-                                     "`bench chaos --help`, `bench trust --help`")
+                                     "`bench chaos --help`, `bench trust --help`, `bench ttft --help`")
     p.add_argument("target", choices=sorted(BENCHMARKS), help="what to benchmark")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags for that benchmark")
     p.set_defaults(func=cmd_bench)

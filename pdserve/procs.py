@@ -11,6 +11,9 @@ port it bound, so `--port 0` works everywhere. Invariants:
   group.
 - A node that exits or stays silent before listening raises RuntimeError naming it, with
   the tail of its log when there is one.
+- `address` is the host the node says it listens on, with its port; a wildcard host
+  (0.0.0.0, ::) is dialled as 127.0.0.1. With `netns` the node runs in that network
+  namespace ("another host", see `netns.py`), so its address is dialled from there.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve import netns as namespaces
+
 LISTENING = re.compile(r"pdserve (\w+)(?: listening on|: router on) (\S+):(\d+)")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +39,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def dial_address(host: str, port: int) -> str:
+    """`HOST:PORT` to connect to a server that says it listens on `host`."""
+    if host in ("", "*", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # a bare IPv6 literal
+    return f"{host}:{port}"
 
 
 def die_with_parent(sig: int = signal.SIGTERM):
@@ -55,13 +69,15 @@ class NodeProcess:
     `session`: its own process group, signalled as a whole (else it shares ours, so a
     terminal's Ctrl-C reaches it too). `echo`: copy its other stdout lines to ours.
     `program`: run this command instead of `python -m MODULE` (etcd in the tests).
-    `env`: its whole environment (default: ours).
+    `env`: its whole environment (default: ours). `netns`: a network namespace (`ip netns`)
+    it is moved into before it execs, with that namespace's /sys (as `ip netns exec`).
     """
 
     def __init__(self, args: list[str], *, log: Path | None = None, cores: set[int] | None = None,
                  threads: int | None = None, module: str = "pdserve.cli", session: bool = True,
                  death_signal: int = signal.SIGKILL, echo: bool = False,
-                 program: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+                 program: list[str] | None = None, env: dict[str, str] | None = None,
+                 netns: str | None = None) -> None:
         self.args = list(args)
         self.name = " ".join(self.args[:1]) or module
         self.log_path = Path(log) if log is not None else None
@@ -69,15 +85,19 @@ class NodeProcess:
         self.session = session
         self.port = 0
         self.address = ""
+        self.netns = netns
         env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1",
                    TOKENIZERS_PARALLELISM="false")
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         if threads is not None:
             env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         on_death = die_with_parent(death_signal)
+        enter = namespaces.preexec(netns) if netns is not None else None
 
         def before_exec() -> None:
             on_death()
+            if enter is not None:
+                enter()
             if cores:
                 os.sched_setaffinity(0, cores)
 
@@ -88,8 +108,8 @@ class NodeProcess:
                                      start_new_session=session, preexec_fn=before_exec)
 
     def wait_ready(self, timeout_s: float = 120.0) -> str:
-        """The node's `127.0.0.1:PORT` once it listens; raises RuntimeError if it exits or
-        does not listen within `timeout_s` (and stops it)."""
+        """The node's `HOST:PORT` once it listens (see `dial_address`); raises RuntimeError
+        if it exits or does not listen within `timeout_s` (and stops it)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if select.select([self.proc.stdout], [], [], 0.2)[0]:
@@ -97,7 +117,7 @@ class NodeProcess:
                 match = LISTENING.search(line)
                 if match:
                     self.port = int(match.group(3))
-                    self.address = f"127.0.0.1:{self.port}"
+                    self.address = dial_address(match.group(2), self.port)
                     return self.address
                 if not line and self.proc.poll() is not None:
                     break

@@ -26,6 +26,7 @@ from engine import EngineConfig
 from prefill.config import PrefillConfig
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from runtime import metrics
+from runtime.identity import host_id
 from runtime.membership import MembershipConfig
 from runtime.server import ServerConfig
 
@@ -74,7 +75,8 @@ class NodeService:
         # load reports carry it to routers; GetTransferInfo adds the metadata for peers.
         self.identity = pdserve_pb2.TransferInfo(
             agent_name=node.agent.name, layout=pdserve_pb2.KVLayout(**node.layout.to_dict()),
-            role=node.role, model=node.identity.model, model_hash=node.identity.model_hash)
+            role=node.role, model=node.identity.model, model_hash=node.identity.model_hash,
+            host_id=host_id())
 
     async def Abort(self, request, context):
         found = False
@@ -177,7 +179,11 @@ async def run_worker(config: WorkerConfig) -> None:
         "KV cache: %d tokens of %s in %s (%d pages of %d, %d MiB; sized by %s)",
         kv_cache.shape[0] * page_size, served_name(config.engine.model_dir), config.engine.dtype,
         kv_cache.shape[0], page_size, kv_cache.numel() * kv_cache.element_size() >> 20, sizing)
-    agent = TransferAgent(agent_name(role), kv_cache)
+    # A decode node receives: over TCP (another host) each write's bytes land only as its
+    # UCX worker progresses, so NIXL's own thread (asleep in poll() between events: 1.3% of a
+    # core idle) moves them at the link's rate, where the agent's 10 ms poll capped a link
+    # near 3 Gbit/s. Nodes that write keep driving their writes themselves.
+    agent = TransferAgent(agent_name(role), kv_cache, progress_thread=role == "decode")
     layout = KVLayout.from_tensor(kv_cache, page_size)
     identity = NodeIdentity(
         model=served_name(config.engine.model_dir), model_hash=model_hash(config.engine.model_dir),

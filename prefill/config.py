@@ -18,3 +18,10 @@ class PrefillConfig:
     max_in_flight: int = option(
         64, "RemoteSends worked on at once; more get RESOURCE_EXHAUSTED (the router then "
             "lets the decode node prefill itself)")
+    kv_send: str = option(
+        "auto", "how a window's KV goes to its decode node: `layerwise` writes each layer as soon "
+                "as it is computed (the transfer hides behind the rest of the prefill: wins on a "
+                "network link), `whole` writes the window once the prefill ends (one write, the "
+                "fewest descriptors: wins on shared memory, where the write is ~1%% of a "
+                "prefill); `auto`: whole to a decode node on this host, layerwise to one "
+                "elsewhere or unknown", choices=("auto", "whole", "layerwise"))

@@ -30,12 +30,13 @@ class PeerInfo:
     agent_name: str
     agent_metadata: bytes
     layout: KVLayout
+    host_id: str = ""  # runtime/identity.py host_id(); "" when unknown
 
     @classmethod
     def from_pb(cls, info: pdserve_pb2.TransferInfo) -> "PeerInfo":
         layout = KVLayout.from_dict({f.name: getattr(info.layout, f.name)
                                      for f in info.layout.DESCRIPTOR.fields})
-        return cls(info.agent_name, info.agent_metadata, layout)
+        return cls(info.agent_name, info.agent_metadata, layout, info.host_id)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class PeerRef:
 class DecodePeer:
     agent_name: str
     layout: KVLayout
+    host_id: str = ""
 
 
 class DecodePeers:
@@ -80,7 +82,7 @@ class DecodePeers:
                                            "node's KV: " + "; ".join(problems))
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(None, self.agent.add_remote, info.agent_metadata)
-                peer = self._peers[ref.agent_name] = DecodePeer(ref.agent_name, info.layout)
+                peer = self._peers[ref.agent_name] = DecodePeer(ref.agent_name, info.layout, info.host_id)
         return peer
 
     async def _fetch(self, address: str) -> PeerInfo:

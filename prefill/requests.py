@@ -50,7 +50,8 @@ class SendResult:
     num_descriptors: int
     prefill_cached_tokens: int
     prefill_s: float
-    transfer_s: float
+    transfer_s: float  # from the prefill's end to the notification: what a layer-wise send leaves
+    num_writes: int = 1  # NIXL WRITEs: one for a whole window, several for a layer-wise one
 
     @property
     def num_tokens_sent(self) -> int:

@@ -35,27 +35,25 @@ replay, far wider than any skew), and its lease was neither used before nor fenc
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import signal
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from engine import SamplingParams
-from kvtransfer.agent import TransferError
 from kvtransfer.metadata import decode_append_metadata, validate_append_metadata
 from kvtransfer.plan import plan_transfer
 from kvtransfer.window import resolve_kv_window
 from prefill.capability import SpentLeases, check_capability
 from prefill.config import PrefillConfig
+from prefill.layerwise import LayerSends, StreamFailed
 from prefill.peers import DecodePeer, DecodePeers
 from prefill.requests import OverlappedSend, PrefillLoad, RemoteSend, SendResult, Window
-from prefill.sending import Sending, delivered_of, landed, resolve
+from prefill.sending import Sending, delivered_of, landed, resolve, tell_no_write, write_window
 from proto.tags import no_write_tag, notification_tag
 from runtime.errors import (NodeDraining, NodeOverloaded, PeerUnavailable, Refused,
                             RequestAborted, TimedOut)
+from runtime.identity import host_id
 
 log = logging.getLogger("pdserve.prefill")
 _MAX_ENDED = 4096  # sends remembered after their end (a window may still come for them)
@@ -82,6 +80,9 @@ class PrefillRole:
         # written, and its decode node hears so at once instead of after lease + grace.
         self._ended: OrderedDict[str, str | None] = OrderedDict()  # -> lease its write landed in
         self.spent = SpentLeases()
+        # Layer-wise sends (prefill/layerwise.py) unless every window goes whole.
+        self.layers = None if config.kv_send == "whole" else LayerSends(agent, layout, engine.engine)
+        self.host_id = host_id()
         self.remote_sends_total = 0
         self.last_kv_window_begin = 0
         self.kv_bytes_sent_total = 0
@@ -136,7 +137,9 @@ class PrefillRole:
         if sending.window is not None and not sending.window.done():
             resolve(sending.window, RequestAborted(
                 f"RemoteSend of {request_id!r} aborted while waiting for its KV window"))
-        if not sending.writing:
+        if sending.stream is not None:  # its source pages go only once no WRITE reads them
+            await asyncio.wait([asyncio.wrap_future(self.layers.abort(sending.stream, "aborted"))])
+        if not sending.writing or sending.stream is not None:
             await self.engine.abort(request_id)
         return True
 
@@ -159,10 +162,17 @@ class PrefillRole:
 
     async def _send(self, request_id: str, prompt: list[int], end: int, sending: Sending,
                     deadline: float, dst_slots: list[int] | None) -> SendResult:
+        stream = self.layers.open(request_id) if self.layers is not None else None
+        aiming = None
         try:
             t0 = time.perf_counter()
+            if stream is not None:  # aimed as soon as the window is known, layers flow from then on
+                aiming = asyncio.ensure_future(self._aim(request_id, len(prompt), end, sending, stream,
+                                                         deadline, dst_slots))
             last = await self._prefill(request_id, prompt[:end], sending)
-            if sending.delivered is None:
+            if aiming is not None:
+                dst_slots = await aiming
+            elif sending.delivered is None:
                 sending.delivered = await self._wait_window(request_id, sending, deadline)
                 dst_slots = self._check_window(request_id, len(prompt), end, *sending.delivered)
             window, peer = sending.delivered
@@ -171,7 +181,8 @@ class PrefillRole:
                 src_slots = await self.engine.run(lambda e: e.slots_of(request_id))
             except ValueError:  # an Abort freed it between prefill and here
                 raise RequestAborted(f"RemoteSend of {request_id!r} aborted") from None
-            plan = plan_transfer(self.layout, src_slots[window.begin:end], peer.layout, dst_slots)
+            plan = None if sending.stream else \
+                plan_transfer(self.layout, src_slots[window.begin:end], peer.layout, dst_slots)
             if sending.aborted:
                 raise RequestAborted(f"RemoteSend of {request_id!r} aborted before writing")
             _check_lease(request_id, window.lease_deadline)
@@ -180,24 +191,67 @@ class PrefillRole:
                 raise TimedOut(f"RemoteSend of {request_id!r} reached its deadline before "
                                "writing")
             sending.writing = True
-            await self._write(request_id, peer.agent_name, plan,
-                              notification_tag(request_id, window.lease_id), remaining)
+            tag = notification_tag(request_id, window.lease_id)
+            if sending.stream is not None:
+                plan = await self._finish_stream(sending, tag, src_slots)
+            else:
+                await write_window(self, sending, request_id, peer.agent_name, plan, tag, remaining)
             t2 = time.perf_counter()
         finally:
-            del self.in_flight[request_id]
-            self._ended[request_id] = landed(sending)
-            while len(self._ended) > _MAX_ENDED:
-                self._ended.popitem(last=False)
-            await asyncio.shield(self.engine.run(lambda e: e.release(request_id)))
-            delivered = sending.delivered or delivered_of(sending.window)
-            if not sending.writing and delivered is not None:
-                window, peer = delivered
-                self._tell_no_write(peer.agent_name, no_write_tag(request_id, window.lease_id))
+            if aiming is not None:
+                aiming.cancel()
+                aiming.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
+            # Shielded: a second cancellation must not cut the clean-up short.
+            await asyncio.shield(self._end_send(request_id, sending, stream))
         self.remote_sends_total += 1
         self.last_kv_window_begin = window.begin
         self.kv_bytes_sent_total += plan.total_bytes
         return SendResult(window.begin, end, plan.total_bytes, plan.num_descriptors,
-                          last.num_cached_tokens, t1 - t0, t2 - t1)
+                          last.num_cached_tokens, t1 - t0, t2 - t1, getattr(plan, "writes", 1))
+
+    async def _end_send(self, request_id: str, sending: Sending, stream) -> None:
+        """After a send, however it ended: no WRITE of it in flight past the first step, then
+        its pages released, and its decode node told if nothing was written."""
+        if stream is not None:
+            self.layers.drop(stream)
+            await asyncio.wait([asyncio.wrap_future(self.layers.abort(stream, "the send ended"))])
+        del self.in_flight[request_id]
+        self._ended[request_id] = landed(sending)
+        while len(self._ended) > _MAX_ENDED:
+            self._ended.popitem(last=False)
+        delivered = sending.delivered or delivered_of(sending.window)
+        if not sending.writing and delivered is not None:
+            window, peer = delivered
+            tell_no_write(self, peer.agent_name, no_write_tag(request_id, window.lease_id))
+        await self.engine.run(lambda e: e.release(request_id))
+
+    async def _aim(self, request_id: str, prompt_len: int, end: int, sending: Sending, stream,
+                   deadline: float, dst_slots: list[int] | None) -> list[int]:
+        """Once the window is known (checked here, once): aim the layer stream at it, or
+        drop the stream when this window goes whole (`--kv-send`); D's slots."""
+        if dst_slots is None:
+            sending.delivered = await self._wait_window(request_id, sending, deadline)
+            dst_slots = self._check_window(request_id, prompt_len, end, *sending.delivered)
+        window, peer = sending.delivered
+        kv_send = self.config.kv_send
+        if sending.aborted or kv_send == "auto" and peer.host_id and peer.host_id == self.host_id:
+            self.layers.drop(stream)
+            return dst_slots
+        sending.stream, sending.writing = stream, True  # from here the stream owns the notices
+        sending.write = asyncio.wrap_future(stream.future)
+        self.layers.aim(stream, peer.agent_name, peer.layout, window.begin, end, dst_slots,
+                        min(deadline, window.lease_deadline), no_write_tag(request_id, window.lease_id))
+        return dst_slots
+
+    async def _finish_stream(self, sending: Sending, tag: bytes, src_slots: list[int]):
+        """The rest of a layer-wise window and its notification, awaited to the end."""
+        try:
+            await asyncio.shield(asyncio.wrap_future(self.layers.finish(sending.stream, tag, src_slots)))
+        except StreamFailed as err:
+            if sending.aborted:
+                raise RequestAborted(f"RemoteSend aborted during its layer-wise write: {err}") from None
+            raise PeerUnavailable(f"KV write failed: {err}") from None
+        return sending.stream
 
     def _check_window(self, request_id: str, prompt_len: int, end: int, window: Window,
                       peer: DecodePeer) -> list[int]:
@@ -222,8 +276,9 @@ class PrefillRole:
             return False, self._ended.get(request_id) == lease_id
         if not delivered or delivered[0].lease_id != lease_id:
             return False, False
-        if sending.write is None:
+        if sending.write is None or sending.stream is not None:
             await self.abort(request_id)  # no write begins after this (`_send` checks it)
+        if sending.write is None:
             return True, False
         await asyncio.wait([sending.write])  # ends by the write's own deadline
         return True, sending.write.exception() is None
@@ -257,7 +312,7 @@ class PrefillRole:
         if sending is None and request_id in self._ended:
             if isinstance(delivery, tuple):  # its send is over: this window is never written
                 window, peer = delivery
-                self._tell_no_write(peer.agent_name, no_write_tag(request_id, window.lease_id))
+                tell_no_write(self, peer.agent_name, no_write_tag(request_id, window.lease_id))
             return False
         if sending is None:
             now = time.monotonic()
@@ -271,46 +326,6 @@ class PrefillRole:
         resolve(sending.window, delivery)
         return True
 
-    async def _write(self, request_id: str, agent_name: str, plan, tag: bytes,
-                     timeout_s: float) -> None:
-        """The NIXL write, awaited to its end even if this call is cancelled (a test gate
-        holds it at its start, as a write that lands late)."""
-        def write_in_halves():  # a writer frozen mid-window (runtime/gates.py)
-            first, rest = plan.halves()
-            self.agent.write(agent_name, first, b"", timeout_s)
-            # To this thread, not the process: a process-directed SIGSTOP is taken by the
-            # main thread, and this one would run on (and write the rest) until it is.
-            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
-            self.agent.write(agent_name, rest, tag, timeout_s)
-
-        async def write_kv():
-            write = functools.partial(self.agent.write, agent_name, plan, tag, timeout_s)
-            if self.gates is not None:
-                await self.gates.passage("kv_write", request_id)
-                if self.gates.stops_mid_write(request_id):
-                    write = write_in_halves
-            await asyncio.get_running_loop().run_in_executor(self._writers, write)
-
-        write = self.in_flight[request_id].write = asyncio.ensure_future(write_kv())
-        try:
-            await asyncio.shield(write)
-        except asyncio.CancelledError:
-            try:
-                await write
-            except Exception:
-                pass
-            raise
-        except TransferError as err:
-            raise PeerUnavailable(f"KV write failed: {err}") from None
-
-    def _tell_no_write(self, agent_name: str, tag: bytes) -> None:
-        def send():
-            try:
-                self.agent.send_notification(agent_name, tag)
-            except Exception as err:  # the decode node falls back on its quarantine timeout
-                log.warning("no-write notice to %s failed: %s", agent_name, err)
-        self._writers.submit(send)
-
     # ---- node ----------------------------------------------------------------------------
     def busy(self) -> bool:
         return bool(self.in_flight)
@@ -321,6 +336,8 @@ class PrefillRole:
 
     def close(self) -> None:
         self._writers.shutdown(wait=False, cancel_futures=True)
+        if self.layers is not None:
+            self.layers.close()
 
 
 def _check_lease(request_id: str, lease_deadline: float) -> None:

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+import signal
+import threading
 from dataclasses import dataclass
+
+from kvtransfer.agent import TransferError
 
 from prefill.peers import DecodePeer
 from prefill.requests import Window
+from runtime.errors import PeerUnavailable
+
+log = logging.getLogger("pdserve.prefill")
 
 
 @dataclass
@@ -18,6 +27,7 @@ class Sending:
     window: asyncio.Future | None = None  # (Window, DecodePeer), while it may still come
     delivered: tuple[Window, DecodePeer] | None = None
     write: asyncio.Future | None = None  # the write, once it began
+    stream: object = None  # its prefill/layerwise.LayerStream, once aimed at the window
 
 
 def resolve(future: asyncio.Future, delivery: object) -> None:
@@ -42,3 +52,46 @@ def delivered_of(future: asyncio.Future | None):
     if future is not None and future.done() and future.exception() is None:
         return future.result()
     return None
+
+
+async def write_window(role, sending: Sending, request_id: str, agent_name: str, plan, tag: bytes,
+                       timeout_s: float) -> None:
+    """The whole window's NIXL write on the role's writer threads, awaited to its end even if
+    this call is cancelled (a test gate holds it at its start, as a write that lands late)."""
+    def write_in_halves():  # a writer frozen mid-window (runtime/gates.py)
+        first, rest = plan.halves()
+        role.agent.write(agent_name, first, b"", timeout_s)
+        # To this thread, not the process: a process-directed SIGSTOP is taken by the
+        # main thread, and this one would run on (and write the rest) until it is.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        role.agent.write(agent_name, rest, tag, timeout_s)
+
+    async def write_kv():
+        write = functools.partial(role.agent.write, agent_name, plan, tag, timeout_s)
+        if role.gates is not None:
+            await role.gates.passage("kv_write", request_id)
+            if role.gates.stops_mid_write(request_id):
+                write = write_in_halves
+        await asyncio.get_running_loop().run_in_executor(role._writers, write)
+
+    write = sending.write = asyncio.ensure_future(write_kv())
+    try:
+        await asyncio.shield(write)
+    except asyncio.CancelledError:
+        try:
+            await write
+        except Exception:
+            pass
+        raise
+    except TransferError as err:
+        raise PeerUnavailable(f"KV write failed: {err}") from None
+
+
+def tell_no_write(role, agent_name: str, tag: bytes) -> None:
+    """Tell a decode node, from a writer thread, that nothing will be written for `tag`."""
+    def send():
+        try:
+            role.agent.send_notification(agent_name, tag)
+        except Exception as err:  # the decode node falls back on its quarantine timeout
+            log.warning("no-write notice to %s failed: %s", agent_name, err)
+    role._writers.submit(send)

@@ -73,7 +73,8 @@ class PrefillService:
                     kv_window=f"{result.kv_window_begin}:{result.kv_window_end}",
                     prefill_cached_tokens=result.prefill_cached_tokens, prefill_s=result.prefill_s,
                     transfer_s=result.transfer_s, remote_send_s=time.perf_counter() - started,
-                    kv_bytes=result.num_bytes, kv_descriptors=result.num_descriptors)
+                    kv_bytes=result.num_bytes, kv_descriptors=result.num_descriptors,
+                    kv_writes=result.num_writes)
         return pdserve_pb2.RemoteSendResponse(
             request_id=request.request_id, num_tokens_sent=result.num_tokens_sent,
             num_bytes=result.num_bytes, num_descriptors=result.num_descriptors,

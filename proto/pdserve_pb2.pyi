@@ -249,20 +249,22 @@ class TransferInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferInfo(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "layout", "role", "model", "model_hash")
+    __slots__ = ("agent_name", "agent_metadata", "layout", "role", "model", "model_hash", "host_id")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     layout: KVLayout
     role: str
     model: str
     model_hash: str
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., model_hash: _Optional[str] = ...) -> None: ...
+    host_id: str
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., model_hash: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RemoteSendRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "decode_transfer_info", "lease_expires_unix_ms", "window_follows", "lease_remaining_ms", "capability", "lease_ms", "issued_unix_ms")

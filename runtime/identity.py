@@ -26,6 +26,27 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 COMPATIBILITY_FIELDS = ("model_hash", "dtype", "num_layers", "num_kv_heads", "head_dim")
 
 
+def host_id() -> str:
+    """Which KV "host" this process is on: two nodes with equal ids move KV through shared
+    memory, different ids over a network link (`--kv-send auto` sends layer by layer then).
+    UCX shares memory between processes of one machine (its boot id) that share an IPC
+    namespace (containers of one compose project do); a process whose UCX_TLS leaves only
+    network transports talks over its network namespace whatever it shares."""
+    import os
+
+    tls = {t.strip().lstrip("^") for t in os.environ.get("UCX_TLS", "").lower().split(",") if t.strip()}
+    network_only = bool(tls) and not tls & _UCX_MEMORY_TRANSPORTS
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ns = Path("/proc/self/ns/net" if network_only else "/proc/self/ns/ipc").stat().st_ino
+    except OSError:
+        return ""  # unknown: treated as another host
+    return f"{boot}/{'net' if network_only else 'ipc'}:{ns}"
+
+
+_UCX_MEMORY_TRANSPORTS = {"all", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"}
+
+
 def model_hash(model_dir: str | Path) -> str:
     """A short hex digest of the checkpoint in `model_dir` (see the module docstring)."""
     root = Path(model_dir)

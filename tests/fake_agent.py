@@ -8,6 +8,7 @@ tensor; because every pool is in this process, the absolute addresses of a
 - `write(remote, plan, tag, timeout_s)` copies every descriptor, then delivers `tag` to
   the remote (the notification comes after the data); it raises `TransferError` for an
   unknown peer, a closed agent, an address outside either registered pool, or a timeout;
+- `post`, `done`, `release`: the layer-wise sender's WRITE, copied at once by `post`;
 - `send_notification`, `take_notifications`, `wait_notification` and `close` behave
   as documented in kvtransfer/agent.py.
 
@@ -170,7 +171,20 @@ class FakeAgent:
             ctypes.memmove(dst, src, n)
         with self._cond:
             self.writes.append(WriteRecord(remote_name, notification, descriptors, timeout_s))
+            self._cond.notify_all()  # for a test waiting on `writes`
         remote._receive(self.name, [(dst, n) for _, dst, n in descriptors], notification)
+
+    def post(self, remote_name: str, plan, notification: bytes = b"") -> WriteRecord:
+        """The layer-wise sender's non-blocking WRITE: here it copies at once (a held write
+        blocks the posting thread, as a stalled link would); `done` is then True."""
+        self.write(remote_name, plan, notification)
+        return self.writes[-1]
+
+    def done(self, handle) -> bool:
+        return True
+
+    def release(self, handle) -> None:
+        pass
 
     def send_notification(self, remote_name: str, message: bytes) -> None:
         if isinstance(message, str):

@@ -36,14 +36,15 @@ class Cluster:
         self.nodes: dict[str, NodeProcess] = {}
         self.args: dict[str, list[str]] = {}
         self.envs: dict[str, dict[str, str] | None] = {}
+        self.netns: dict[str, str | None] = {}
 
     def start(self, name: str, args: list[str], port: int = 0, wait: bool = True,
-              env: dict[str, str] | None = None) -> NodeProcess:
-        """Start node `name` (`pdserve ARGS --port PORT`, our environment plus `env`); with
-        `wait`, until it listens."""
-        self.args[name], self.envs[name] = list(args), env
+              env: dict[str, str] | None = None, netns: str | None = None) -> NodeProcess:
+        """Start node `name` (`pdserve ARGS --port PORT`, our environment plus `env`, in
+        network namespace `netns` if given); with `wait`, until it listens."""
+        self.args[name], self.envs[name], self.netns[name] = list(args), env, netns
         node = NodeProcess([*args, "--port", str(port)], log=self.logs / f"{name}.log",
-                           env={**os.environ, **env} if env else None)
+                           env={**os.environ, **env} if env else None, netns=netns)
         self.nodes[name] = node
         if wait:
             node.wait_ready()
@@ -64,7 +65,7 @@ class Cluster:
         old = self.nodes[name]
         old.stop()
         (self.logs / f"{name}.log").rename(self.logs / f"{name}-{int(time.time() * 1000)}.log")
-        self.start(name, self.args[name], port=old.port, env=self.envs[name])
+        self.start(name, self.args[name], port=old.port, env=self.envs[name], netns=self.netns[name])
 
     def stop_node(self, name: str) -> None:
         node = self.nodes.pop(name, None)

@@ -29,6 +29,7 @@ from prefill.requests import Window
 from prefill.role import PrefillRole
 from proto.tags import no_write_tag
 from runtime.gates import Gates
+from runtime.identity import host_id
 from tests.fake_agent import FakeFabric
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -130,7 +131,8 @@ class Nodes:
         return role
 
     def peer(self) -> PeerRef:
-        info = PeerInfo(self.d_agent.name, self.d_agent.metadata(), self.d_layout)
+        # On this host: `--kv-send auto` writes whole windows to it (tests ask for layerwise).
+        info = PeerInfo(self.d_agent.name, self.d_agent.metadata(), self.d_layout, host_id())
         return PeerRef(self.d_agent.name, "decode.invalid:50051", info)
 
     async def reserve(self, key: str, prompt: list[int] = PROMPT, end: int = END):

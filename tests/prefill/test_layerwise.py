@@ -1,0 +1,190 @@
+"""Layer-wise sends (`--kv-send layerwise`, prefill/layerwise.py): each layer's KV goes out
+while the prefill still runs, the notification once after the last write, and every
+guarantee of the whole-window write still holds (abort, failure, no page leaked).
+
+The prefill engine here computes the 28-token window in chunks of 8 (four steps), so a
+layer's KV of an early chunk exists long before the prefill ends. The set-up, and how a
+phase is reached without waiting for time: tests/prefill/world.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from prefill.requests import OverlappedSend, RemoteSend
+from proto.tags import notification_tag
+from runtime.errors import PeerUnavailable, RequestAborted
+from tests.prefill.world import (
+    D_PAGE,
+    END,
+    LEASE,
+    P_PAGE,
+    PROMPT,
+    WAIT_S,
+    PrefillWatch,
+    at_slots,
+    fill_pools,
+    generate_tokens,
+    kv_of,
+    started_tokens,
+    with_slots,
+    within,
+)
+
+CHUNK = 8
+
+
+def chunked(nodes, name: str):
+    node = nodes.prefill_node(name, max_num_batched_tokens=CHUNK)
+    watch = PrefillWatch(node[0])
+    return (watch, node[1], node[2]), node[0]
+
+
+def in_last_chunk(request_id: str, then):
+    """A layer hook that calls `then()` once, at layer 0 of the request's last chunk."""
+    called = threading.Event()
+
+    def hook(layer: int, ranges) -> None:
+        for rid, begin, end in ranges:
+            if rid == request_id and layer == 0 and end == END and not called.is_set():
+                called.set()
+                then()
+    return hook
+
+
+def tags(agent) -> list[tuple[str, bytes]]:
+    """Notifications received, less the empty ones the fake agent records per write."""
+    return [(sender, tag) for sender, tag in agent.take_notifications() if tag]
+
+
+def wait_writes(agent, n: int = 1) -> bool:
+    """On the engine thread: wait until `agent` made `n` writes (bounded)."""
+    with agent._cond:
+        return agent._cond.wait_for(lambda: len(agent.writes) >= n, WAIT_S)
+
+
+@pytest.mark.parametrize("decode_has_prefix", [False, True], ids=["window-from-0", "after-decode-prefix"])
+def test_layer_wise_writes_start_before_the_prefill_ends_and_land_exactly_the_window(nodes, decode_has_prefix):
+    async def go():
+        await fill_pools(nodes)
+        node, engine = chunked(nodes, "layers-agent")
+        role = nodes.role(node=node, kv_send="layerwise")
+        if decode_has_prefix:  # the decode engine then has the prompt's full pages: a later window
+            expected = await generate_tokens(nodes.decode, "local", PROMPT)
+        else:
+            expected = await generate_tokens(nodes.engine(), "local", PROMPT)
+        res = await nodes.reserve("r")
+        begin = res.prefix_matched_length
+        before = await kv_of(nodes.decode)
+        early = []  # a window past the decode node's prefix lies in the last chunk alone
+        if begin < END - CHUNK:
+            await engine.run(lambda e: setattr(e, "layer_hook", in_last_chunk(
+                "r", lambda: early.append(wait_writes(node[1])))))
+        node[0].resume["r"] = asyncio.Event()  # hold the role at the prefill's end: pages pinned
+        send = asyncio.ensure_future(role.remote_send(RemoteSend("r", PROMPT, END, nodes.window(res))))
+        await within(node[0].event("r").wait())
+        assert early == ([True] if begin < END - CHUNK else []), "no layer was written before the last chunk"
+        src = await engine.run(lambda e: e.slots_of("r"))
+        sent = at_slots(await kv_of(engine), src[begin:END], P_PAGE)
+        node[0].resume["r"].set()
+        result = await within(send)
+
+        assert (result.kv_window_begin, result.kv_window_end) == (begin, END)
+        assert torch.equal(await kv_of(nodes.decode), with_slots(before, res.slots, D_PAGE, sent))
+        writes = node[1].writes
+        assert len(writes) >= (2 if early else 1) and all(w.notification == b"" for w in writes)
+        assert result.num_bytes == sum(w.num_bytes for w in writes) == sent.numel() * sent.element_size()
+        assert tags(nodes.d_agent) == [("layers-agent", notification_tag("r", LEASE))]
+        assert await started_tokens(nodes.decode, "r") == expected
+        await engine.run(lambda e: setattr(e, "layer_hook", None))
+
+    asyncio.run(go())
+
+
+def test_layers_computed_before_an_overlapped_window_arrives_are_written_when_it_does(nodes):
+    async def go():
+        node, engine = chunked(nodes, "layers-agent")
+        role = nodes.role(node=node, kv_send="layerwise")
+        expected = await generate_tokens(nodes.engine(), "local", PROMPT)
+        res = await nodes.reserve("o")
+        delivered = threading.Event()
+        loop = asyncio.get_running_loop()
+
+        def deliver():  # from the engine thread, in the last chunk: three chunks wait for it
+            asyncio.run_coroutine_threadsafe(role.deliver_window("o", nodes.window(res)), loop).result(WAIT_S)
+            delivered.set()
+        await engine.run(lambda e: setattr(e, "layer_hook", in_last_chunk("o", deliver)))
+        send = asyncio.ensure_future(role.remote_send_overlapped(OverlappedSend("o", PROMPT, END)))
+        result = await within(send)
+        assert delivered.is_set() and (result.kv_window_begin, result.kv_window_end) == (0, END)
+        assert tags(nodes.d_agent) == [("layers-agent", notification_tag("o", LEASE))]
+        assert await started_tokens(nodes.decode, "o") == expected
+        await engine.run(lambda e: setattr(e, "layer_hook", None))
+
+    asyncio.run(go())
+
+
+def test_an_abort_in_the_middle_of_a_layer_wise_window_stops_its_writes_and_frees_its_pages(nodes):
+    async def go():
+        node, engine = chunked(nodes, "layers-agent")
+        role = nodes.role(node=node, kv_send="layerwise")
+        res = await nodes.reserve("a")
+        reached, proceed = threading.Event(), threading.Event()
+
+        def hold():  # some layers are written, the prefill is not over
+            assert wait_writes(node[1])
+            reached.set()
+            proceed.wait(WAIT_S)
+        await engine.run(lambda e: setattr(e, "layer_hook", in_last_chunk("a", hold)))
+        send = asyncio.ensure_future(role.remote_send(RemoteSend("a", PROMPT, END, nodes.window(res))))
+        assert await asyncio.to_thread(reached.wait, WAIT_S)
+        stream = role.in_flight["a"].stream
+        abort = asyncio.ensure_future(role.abort("a"))
+        await asyncio.wait([asyncio.wrap_future(stream.future)], timeout=WAIT_S)  # stopped, drained
+        written = len(node[1].writes)
+        proceed.set()  # the rest of the prefill computes layers: none of them may be written
+        assert await within(abort) is True
+        with pytest.raises(RequestAborted):
+            await within(send)
+        assert await nodes.no_write_notice("a")
+        assert tags(nodes.d_agent) == []  # and no KV-ready tag
+        assert len(node[1].writes) == written, "a layer was written after the abort"
+        await engine.run(lambda e: setattr(e, "layer_hook", None))
+        await nodes.unreserve("a")
+
+    asyncio.run(go())
+
+
+def test_a_failed_layer_write_fails_the_send_and_tells_the_decode_node(nodes):
+    async def go():
+        node, engine = chunked(nodes, "layers-agent")
+        role = nodes.role(node=node, kv_send="layerwise")
+        res = await nodes.reserve("f")
+        node[1].fail_next_write("link down")
+        with pytest.raises(PeerUnavailable, match="link down"):
+            await within(role.remote_send(RemoteSend("f", PROMPT, END, nodes.window(res))))
+        assert await nodes.no_write_notice("f")
+        assert tags(nodes.d_agent) == []
+        await nodes.unreserve("f")
+
+    asyncio.run(go())
+
+
+def test_every_send_of_a_role_streams_its_layers_once(nodes):
+    """The role's layer hook is installed once, whatever the number of sends."""
+    async def go():
+        node, engine = chunked(nodes, "layers-agent")
+        role = nodes.role(node=node, kv_send="layerwise")
+        for key in ("s1", "s2", "s3"):
+            res = await nodes.reserve(key)
+            result = await within(role.remote_send(RemoteSend(key, PROMPT, END, nodes.window(res))))
+            assert result.kv_window_end == END
+            assert tags(nodes.d_agent) == [("layers-agent", notification_tag(key, LEASE))]
+            await nodes.unreserve(key)
+        assert await engine.run(lambda e: e.layer_hook) == role.layers.hook
+
+    asyncio.run(go())
