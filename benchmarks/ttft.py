@@ -70,7 +70,9 @@ class Nodes:
         common = ["--model", a.model]
         worker = [*common, "--dtype", a.dtype, "--num-threads", str(a.threads), "--kv-cache-mb", str(a.kv_cache_mb)]
         budget = ["--max-num-batched-tokens", str(a.max_num_batched_tokens)] if a.max_num_batched_tokens else []
-        prefills = {m: self._start(self.a, f"prefill-{m}", ["prefill", *worker, *budget, "--kv-send", m], logs)
+        # A prefill of 8k tokens takes longer than the default lease: leases and deadlines of minutes.
+        prefills = {m: self._start(self.a, f"prefill-{m}", ["prefill", *worker, *budget, "--kv-send", m,
+                                                             "--transfer-timeout-s", "600"], logs)
                     for m in modes}
         decode = self._start(self.b, "decode", ["decode", *worker], logs)
         for node in (*prefills.values(), decode):
@@ -78,7 +80,7 @@ class Nodes:
         self.routers = {}
         for m in modes:
             router = self._start(self.b, f"router-{m}", ["router", *common, "--prefill", prefills[m].address,
-                                                         "--decode", decode.address], logs)
+                                                         "--decode", decode.address, "--lease-ms", "120000"], logs)
             router.wait_ready(120)
             port = link.forward(self.b, router.port) if link is not None else router.port
             self.routers[m] = f"127.0.0.1:{port}"

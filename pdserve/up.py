@@ -6,6 +6,12 @@ come up before the workers. Each node reports the port it bound on its first std
 Ctrl-C or SIGTERM stops all three (SIGTERM, then SIGKILL after a grace period), and if any
 child dies the others are stopped too: `up` never leaves a process behind.
 
+KV cache: both workers start at once, each sizing its pool against the same free memory
+(pools are mapped lazily, so neither sees the other's), so `up` splits the default share
+(`--kv-cache-memory-fraction`, 0.25) between them, a third to prefill (its pages are held
+only until the window is sent) and two thirds to decode; a sizing flag given to `up`
+(`--kv-cache-mb`, `--num-pages`, `--kv-cache-memory-fraction`) goes to both as given.
+
 Credentials: `up` makes a fresh random cluster key for its three nodes, so Worker calls
 are authenticated with no set-up; with `--api-key`/`--api-key-file` its router requires
 that key from clients. Keys reach the children only as files readable by this user alone
@@ -23,11 +29,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION
 from pdserve.procs import NodeProcess, free_port, stop_all
 from runtime.auth import APIKeyConfig
 from runtime.logs import LOG_FORMATS
 from runtime.options import option
 
+SIZING_FLAGS = ("--kv-cache-mb", "--num-pages", "--kv-cache-memory-fraction")
+KV_SHARES = {"prefill": 1 / 3, "decode": 2 / 3}  # of the default fraction, see the docstring
 KEY_VARIABLES = ("PDSERVE_CLUSTER_KEY", "PDSERVE_CLUSTER_KEY_FILE", "PDSERVE_API_KEY",
                  "PDSERVE_API_KEY_FILE")
 
@@ -89,9 +98,9 @@ def up(config: UpConfig) -> int:
         prefill_port = config.prefill_port or free_port()
         decode_port = config.decode_port or free_port()
         http_port = config.http_port or free_port()
-        procs.append(_start(["prefill", "--port", str(prefill_port), *worker,
+        procs.append(_start(["prefill", "--port", str(prefill_port), *worker, *kv_share("prefill", extra),
                              *_metrics_flag(config.prefill_metrics_port)]))
-        procs.append(_start(["decode", "--port", str(decode_port), *worker,
+        procs.append(_start(["decode", "--port", str(decode_port), *worker, *kv_share("decode", extra),
                              *_metrics_flag(config.decode_metrics_port)]))
         procs.append(_start(["router", "--model", config.model, "--host", config.host,
                              "--port", str(config.port), "--http-port", str(http_port), *logs,
@@ -114,6 +123,14 @@ def up(config: UpConfig) -> int:
         stop_all(procs, config.stop_grace_s)
         for path in keys:
             os.unlink(path)
+
+
+def kv_share(role: str, extra: list[str]) -> list[str]:
+    """The KV sizing flag of `role`'s worker: its share of the default fraction, unless the
+    user sized the pools."""
+    if any(a.split("=", 1)[0] in SIZING_FLAGS for a in extra):
+        return []
+    return ["--kv-cache-memory-fraction", f"{DEFAULT_KV_CACHE_MEMORY_FRACTION * KV_SHARES[role]:.4f}"]
 
 
 def _start(args: list[str]) -> NodeProcess:

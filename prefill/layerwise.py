@@ -9,10 +9,10 @@ when the prefill ends.
 How: the engine calls `LayerSends.hook(layer, ranges)` on its own thread after every
 layer of every step (engine.Engine.layer_hook; the engine knows nothing of NIXL). For a
 request with an open `LayerStream`, the hook records the span (layer, positions, their
-slots) and wakes the sender thread, which posts NIXL WRITEs of whatever is ready, one per
-run of positions with all its ready layers (on the page-major pool consecutive layers of a
-page are adjacent bytes, so a page's ready layers are one descriptor), and drives them to
-completion. Spans that are ready before the decode node's window is known (an overlapped
+slots) and, once a step's layers hold 2 MiB (or at its last layer), wakes the sender
+thread, which posts one NIXL WRITE per step with all its ready layers (on the page-major
+pool consecutive layers of a page are adjacent bytes, so they are one descriptor per page)
+and drives it to completion. Spans that are ready before the decode node's window is known (an overlapped
 send) wait for it. The completion notification is sent once, after every WRITE of the
 window has landed (each NIXL UCX transfer ends with an endpoint flush), and carries the
 lease id as the whole-window write's does.
@@ -49,6 +49,7 @@ class LayerStream:
     def __init__(self, request_id: str, num_layers: int) -> None:
         self.request_id = request_id
         self.spans: list[tuple[int, int, int, np.ndarray]] = []  # (layer, begin, end, src slots) to post
+        self.pending = 0  # bytes in `spans`
         self.hooked = [[-1, -1] for _ in range(num_layers)]  # per layer: [lo, hi) computed
         self.slot_key: tuple[int, int] | None = None
         self.slots: np.ndarray | None = None
@@ -72,9 +73,11 @@ class LayerStream:
 class LayerSends:
     """The layer-wise streams of one prefill node and the thread that posts their WRITEs."""
 
-    def __init__(self, agent, layout, engine, poll_s: float = 0.0005) -> None:
+    def __init__(self, agent, layout, engine, poll_s: float = 0.002, min_write_bytes: int = 2 << 20) -> None:
         self.agent, self.layout, self.engine = agent, layout, engine  # engine: the sync Engine
-        self.poll_s = poll_s
+        self.poll_s = poll_s  # how often WRITEs in flight are driven on (this node has no NIXL thread)
+        self.min_write_bytes = min_write_bytes
+        self.layer_slot_bytes = 2 * layout.bytes_per_slot  # one position's K and V of one layer
         self._streams: dict[str, LayerStream] = {}
         self._cond = threading.Condition()
         self._stop = False
@@ -165,11 +168,12 @@ class LayerSends:
                 stream.slot_key = (begin, end)
             with self._cond:
                 stream.spans.append((layer, begin, end, stream.slots))
+                stream.pending += (end - begin) * self.layer_slot_bytes
                 span = stream.hooked[layer]
                 span[0] = begin if span[0] < 0 else min(span[0], begin)
                 span[1] = max(span[1], end)
-            woke = True
-        if woke:
+                woke = woke or stream.pending >= self.min_write_bytes
+        if woke or layer + 1 == self.layout.num_layers:
             with self._cond:
                 self._cond.notify()
 
@@ -195,20 +199,22 @@ class LayerSends:
                 with self._cond:
                     self._cond.wait(self.poll_s)
 
-    @staticmethod
-    def _has_work(s: LayerStream) -> bool:
-        return s.error is not None or s.aimed and (bool(s.spans) or s.finishing is not None)
+    def _has_work(self, s: LayerStream) -> bool:
+        return s.error is not None or s.aimed and (s.finishing is not None or bool(self._ready(s.spans, False)[0]))
 
     def _service(self, s: LayerStream) -> None:
         try:
             with self._cond:
                 if s.error is None and s.aimed and time.monotonic() >= s.bound:
                     s.error = "its deadline or the decode node's lease passed during the write"
-                spans, s.spans = (s.spans, []) if s.aimed and s.error is None else ([], s.spans)
                 finishing = s.finishing if s.error is None else None
+                spans, s.spans = self._ready(s.spans, finishing is not None) if s.aimed and s.error is None \
+                    else ([], s.spans)
+                s.pending = sum((end - begin) * self.layer_slot_bytes for _, begin, end, _ in s.spans)
             self._poll(s)
             if spans:
                 self._post_spans(s, spans)
+                self._poll(s)  # on shared memory a WRITE is often done by now: no wake for it
             if finishing is not None and finishing[1] is not None and not s.spans:
                 self._post_leftovers(s, finishing[1])
                 s.finishing = finishing = (finishing[0], None)
@@ -233,6 +239,22 @@ class LayerSends:
             else:
                 still.append(handle)
         s.in_flight = still
+
+    def _ready(self, spans, finishing: bool):
+        """(spans to post now, spans to keep): a step's layers go out together once they hold
+        `min_write_bytes`, with its last layer, or when the prefill has ended. Each wake of
+        this thread costs the model's threads more than the bytes do (measured: one WRITE per
+        layer of SmolLM2 slowed its prefill 6-12% on shared memory, 2 MiB per WRITE 1-3%)."""
+        if finishing:
+            return spans, []
+        size: dict[tuple[int, int], int] = {}
+        last = set()
+        for layer, begin, end, _ in spans:
+            size[(begin, end)] = size.get((begin, end), 0) + (end - begin) * self.layer_slot_bytes
+            if layer + 1 == self.layout.num_layers:
+                last.add((begin, end))
+        go = {k for k, n in size.items() if n >= self.min_write_bytes or k in last}
+        return [x for x in spans if (x[1], x[2]) in go], [x for x in spans if (x[1], x[2]) not in go]
 
     def _post_spans(self, s: LayerStream, spans) -> None:
         groups: dict[tuple[int, int], tuple[list[int], np.ndarray]] = {}

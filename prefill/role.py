@@ -26,6 +26,10 @@ and refuses any later window for it. A request that ends before its write began 
 so (`no_write_tag`). A write that began is always awaited to its end, even when the call is
 cancelled: the source pages are never released while NIXL still reads them.
 
+Layer-wise sends (`--kv-send`, prefill/layerwise.py) write each layer once computed and the
+window checked (`_aim`); every rule above holds per write, and an abort or fence waits until
+no write of the stream is in flight before the engine frees the pages.
+
 Capabilities: a window is written only if D's signature over it checks with the cluster
 key, it is not older than `max_window_age_s` (D's clock against ours: a coarse bound on a
 replay, far wider than any skew), and its lease was neither used before nor fenced here
@@ -233,8 +237,7 @@ class PrefillRole:
             sending.delivered = await self._wait_window(request_id, sending, deadline)
             dst_slots = self._check_window(request_id, prompt_len, end, *sending.delivered)
         window, peer = sending.delivered
-        kv_send = self.config.kv_send
-        if sending.aborted or kv_send == "auto" and peer.host_id and peer.host_id == self.host_id:
+        if sending.aborted or self.config.kv_send == "auto" and peer.host_id == self.host_id != "":
             self.layers.drop(stream)
             return dst_slots
         sending.stream, sending.writing = stream, True  # from here the stream owns the notices

@@ -5,11 +5,14 @@ itself: a fresh cluster key in a private file, removed at exit, and the API key 
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
+from engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION
 from pdserve.client import AsyncClient
 from pdserve.procs import NodeProcess
+from pdserve.up import kv_share
 from tests.cluster.nodes import run
 
 IDLE_WINDOW_S = 3.0
@@ -56,6 +59,16 @@ def test_up_answers_within_15s_and_idles_under_5_percent_of_a_core(tiny_model, t
         assert idle_core_fraction < 0.05, f"idle CPU {100 * idle_core_fraction:.2f}% of a core"
     finally:
         node.stop()
+    # Both workers sized their KV against the same free memory: together they take the
+    # default share of it, not twice that.
+    shares = [float(f) for f in re.findall(r"sized by --kv-cache-memory-fraction ([0-9.]+) of",
+                                           (tmp_path / "up.log").read_text())]
+    assert len(shares) == 2 and abs(sum(shares) - DEFAULT_KV_CACHE_MEMORY_FRACTION) < 1e-3, shares
+
+
+def test_up_leaves_a_kv_size_the_user_gave_to_both_workers():
+    assert kv_share("prefill", ["--kv-cache-mb", "64"]) == kv_share("decode", ["--num-pages=8"]) == []
+    assert kv_share("decode", []) == ["--kv-cache-memory-fraction", "0.1667"]
 
 
 
