@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve import netns
+from pdserve.procs import pid_alive
 
 PREFIX = "pdslink"
 DEVICE = "pd0"
@@ -162,23 +163,13 @@ def shaping_commands(rate: str | None, delay_ms: float) -> list[list[str]]:
     return cmds
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale() -> list[str]:
     """Delete `pdslink-<pid>-...` namespaces whose process is gone; returns their names."""
     try:
         names = os.listdir(netns.NETNS_DIR)
     except OSError:
         return []
-    gone = [n for n in names if (m := _NAME.fullmatch(n)) and not _alive(int(m[1]))]
+    gone = [n for n in names if (m := _NAME.fullmatch(n)) and not pid_alive(int(m[1]))]
     for name in gone:
         subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
     return gone

@@ -44,10 +44,17 @@ class PageLine:
         self.poll_s = poll_s
         self._line: deque[asyncio.Future] = deque()  # each waiter's turn, head first
         self._freed = asyncio.Event()
+        self._joined = asyncio.Event()  # a waiter joined the line
         self.waited_total = 0  # reservations that waited (served or not)
 
     def __len__(self) -> int:
         return len(self._line)
+
+    async def until_waiting(self, n: int) -> None:
+        """Return once at least `n` reservations wait in line (for observers, e.g. tests)."""
+        while len(self._line) < n:
+            self._joined.clear()
+            await self._joined.wait()
 
     def freed(self) -> None:
         """Pages may have come back: the head tries again now."""
@@ -70,6 +77,7 @@ class PageLine:
         deadline = started + max(0.0, limit)
         turn = asyncio.get_running_loop().create_future()
         self._line.append(turn)
+        self._joined.set()
         self.waited_total += 1
         if self._line[0] is turn:
             turn.set_result(None)

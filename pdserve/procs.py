@@ -50,6 +50,17 @@ def dial_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def die_with_parent(sig: int = signal.SIGTERM):
     """A `preexec_fn` that has the child sent `sig` when its parent dies (Linux
     `PR_SET_PDEATHSIG`); elsewhere it does nothing."""

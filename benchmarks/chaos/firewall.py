@@ -24,6 +24,8 @@ import subprocess
 import time
 from contextlib import contextmanager
 
+from pdserve.procs import pid_alive
+
 PREFIX = "pdserve-chaos-"
 COMMENT = f"{PREFIX}{os.getpid()}"
 _RULE = re.compile(rf"^-A INPUT (.*--comment \"?{PREFIX}(\d+)\"?.*)$")
@@ -66,19 +68,9 @@ def _our_rules(mine_only: bool) -> list[str]:
         if not match:
             continue
         pid = int(match.group(2))
-        if pid == os.getpid() or (not mine_only and not _alive(pid)):
+        if pid == os.getpid() or (not mine_only and not pid_alive(pid)):
             out.append(match.group(1))
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def clear(mine_only: bool = True) -> int:

@@ -157,10 +157,7 @@ LONG = 299  # a window of 38 of the 64 pages: two never fit at once
 
 
 async def _in_line(role, n: int) -> None:
-    async def wait():
-        while len(role.line) < n:
-            await asyncio.sleep(0.005)
-    await within(wait())
+    await within(role.line.until_waiting(n))
 
 
 def test_reservations_short_of_pages_wait_in_line_and_are_served_in_order(node):
