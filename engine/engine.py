@@ -38,7 +38,7 @@ from .detokenizer import IncrementalDetokenizer
 from .model import LlamaModel, ModelRunner
 from .model.weights import load_config, load_state_dict, load_tokenizer
 from .memory import kv_cache_pages
-from .native import zeros_on_huge_pages
+from .native import lazy_zeros
 from .outputs import CompletionOutput, RequestOutput, Reservation
 from .page_pool import OutOfPages, PagePool
 from .prefix_cache import PrefixCache, extend_page_keys
@@ -69,7 +69,7 @@ class Engine:
         m = self.model
         bytes_per_page = m.num_layers * 2 * self.page_size * m.num_kv_heads * m.head_dim * dtype.itemsize
         self.num_pages, self.kv_cache_sizing = kv_cache_pages(config, bytes_per_page)
-        self.kv_cache = zeros_on_huge_pages(  # page-major, see the module docstring
+        self.kv_cache = lazy_zeros(  # page-major, see the module docstring
             (self.num_pages, m.num_layers, 2, self.page_size, m.num_kv_heads, m.head_dim), dtype, config.device
         )
         self.pool = PagePool(self.num_pages, self.page_size)

@@ -106,7 +106,8 @@ static inline void add_rows(float *restrict acc, const float *restrict p, const 
 }
 
 /* Starts loading the next page's rows while this page is computed on: a sequence's pages lie
- * anywhere in the pool, where the hardware prefetcher cannot guess them. */
+ * anywhere in the pool, where the hardware prefetcher cannot guess them. Issued in shares
+ * between the heads' work: a whole page's lines at once stall on the core's few fill buffers. */
 static inline void prefetch_rows(const void *start, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)start + off, 0, 3);
 }
@@ -136,6 +137,8 @@ static inline const float *block_bf16(const uint16_t *restrict src, float *restr
              int64_t page_stride, float scale,                                                 \
              float *out, int num_threads) {                                                    \
         const int64_t G = H / Hkv, W = Hkv * D; /* W: one slot's row, all KV heads */          \
+        /* the next page is prefetched a head's share at a time, between the heads' work */    \
+        const int64_t chunk = (int64_t)(sizeof(KV_T) * page_size * W + H - 1) / H;            \
         int failed = 0;                                                                        \
         _Pragma("omp parallel for num_threads(num_threads) schedule(dynamic, 1)")              \
         for (int64_t b = 0; b < B; b++) {                                                      \
@@ -150,12 +153,13 @@ static inline const float *block_bf16(const uint16_t *restrict src, float *restr
             const int64_t num_pages = (n + page_size - 1) / page_size;                         \
             for (int64_t p = 0, t0 = 0; p < num_pages; p++, t0 += page_size) {                 \
                 const int64_t rows = n - t0 < page_size ? n - t0 : page_size;                  \
-                if (p + 1 < num_pages)                                                         \
-                    prefetch_rows(k_cache + (int64_t)pages[p + 1] * page_stride, sizeof(KV_T) * page_size * W); \
+                const char *next = p + 1 < num_pages                                           \
+                    ? (const char *)(k_cache + (int64_t)pages[p + 1] * page_stride) : NULL;     \
                 const float *blk = BLOCK(k_cache + (int64_t)pages[p] * page_stride, tmp, rows * W); \
                 for (int64_t h = 0; h < Hkv; h++)                                              \
                     for (int64_t g = 0; g < G; g++) {                                          \
                         const int64_t j = h * G + g;                                           \
+                        if (next) prefetch_rows(next + j * chunk, chunk);                      \
                         score_rows(qb + j * D, blk + h * D, W, rows, D, scale, scores + j * n + t0); \
                     }                                                                          \
             }                                                                                  \
@@ -175,12 +179,13 @@ static inline const float *block_bf16(const uint16_t *restrict src, float *restr
             memset(acc, 0, sizeof(float) * H * D);                                             \
             for (int64_t p = 0, t0 = 0; p < num_pages; p++, t0 += page_size) {                 \
                 const int64_t rows = n - t0 < page_size ? n - t0 : page_size;                  \
-                if (p + 1 < num_pages)                                                         \
-                    prefetch_rows(v_cache + (int64_t)pages[p + 1] * page_stride, sizeof(KV_T) * page_size * W); \
+                const char *next = p + 1 < num_pages                                           \
+                    ? (const char *)(v_cache + (int64_t)pages[p + 1] * page_stride) : NULL;     \
                 const float *blk = BLOCK(v_cache + (int64_t)pages[p] * page_stride, tmp, rows * W); \
                 for (int64_t h = 0; h < Hkv; h++)                                              \
                     for (int64_t g = 0; g < G; g++) {                                          \
                         const int64_t j = h * G + g;                                           \
+                        if (next) prefetch_rows(next + j * chunk, chunk);                      \
                         add_rows(acc + j * D, scores + j * n + t0, blk + h * D, W, rows, D);   \
                     }                                                                          \
             }                                                                                  \

@@ -9,11 +9,13 @@ Slot s is `[s // page_size, s % page_size]`.
 For speed the work is split in two: `plan_attention` turns a step's page tables into gather
 indices and masks once per step (plain Python lists in, a few small tensors out), and
 `attend` runs every layer from that plan. Each run of consecutive decodes (one query each)
-is one call of the C paged-decode kernel (`paged_decode`), which reads K/V straight from
-the pages. Without that kernel (no compiler, fp16, not CPU), decodes are grouped by
-context length so each group is one page gather and one SDPA call; query heads that share
-a KV head act as that KV head's query rows, so GQA needs no repeated K/V. Prefill chunks
-run one sequence at a time, causal over the new tokens and full over the cached prefix.
+is one call of the C paged-decode kernel (`paged_decode`), and each prefill chunk one call
+of the C prefill kernel (`prefill_attention`): both read K/V straight from the pages.
+Without those kernels (no compiler, fp16, not CPU), decodes are grouped by context length
+so each group is one page gather and one SDPA call; query heads that share a KV head act as
+that KV head's query rows, so GQA needs no repeated K/V. Prefill chunks then gather their
+pages and run SDPA one sequence at a time, causal over the new tokens and full over the
+cached prefix.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from .paged_decode import kernel_for, paged_decode
+from .prefill_attention import kernel_for as prefill_kernel_for
+from .prefill_attention import prefill_attention
 
 # A decode group grows while its padded size stays within this factor of its real size.
 _PADDING_SLACK = 1.3
@@ -49,9 +53,10 @@ class DecodeRun:
 @dataclass
 class PrefillSeq:
     rows: slice
-    pages: torch.Tensor  # int64 [P]
+    pages: torch.Tensor  # int64 [P] (int32 for the kernel)
     context_len: int
     mask: torch.Tensor | None  # bool [n, context_len]; None: plain causal (no cached prefix)
+    kernel: object = None  # the C prefill kernel, which needs no mask
 
 
 @dataclass
@@ -72,12 +77,19 @@ def plan_attention(
     that sort decodes by `seq_len` get the tightest groups."""
     plan = AttentionPlan(page_size)
     kernel = kernel_for(kv_dtype, torch.device(device)) if kv_dtype is not None else None
+    prefill_kernel = prefill_kernel_for(kv_dtype, torch.device(device)) if kv_dtype is not None else None
     row = 0
     b = 0
     while b < len(query_lens):
         if query_lens[b] != 1:
             n, ctx = query_lens[b], seq_lens[b]
             num_pages = -(-ctx // page_size)
+            if prefill_kernel is not None:
+                pages = torch.tensor(page_lists[b][:num_pages], dtype=torch.int32)
+                plan.prefills.append(PrefillSeq(slice(row, row + n), pages, ctx, None, prefill_kernel))
+                row += n
+                b += 1
+                continue
             pages = torch.tensor(page_lists[b][:num_pages], dtype=torch.int64, device=device)
             mask = None
             if ctx != n:
@@ -169,6 +181,9 @@ def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float)
         out[g.rows] = o.reshape(b, num_heads, head_dim)
     for s in plan.prefills:
         ctx = s.context_len
+        if s.kernel is not None:
+            prefill_attention(s.kernel, q[s.rows], k_cache, v_cache, s.pages, ctx, scale, out[s.rows])
+            continue
         k = k_cache.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
         v = v_cache.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
         qs = q[s.rows].transpose(0, 1)  # [H, n, D]

@@ -1,0 +1,234 @@
+/* Prefill attention for the CPU: the new tokens of one sequence (its chunk of queries,
+ * causal) over every K/V row of its context, read straight from the pages (no gathered copy).
+ *
+ * Shapes: q and out float32 [n, H, D] (contiguous); k_cache, v_cache one layer's pages
+ * [num_pages, page_size, Hkv, D] (float32 or bfloat16), each page's rows contiguous and pages
+ * `page_stride` elements apart; pages int32 [ceil(ctx / page_size)]. Query row i is position
+ * ctx - n + i and sees positions 0..ctx - n + i (a cached prefix, then causal).
+ * One task is one KV head and QB query positions, for all G query heads that share the head
+ * (GQA without repeats), so each page is converted (bfloat16), transposed (K) and read from
+ * L1 by G * QB query vectors. Online softmax in float32, one pass over the pages; pages past
+ * the task's last position are never read. With AVX-512 (D = 64, pages of 16) four query
+ * vectors are scored against a page at once (16 rows in a register) and their weighted V
+ * sums held in registers; elsewhere plain loops the compiler vectorizes. Tasks run longest
+ * first (the last positions see the most context). Built and loaded by prefill_attention.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "../fast_exp.h"
+
+#define QB 32 /* query positions per task */
+
+static inline void load_f32(float *restrict dst, const float *restrict src, int64_t count) {
+    memcpy(dst, src, sizeof(float) * count);
+}
+static inline void load_bf16(float *restrict dst, const uint16_t *restrict src, int64_t count) {
+    uint32_t *restrict t = (uint32_t *)dst;
+#pragma omp simd
+    for (int64_t i = 0; i < count; i++) t[i] = (uint32_t)src[i] << 16;
+}
+
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* fast_exp for 16 lanes: the same reduction and polynomial. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_min_ps(_mm512_set1_ps(88.0f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* Four query vectors (rows of qs, D = 64) against one page of 16 rows: kt [64][16], vb [16][64]. */
+static inline void page4(const float *restrict qs, const float *restrict kt, const float *restrict vb, const __mmask16 *mask,
+                         float *restrict mx, float *restrict tot, float *restrict acc, int c) {
+    __m512 s[4];
+    for (int k = 0; k < 4; k++) s[k] = _mm512_setzero_ps();
+    for (int d = 0; d < 64; d++) {
+        const __m512 kd = _mm512_load_ps(kt + d * 16);
+        for (int k = 0; k < 4; k++) s[k] = _mm512_fmadd_ps(_mm512_set1_ps(qs[k * 64 + d]), kd, s[k]);
+    }
+    float pw[4][16] __attribute__((aligned(64)));
+    float alpha[4];
+    for (int k = 0; k < 4; k++) {
+        if (k >= c || !mask[k]) { _mm512_store_ps(pw[k], _mm512_setzero_ps()); alpha[k] = 1.0f; continue; }
+        const float pm = _mm512_mask_reduce_max_ps(mask[k], s[k]);
+        const float m = pm > mx[k] ? pm : mx[k];
+        const __m512 p = _mm512_maskz_mov_ps(mask[k], exp16(_mm512_sub_ps(s[k], _mm512_set1_ps(m))));
+        alpha[k] = m > mx[k] ? _mm512_cvtss_f32(exp16(_mm512_set1_ps(mx[k] - m))) : 1.0f;
+        mx[k] = m;
+        tot[k] = tot[k] * alpha[k] + _mm512_reduce_add_ps(p);
+        _mm512_store_ps(pw[k], p);
+    }
+    __m512 o[4][4];
+    for (int k = 0; k < 4; k++) {
+        const __m512 a = _mm512_set1_ps(alpha[k]);
+        for (int j = 0; j < 4; j++) o[k][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + k * 64 + j * 16), a);
+    }
+    for (int r = 0; r < 16; r++) {
+        const __m512 v0 = _mm512_load_ps(vb + r * 64), v1 = _mm512_load_ps(vb + r * 64 + 16);
+        const __m512 v2 = _mm512_load_ps(vb + r * 64 + 32), v3 = _mm512_load_ps(vb + r * 64 + 48);
+        for (int k = 0; k < 4; k++) {
+            const __m512 w = _mm512_set1_ps(pw[k][r]);
+            o[k][0] = _mm512_fmadd_ps(w, v0, o[k][0]);
+            o[k][1] = _mm512_fmadd_ps(w, v1, o[k][1]);
+            o[k][2] = _mm512_fmadd_ps(w, v2, o[k][2]);
+            o[k][3] = _mm512_fmadd_ps(w, v3, o[k][3]);
+        }
+    }
+    for (int k = 0; k < 4; k++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + k * 64 + j * 16, o[k][j]);
+}
+#define HAVE_FAST 1
+#endif
+
+/* One task: KV head h, query rows [i0, i0 + nq) of all G heads sharing it. */
+static inline __attribute__((always_inline)) void block(
+    const float *restrict q, const void *k_cache, const void *v_cache, int bf16, const int32_t *pages,
+    int64_t n, int64_t ctx, int64_t H, int64_t Hkv, const int64_t D, const int64_t PS, int64_t page_stride,
+    float scale, float *restrict out, int64_t h, int64_t i0, int64_t nq, float *restrict work) {
+    const int64_t G = H / Hkv, W = Hkv * D, NV = G * QB;
+    float *restrict kt = work;               /* [D][PS] */
+    float *restrict vb = kt + D * PS;        /* [PS][D] */
+    float *restrict s = vb + PS * D;         /* [NV][PS] */
+    float *restrict acc = s + NV * PS;       /* [NV][D] */
+    float *restrict mx = acc + NV * D, *restrict tot = mx + NV;
+    float *restrict qs = tot + NV;           /* [NV][D], scaled */
+    float *restrict row = qs + NV * D;       /* [PS * W] staging */
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < nq; i++) {
+            const float *src = q + (i0 + i) * H * D + (h * G + g) * D;
+            float *dst = qs + (g * QB + i) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;
+        }
+    for (int64_t v = 0; v < NV; v++) { mx[v] = -INFINITY; tot[v] = 0.0f; }
+    memset(acc, 0, sizeof(float) * NV * D);
+    const int64_t first = ctx - n + i0;             /* absolute position of query row 0 */
+    const int64_t last = first + nq - 1;
+    const int64_t num_pages = last / PS + 1;
+    for (int64_t p = 0; p < num_pages; p++) {
+        const int64_t t0 = p * PS, rows = ctx - t0 < PS ? ctx - t0 : PS;
+        const int64_t off = (int64_t)pages[p] * page_stride;
+        /* K rows of head h, transposed: kt[d][r] */
+        if (bf16) load_bf16(row, (const uint16_t *)k_cache + off, rows * W);
+        else load_f32(row, (const float *)k_cache + off, rows * W);
+        for (int64_t r = 0; r < PS; r++)
+            for (int64_t d = 0; d < D; d++) kt[d * PS + r] = r < rows ? row[r * W + h * D + d] : 0.0f;
+        if (bf16) load_bf16(row, (const uint16_t *)v_cache + off, rows * W);
+        else load_f32(row, (const float *)v_cache + off, rows * W);
+        for (int64_t r = 0; r < rows; r++) memcpy(vb + r * D, row + r * W + h * D, sizeof(float) * D);
+        const int full = t0 + PS - 1 <= first; /* no query row is masked in this page */
+#ifdef HAVE_FAST
+        if (D == 64 && PS == 16) {
+            if (rows < PS) memset(vb + rows * D, 0, sizeof(float) * (PS - rows) * D);
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t i = 0; i < nq; i += 4) {
+                    const int c = nq - i < 4 ? (int)(nq - i) : 4;
+                    __mmask16 mask[4];
+                    for (int k = 0; k < 4; k++) {
+                        int64_t valid = k < c ? first + i + k - t0 + 1 : 0;
+                        valid = valid < 0 ? 0 : (valid > rows ? rows : valid);
+                        mask[k] = (__mmask16)((1u << valid) - 1u);
+                    }
+                    const int64_t v = g * QB + i;
+                    page4(qs + v * D, kt, vb, mask, mx + v, tot + v, acc + v * D, c);
+                }
+            continue;
+        }
+#endif
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t i = 0; i < nq; i++) {
+                const int64_t v = g * QB + i, a = first + i;
+                if (t0 > a) continue; /* whole page in this row's future */
+                float *restrict sv = s + v * PS;
+                const float *restrict qv = qs + v * D;
+                float sc[PS];
+#pragma omp simd
+                for (int64_t r = 0; r < PS; r++) sc[r] = 0.0f;
+                for (int64_t d = 0; d < D; d++) {
+                    const float x = qv[d];
+#pragma omp simd
+                    for (int64_t r = 0; r < PS; r++) sc[r] += x * kt[d * PS + r];
+                }
+                const int64_t valid = full ? rows : (a - t0 + 1 < rows ? a - t0 + 1 : rows);
+                float m = mx[v];
+                for (int64_t r = 0; r < valid; r++) m = sc[r] > m ? sc[r] : m;
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t r = 0; r < PS; r++) {
+                    const float e = r < valid ? fast_exp(sc[r] - m) : 0.0f;
+                    sv[r] = e;
+                    sum += e;
+                }
+                float *restrict o = acc + v * D;
+                if (m > mx[v]) {
+                    const float alpha = fast_exp(mx[v] - m);
+                    tot[v] *= alpha;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) o[d] *= alpha;
+                    mx[v] = m;
+                }
+                tot[v] += sum;
+                for (int64_t r = 0; r < valid; r++) {
+                    const float w = sv[r];
+                    const float *restrict vr = vb + r * D;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) o[d] += w * vr[d];
+                }
+            }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < nq; i++) {
+            const int64_t v = g * QB + i;
+            const float inv = 1.0f / tot[v];
+            float *dst = out + (i0 + i) * H * D + (h * G + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = acc[v * D + d] * inv;
+        }
+}
+
+static int run(const float *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *pages, int64_t n,
+               int64_t ctx, int64_t H, int64_t Hkv, int64_t D, int64_t PS, int64_t page_stride, float scale,
+               float *out, int num_threads) {
+    const int64_t G = H / Hkv, NV = G * QB, blocks = (n + QB - 1) / QB, tasks = Hkv * blocks;
+    const int64_t words = D * PS + PS * D + NV * PS + NV * D + 2 * NV + NV * D + PS * Hkv * D;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *work = aligned_alloc(64, sizeof(float) * ((words + 15) / 16 * 16));
+        if (!work) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = tasks - 1; t >= 0; t--) { /* longest (last) blocks first */
+            if (!work) continue;
+            const int64_t h = t % Hkv, b = t / Hkv, i0 = b * QB, nq = n - i0 < QB ? n - i0 : QB;
+            if (D == 64 && PS == 16)
+                block(q, k_cache, v_cache, bf16, pages, n, ctx, H, Hkv, 64, 16, page_stride, scale, out, h, i0, nq, work);
+            else
+                block(q, k_cache, v_cache, bf16, pages, n, ctx, H, Hkv, D, PS, page_stride, scale, out, h, i0, nq, work);
+        }
+        free(work);
+    }
+    return failed;
+}
+
+int prefill_attention_f32(const float *q, const float *k, const float *v, const int32_t *pages, int64_t n, int64_t ctx,
+                          int64_t H, int64_t Hkv, int64_t D, int64_t PS, int64_t page_stride, float scale, float *out,
+                          int num_threads) {
+    return run(q, k, v, 0, pages, n, ctx, H, Hkv, D, PS, page_stride, scale, out, num_threads);
+}
+int prefill_attention_bf16(const float *q, const uint16_t *k, const uint16_t *v, const int32_t *pages, int64_t n,
+                           int64_t ctx, int64_t H, int64_t Hkv, int64_t D, int64_t PS, int64_t page_stride, float scale,
+                           float *out, int num_threads) {
+    return run(q, k, v, 1, pages, n, ctx, H, Hkv, D, PS, page_stride, scale, out, num_threads);
+}
