@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cores", type=parse_cores,
                    help="two CPU cores A,B: 1P1D prefill on A, decode on B; colocated one node "
                         "on each (default: the first two this process may use)")
+    g.add_argument("--colocated-nodes", type=int, choices=[1, 2], default=1,
+                   help="colocated pdserve as one node on both cores with two threads, as "
+                        "vLLM's server runs (default), or two nodes, one per core")
     g.add_argument("--node-args", default="", help="extra flags for every worker, one string "
                                                    "(e.g. \"--kv-cache-mb 1024\")")
     g.add_argument("--router-args", default="", help="extra flags for both routers, one string")

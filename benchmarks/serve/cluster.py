@@ -1,8 +1,9 @@
 """Local clusters for the comparison, each process pinned to its cores.
 
 - `1p1d`: a prefill node on the first core, a decode node on the second, a router over both.
-- `colocated`: two role-`both` nodes (`pdserve serve`), one per core, behind the same
-  router binary. The router needs no special mode for them: a router with no prefill node
+- `colocated`: one role-`both` node (`pdserve serve`) on both cores with two threads (the
+  footprint of vLLM's server in the peer comparison), or with `colocated_nodes=2` two
+  such nodes, one per core; behind the same router binary. The router needs no special mode for them: a router with no prefill node
   gives every request `kv_window_end = 0`, so the decode edge of a `both` node prefills
   the whole prompt in its own engine (as a colocated node does) and generates.
 Each worker is limited to its share: pinned with `sched_setaffinity` before it starts
@@ -25,25 +26,33 @@ SYSTEMS = ("1p1d", "colocated")
 @contextmanager
 def start_cluster(system: str, model: str, cores: tuple[int, int], log_dir: Path,
                   node_args: list[str] = (), router_args: list[str] = (),
-                  timeout_s: float = 300.0) -> Iterator[str]:
+                  timeout_s: float = 300.0, colocated_nodes: int = 1) -> Iterator[str]:
     """Start `system` and yield the router's address; stop every process on exit."""
     if system not in SYSTEMS:
         raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    roles = ("prefill", "decode") if system == "1p1d" else ("serve", "serve")
+    if colocated_nodes not in (1, 2):
+        raise ValueError(f"colocated_nodes must be 1 or 2, got {colocated_nodes!r}")
+    if system == "1p1d":
+        nodes = [("prefill", {cores[0]}), ("decode", {cores[1]})]
+    elif colocated_nodes == 2:
+        nodes = [("serve", {cores[0]}), ("serve", {cores[1]})]
+    else:
+        nodes = [("serve", set(cores))]
     procs: list[NodeProcess] = []
     try:
-        for i, (role, core) in enumerate(zip(roles, cores)):
+        for i, (role, node_cores) in enumerate(nodes):
             args = [role, "--model", model, "--host", "127.0.0.1", "--port", "0",
-                    "--num-threads", "1", *node_args]
-            procs.append(NodeProcess(args, log=log_dir / f"{system}-{role}{i}-core{core}.log",
-                                     cores={core}, threads=1))
-        first, second = (p.wait_ready(timeout_s) for p in procs)
+                    "--num-threads", str(len(node_cores)), *node_args]
+            where = "-".join(map(str, sorted(node_cores)))
+            procs.append(NodeProcess(args, log=log_dir / f"{system}-{role}{i}-core{where}.log",
+                                     cores=node_cores, threads=len(node_cores)))
+        addresses = [p.wait_ready(timeout_s) for p in procs]
         if system == "1p1d":
-            endpoints = ["--prefill", first, "--decode", second]
+            endpoints = ["--prefill", addresses[0], "--decode", addresses[1]]
         else:
-            endpoints = ["--decode", first, "--decode", second]
+            endpoints = [flag for address in addresses for flag in ("--decode", address)]
         router = NodeProcess(["router", "--model", model, "--host", "127.0.0.1", "--port", "0",
                               *endpoints, *router_args], log=log_dir / f"{system}-router.log",
                              cores=set(cores), threads=len(cores))

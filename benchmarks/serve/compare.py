@@ -110,7 +110,8 @@ def run_system(name: str, args, model: str, cores, log_dir: Path):
         connect = lambda url: OpenAIBackend(url, SERVED_NAME, args.timeout_s)  # noqa: E731
     else:
         server = start_cluster(name, model, cores, log_dir, shlex.split(args.node_args),
-                               shlex.split(args.router_args))
+                               shlex.split(args.router_args),
+                               colocated_nodes=getattr(args, "colocated_nodes", 1))
         connect = lambda address: GrpcBackend(address, args.timeout_s)  # noqa: E731
     with server as address:
         async def go():
@@ -162,7 +163,10 @@ def main_compare(args) -> int:
     out = {
         "mode": "compare", "systems": {
             "1p1d": f"prefill on core {cores[0]}, decode on core {cores[1]}, router on both",
-            "colocated": f"role both on cores {cores[0]} and {cores[1]}, router on both",
+            "colocated": (f"role both on cores {cores[0]} and {cores[1]}, router on both"
+                          if getattr(args, "colocated_nodes", 1) == 2 else
+                          f"one role-both node on cores {cores[0]},{cores[1]} with 2 threads, "
+                          "router on both"),
             **({PEER: f"vLLM's OpenAI server ({args.peer_dtype}) on cores {cores[0]},{cores[1]}, "
                       f"{args.peer_kv_cache_gib} GiB KV"} if args.compare_peer else {})},
         "model": model.record(node_dtype(shlex.split(args.node_args))), "cores": list(cores),
