@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{', '.join(KNOWN)} (default: %(default)s, the real model; "
                            "bench-random-100m: the random-weight one of `bench engine`)")
     g.add_argument("--cores", type=parse_cores,
-                   help="two CPU cores A,B: 1P1D prefill on A, decode on B; colocated one node "
-                        "on each (default: the first two this process may use)")
+                   help="two CPU cores A,B: 1P1D prefill on A, decode on B; colocated on both "
+                        "(default: the first two this process may use)")
     g.add_argument("--colocated-nodes", type=int, choices=[1, 2], default=1,
                    help="colocated pdserve as one node on both cores with two threads, as "
                         "vLLM's server runs (default), or two nodes, one per core")

@@ -3,9 +3,10 @@
 - `1p1d`: a prefill node on the first core, a decode node on the second, a router over both.
 - `colocated`: one role-`both` node (`pdserve serve`) on both cores with two threads (the
   footprint of vLLM's server in the peer comparison), or with `colocated_nodes=2` two
-  such nodes, one per core; behind the same router binary. The router needs no special mode for them: a router with no prefill node
-  gives every request `kv_window_end = 0`, so the decode edge of a `both` node prefills
-  the whole prompt in its own engine (as a colocated node does) and generates.
+  such nodes, one per core; behind the same router binary. The router needs no special
+  mode for them: a router with no prefill node gives every request `kv_window_end = 0`, so
+  the decode edge of a `both` node prefills the whole prompt in its own engine (as a
+  colocated node does) and generates.
 Each worker is limited to its share: pinned with `sched_setaffinity` before it starts
 (threads inherit it) and one torch/OpenMP thread per core. The router is pinned to all the
 cores, which it shares with the workers. Every process runs in its own session and is

@@ -111,7 +111,7 @@ def run_system(name: str, args, model: str, cores, log_dir: Path):
     else:
         server = start_cluster(name, model, cores, log_dir, shlex.split(args.node_args),
                                shlex.split(args.router_args),
-                               colocated_nodes=getattr(args, "colocated_nodes", 1))
+                               colocated_nodes=args.colocated_nodes)
         connect = lambda address: GrpcBackend(address, args.timeout_s)  # noqa: E731
     with server as address:
         async def go():
@@ -164,7 +164,7 @@ def main_compare(args) -> int:
         "mode": "compare", "systems": {
             "1p1d": f"prefill on core {cores[0]}, decode on core {cores[1]}, router on both",
             "colocated": (f"role both on cores {cores[0]} and {cores[1]}, router on both"
-                          if getattr(args, "colocated_nodes", 1) == 2 else
+                          if args.colocated_nodes == 2 else
                           f"one role-both node on cores {cores[0]},{cores[1]} with 2 threads, "
                           "router on both"),
             **({PEER: f"vLLM's OpenAI server ({args.peer_dtype}) on cores {cores[0]},{cores[1]}, "

@@ -30,7 +30,6 @@ static inline void load_bf16(float *restrict dst, const uint16_t *restrict src, 
     for (int64_t i = 0; i < count; i++) t[i] = (uint32_t)src[i] << 16;
 }
 
-
 #if defined(__AVX512F__)
 #include <immintrin.h>
 /* fast_exp for 16 lanes: the same reduction and polynomial. */

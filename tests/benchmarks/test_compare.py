@@ -106,3 +106,9 @@ def test_compare_records_the_model_name_directory_and_workers_dtype(tmp_path, mo
     assert served == [str(tmp_path)] * 2  # both systems serve the resolved directory
     assert out["model"] == {"name": "smollm2-135m-instruct", "dir": str(tmp_path),
                             "dtype": "bfloat16"}
+    # Colocated is one node on both cores by default (vLLM's footprint), two on request.
+    assert out["systems"]["colocated"].startswith("one role-both node on cores 0,1 with 2 threads")
+    assert main(["--compare", "--model", str(tmp_path), "--cores", "0,1", "--rates", "0.5",
+                 "--colocated-nodes", "2", "--log-dir", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["systems"]["colocated"].startswith("role both on cores 0 and 1")
