@@ -117,6 +117,7 @@ class NodeService:
             report.late_writes_total = d.late_writes_total
             report.fenced_writers.extend(d.fenced_writers)
             report.fenced_pages = d.fenced_pages
+            report.max_lease_ms = n.decode.config.max_lease_ms
         return report
 
 

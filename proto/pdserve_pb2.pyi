@@ -379,7 +379,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "num_running", "num_parked", "free_pages", "total_pages", "requests_total", "prefix_hit_tokens_total", "remote_sends_total", "last_kv_window_begin", "leases_expired_total", "kv_bytes_sent_total", "num_quarantined", "late_writes_total", "fenced_writers", "fenced_pages", "identity")
+    __slots__ = ("role", "num_running", "num_parked", "free_pages", "total_pages", "requests_total", "prefix_hit_tokens_total", "remote_sends_total", "last_kv_window_begin", "leases_expired_total", "kv_bytes_sent_total", "num_quarantined", "late_writes_total", "fenced_writers", "fenced_pages", "identity", "max_lease_ms")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_PARKED_FIELD_NUMBER: _ClassVar[int]
@@ -396,6 +396,7 @@ class LoadReport(_message.Message):
     FENCED_WRITERS_FIELD_NUMBER: _ClassVar[int]
     FENCED_PAGES_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_parked: int
@@ -412,7 +413,8 @@ class LoadReport(_message.Message):
     fenced_writers: _containers.RepeatedScalarFieldContainer[str]
     fenced_pages: int
     identity: TransferInfo
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_parked: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., remote_sends_total: _Optional[int] = ..., last_kv_window_begin: _Optional[int] = ..., leases_expired_total: _Optional[int] = ..., kv_bytes_sent_total: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., late_writes_total: _Optional[int] = ..., fenced_writers: _Optional[_Iterable[str]] = ..., fenced_pages: _Optional[int] = ..., identity: _Optional[_Union[TransferInfo, _Mapping]] = ...) -> None: ...
+    max_lease_ms: int
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_parked: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., remote_sends_total: _Optional[int] = ..., last_kv_window_begin: _Optional[int] = ..., leases_expired_total: _Optional[int] = ..., kv_bytes_sent_total: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., late_writes_total: _Optional[int] = ..., fenced_writers: _Optional[_Iterable[str]] = ..., fenced_pages: _Optional[int] = ..., identity: _Optional[_Union[TransferInfo, _Mapping]] = ..., max_lease_ms: _Optional[int] = ...) -> None: ...
 
 class FenceRequest(_message.Message):
     __slots__ = ("request_id", "lease_id")

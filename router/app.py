@@ -30,6 +30,7 @@ async def run_router(config: RouterConfig) -> None:
     registry = WorkerRegistry([], [], make_policy(config.prefill_policy, **options),
                               make_policy(config.decode_policy, **options),
                               health_interval_s=config.health_interval_s)
+    registry.lease_ms = config.lease_ms
     discovery = DnsDiscovery(registry, config.prefill, config.decode)
     await discovery.refresh()  # static targets in; DNS names resolved before the first request
     tasks = [asyncio.create_task(discovery.run())] if discovery.needed else []

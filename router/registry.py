@@ -13,6 +13,9 @@ node that does not answer it yet stays usable). A node whose identity differs fr
 the nodes already admitted (the first admitted one sets the reference while any admitted
 node remains) is refused: never routed to, and logged once with what differs, e.g.
 "dtype: float32 vs bfloat16". KV written by one can never land in pages of the other.
+A decode node whose `GetLoad` says it grants shorter leases (`--max-lease-ms`) than this
+router asks for (`--lease-ms`) is refused the same way until it grants enough: every
+reservation there would be refused INVALID_ARGUMENT.
 
 Load: `Endpoint.queue` is this router's own requests on the node plus what the node's last
 `GetLoad` report showed beyond them (router/load.py polls), so several routers see each
@@ -57,6 +60,7 @@ class Endpoint:
     identity: NodeIdentity | None = None
     instance: str = ""  # unique per process start (from etcd), "" when unknown
     refused: str = ""  # why it may not be paired with the nodes in use; "" = admitted
+    lease_refused: str = ""  # decode: why it cannot grant this router's leases; "" = it can
     # From the last GetLoad report: requests queued or running there, and KV pages.
     reported_queue: int = 0
     in_flight_at_report: int = 0
@@ -100,7 +104,7 @@ class Endpoint:
 
     @property
     def usable(self) -> bool:
-        return self.routable and not self.refused
+        return self.routable and not self.refused and not self.lease_refused
 
     def set_identity(self, identity: NodeIdentity | None, instance: str = "") -> None:
         """A new process on this address (or its first identity): forget what we guessed."""
@@ -166,6 +170,7 @@ class WorkerRegistry:
         self._sources: dict[tuple[str, str], list[str]] = {
             ("prefill", "static"): list(prefill), ("decode", "static"): list(decode)}
         self.probe_identity = True  # ask static nodes for their identity (GetTransferInfo)
+        self.lease_ms = 0  # this router's --lease-ms: decode nodes granting less are refused
 
     async def set_addresses(self, role: str, addresses: Sequence[str], source: str = "static",
                             identities: dict | None = None) -> None:
@@ -226,7 +231,24 @@ class WorkerRegistry:
             endpoint.refused = reason
 
     def refused(self) -> dict[str, str]:
-        return {e.address: e.refused for e in self.endpoints() if e.refused}
+        return {e.address: e.refused or e.lease_refused for e in self.endpoints()
+                if e.refused or e.lease_refused}
+
+    def check_lease(self, endpoint: Endpoint, max_lease_ms: int) -> None:
+        """A node's report of the longest lease it grants (0: not told): a decode node that
+        grants less than this router asks for is refused, since every PrepareReceive there
+        would fail INVALID_ARGUMENT; admitted again once it grants enough."""
+        reason = ""
+        if endpoint.role == "decode" and 0 < max_lease_ms < self.lease_ms:
+            reason = (f"refusing decode node {endpoint.address}: it grants leases of at most "
+                      f"{max_lease_ms} ms (its --max-lease-ms) and this router asks for "
+                      f"{self.lease_ms} ms (--lease-ms); lower the router's --lease-ms or raise "
+                      f"the node's --max-lease-ms")
+        if reason and reason != endpoint.lease_refused:
+            log.error("%s", reason)
+        elif not reason and endpoint.lease_refused:
+            log.warning("decode node %s grants this router's leases now; admitted", endpoint.address)
+        endpoint.lease_refused = reason
 
     async def _probe_identity(self, endpoint: Endpoint) -> None:
         """GetLoad until the node answers once (it may still be starting): its identity.
@@ -246,6 +268,7 @@ class WorkerRegistry:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
                 continue
+            self.check_lease(endpoint, report.max_lease_ms)
             if report.HasField("identity"):
                 endpoint.set_identity(NodeIdentity.from_transfer_info(report.identity))
                 self._admit_all()
