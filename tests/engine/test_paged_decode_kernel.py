@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import torch_ops
 from engine.attention.paged_decode import kernel_for
-
+from tests.engine.paged_cases import kernel_and_torch_plans, scattered_pool
 
 
 def test_the_kernel_builds_here():
@@ -20,16 +19,7 @@ def test_the_kernel_builds_here():
 
 def _case(num_heads, num_kv_heads, head_dim, page_size, lens, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    num_pages = sum(-(-n // page_size) for n in lens) + 3
-    # [pages, 2 layers, K/V, page_size, Hkv, D]; layer 1's views are what attention reads.
-    pool = torch.randn(num_pages, 2, 2, page_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
-    order = torch.randperm(num_pages, generator=g).tolist()  # pages scattered over the pool
-    page_lists, used = [], 0
-    for n in lens:
-        need = -(-n // page_size)
-        page_lists.append(order[used : used + need])
-        used += need
+    k_cache, v_cache, page_lists = scattered_pool(num_kv_heads, head_dim, page_size, lens, dtype, g)
     q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype)
     return q, k_cache, v_cache, page_lists
 
@@ -46,16 +36,10 @@ def _case(num_heads, num_kv_heads, head_dim, page_size, lens, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_gather_and_sdpa(num_heads, num_kv_heads, head_dim, page_size, lens, dtype):
     q, k_cache, v_cache, page_lists = _case(num_heads, num_kv_heads, head_dim, page_size, lens, dtype)
-    query_lens = [1] * len(lens)
-    with_kernel = torch_ops.plan_attention(query_lens, lens, page_lists, page_size, "cpu", dtype)
-    without = torch_ops.plan_attention(query_lens, lens, page_lists, page_size, "cpu", None)
+    with_kernel, without = kernel_and_torch_plans(q, k_cache, v_cache, [1] * len(lens), lens, page_lists,
+                                                  page_size, dtype)
     assert with_kernel.decode_runs and not with_kernel.decode_groups
     assert without.decode_groups and not without.decode_runs
-    scale = head_dim**-0.5
-    got = torch_ops.attend(q, k_cache, v_cache, with_kernel, scale)
-    want = torch_ops.attend(q, k_cache, v_cache, without, scale)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 def test_kernel_refuses_views_whose_pages_are_not_packed():

@@ -10,26 +10,13 @@ import torch
 
 from engine.attention import torch_ops
 from engine.attention.prefill_attention import kernel_for
+from tests.engine.paged_cases import kernel_and_torch_plans, scattered_pool
 
 
 def test_the_kernel_builds_here():
     # As for the decode kernel: these machines have a compiler, so None is a build failure.
     assert kernel_for(torch.float32, torch.device("cpu")) is not None
     assert kernel_for(torch.bfloat16, torch.device("cpu")) is not None
-
-
-def _pool(num_heads, num_kv_heads, head_dim, page_size, seq_lens, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
-    # [pages, 2 layers, K/V, page_size, Hkv, D]; layer 1's views are what attention reads.
-    pool = torch.randn(num_pages, 2, 2, page_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    order = torch.randperm(num_pages, generator=g).tolist()  # pages scattered over the pool
-    page_lists, used = [], 0
-    for n in seq_lens:
-        need = -(-n // page_size)
-        page_lists.append(order[used : used + need])
-        used += need
-    return pool[:, 1, 0], pool[:, 1, 1], page_lists, g
 
 
 @pytest.mark.parametrize(
@@ -46,22 +33,19 @@ def _pool(num_heads, num_kv_heads, head_dim, page_size, seq_lens, dtype, seed):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_gather_and_sdpa(num_heads, num_kv_heads, head_dim, page_size, query_lens, seq_lens, dtype):
-    k_cache, v_cache, page_lists, g = _pool(num_heads, num_kv_heads, head_dim, page_size, seq_lens, dtype, seed=1)
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache, page_lists = scattered_pool(num_kv_heads, head_dim, page_size, seq_lens, dtype, g)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=g).to(dtype)
-    with_kernel = torch_ops.plan_attention(query_lens, seq_lens, page_lists, page_size, "cpu", dtype)
-    without = torch_ops.plan_attention(query_lens, seq_lens, page_lists, page_size, "cpu", None)
+    with_kernel, without = kernel_and_torch_plans(q, k_cache, v_cache, query_lens, seq_lens, page_lists,
+                                                  page_size, dtype)
     assert with_kernel.prefills and all(s.kernel is not None for s in with_kernel.prefills)
     assert without.prefills and all(s.kernel is None for s in without.prefills)
-    scale = head_dim**-0.5
-    got = torch_ops.attend(q, k_cache, v_cache, with_kernel, scale)
-    want = torch_ops.attend(q, k_cache, v_cache, without, scale)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 def test_a_query_sees_no_later_position():
     # Changing the K/V of the last position changes only the last query's output.
-    k_cache, v_cache, page_lists, g = _pool(9, 3, 64, 16, [50], torch.float32, seed=2)
+    g = torch.Generator().manual_seed(2)
+    k_cache, v_cache, page_lists = scattered_pool(3, 64, 16, [50], torch.float32, g)
     q = torch.randn(50, 9, 64, generator=g)
     plan = torch_ops.plan_attention([50], [50], page_lists, 16, "cpu", torch.float32)
     before = torch_ops.attend(q, k_cache, v_cache, plan, 0.125)
