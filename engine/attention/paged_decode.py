@@ -13,7 +13,16 @@ rows is bound by memory latency, not arithmetic; software prefetch of the next p
 ~6%; issued a head's share at a time between the heads' work rather than a page at once,
 the 30 layers of a step at batch 32, ~300 tokens each, took 27 ms against 31-46 fp32 and
 17.5-19 against 21-26 bf16, and the engine's decode attention went from 29 to 24 ms fp32,
-23 to 18 ms bf16 per step).
+23 to 18 ms bf16 per step). The prefetches bring lines into L2, not L1: into L1 they hold
+the core's few L1 fill buffers, and the loads of the page being computed on queue behind
+them, so memory time and arithmetic added up instead of overlapping (30 layers at batch 32,
+320 tokens each, pages scattered: 30 -> 20.5 ms fp32, 18 -> 15 ms bf16; the engine's decode
+attention 24.6 -> 16.8 ms fp32, 18 -> 13.4 ms bf16 per step). Tried and dropped: one pass
+over each page's K and V with an online softmax (AVX-512, 16 scores per register): its
+arithmetic per page cost more than the second pass's reads saved (15.8 ms against 9.4 ms
+with the pages in cache). bfloat16 keys of head_dim 64 are scored with vdpbf16ps straight
+from the page, not converted first: the 30 layers above took 10.4 against 13.9 ms with the
+pages in cache, 14.9 against 16.8 from memory.
 
 The kernel is built and loaded by `engine.native` (compiled on first use, a second or
 two). If that fails, or the dtype is not float32/bfloat16, `kernel_for` returns None and

@@ -21,9 +21,6 @@
 
 #define QB 32 /* query positions per task */
 
-static inline void load_f32(float *restrict dst, const float *restrict src, int64_t count) {
-    memcpy(dst, src, sizeof(float) * count);
-}
 static inline void load_bf16(float *restrict dst, const uint16_t *restrict src, int64_t count) {
     uint32_t *restrict t = (uint32_t *)dst;
 #pragma omp simd
@@ -53,12 +50,16 @@ static inline __m512 exp16(__m512 x) {
 /* Four query vectors (rows of qs, D = 64) against one page of 16 rows: kt [64][16], vb [16][64]. */
 static inline void page4(const float *restrict qs, const float *restrict kt, const float *restrict vb, const __mmask16 *mask,
                          float *restrict mx, float *restrict tot, float *restrict acc, int c) {
-    __m512 s[4];
-    for (int k = 0; k < 4; k++) s[k] = _mm512_setzero_ps();
-    for (int d = 0; d < 64; d++) {
-        const __m512 kd = _mm512_load_ps(kt + d * 16);
-        for (int k = 0; k < 4; k++) s[k] = _mm512_fmadd_ps(_mm512_set1_ps(qs[k * 64 + d]), kd, s[k]);
+    __m512 s[4], u[4]; /* even and odd dimensions: eight chains of FMAs, not four */
+    for (int k = 0; k < 4; k++) s[k] = u[k] = _mm512_setzero_ps();
+    for (int d = 0; d < 64; d += 2) {
+        const __m512 kd = _mm512_load_ps(kt + d * 16), ke = _mm512_load_ps(kt + d * 16 + 16);
+        for (int k = 0; k < 4; k++) {
+            s[k] = _mm512_fmadd_ps(_mm512_set1_ps(qs[k * 64 + d]), kd, s[k]);
+            u[k] = _mm512_fmadd_ps(_mm512_set1_ps(qs[k * 64 + d + 1]), ke, u[k]);
+        }
     }
+    for (int k = 0; k < 4; k++) s[k] = _mm512_add_ps(s[k], u[k]);
     float pw[4][16] __attribute__((aligned(64)));
     float alpha[4];
     for (int k = 0; k < 4; k++) {
@@ -77,8 +78,11 @@ static inline void page4(const float *restrict qs, const float *restrict kt, con
         for (int j = 0; j < 4; j++) o[k][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + k * 64 + j * 16), a);
     }
     for (int r = 0; r < 16; r++) {
-        const __m512 v0 = _mm512_load_ps(vb + r * 64), v1 = _mm512_load_ps(vb + r * 64 + 16);
-        const __m512 v2 = _mm512_load_ps(vb + r * 64 + 32), v3 = _mm512_load_ps(vb + r * 64 + 48);
+        __m512 v0 = _mm512_load_ps(vb + r * 64), v1 = _mm512_load_ps(vb + r * 64 + 16);
+        __m512 v2 = _mm512_load_ps(vb + r * 64 + 32), v3 = _mm512_load_ps(vb + r * 64 + 48);
+        /* Held in registers: left alone, the compiler folds each row's loads into all 16 FMAs
+         * (four times the loads) and the weights into registers instead. */
+        __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));
         for (int k = 0; k < 4; k++) {
             const __m512 w = _mm512_set1_ps(pw[k][r]);
             o[k][0] = _mm512_fmadd_ps(w, v0, o[k][0]);
@@ -105,7 +109,7 @@ static inline __attribute__((always_inline)) void block(
     float *restrict acc = s + NV * PS;       /* [NV][D] */
     float *restrict mx = acc + NV * D, *restrict tot = mx + NV;
     float *restrict qs = tot + NV;           /* [NV][D], scaled */
-    float *restrict row = qs + NV * D;       /* [PS * W] staging */
+    float *restrict row = qs + NV * D;       /* [PS * D] staging (bfloat16) */
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < nq; i++) {
             const float *src = q + (i0 + i) * H * D + (h * G + g) * D;
@@ -120,14 +124,20 @@ static inline __attribute__((always_inline)) void block(
     for (int64_t p = 0; p < num_pages; p++) {
         const int64_t t0 = p * PS, rows = ctx - t0 < PS ? ctx - t0 : PS;
         const int64_t off = (int64_t)pages[p] * page_stride;
-        /* K rows of head h, transposed: kt[d][r] */
-        if (bf16) load_bf16(row, (const uint16_t *)k_cache + off, rows * W);
-        else load_f32(row, (const float *)k_cache + off, rows * W);
+        /* K rows of head h, transposed: kt[d][r]; only this head's D values of each row,
+         * converted (bfloat16) or read in place */
+        const float *src = (const float *)k_cache + off + h * D;
+        if (bf16) {
+            for (int64_t r = 0; r < rows; r++) load_bf16(row + r * D, (const uint16_t *)k_cache + off + r * W + h * D, D);
+            src = row;
+        }
+        const int64_t sw = bf16 ? D : W;
         for (int64_t r = 0; r < PS; r++)
-            for (int64_t d = 0; d < D; d++) kt[d * PS + r] = r < rows ? row[r * W + h * D + d] : 0.0f;
-        if (bf16) load_bf16(row, (const uint16_t *)v_cache + off, rows * W);
-        else load_f32(row, (const float *)v_cache + off, rows * W);
-        for (int64_t r = 0; r < rows; r++) memcpy(vb + r * D, row + r * W + h * D, sizeof(float) * D);
+            for (int64_t d = 0; d < D; d++) kt[d * PS + r] = r < rows ? src[r * sw + d] : 0.0f;
+        for (int64_t r = 0; r < rows; r++) {
+            if (bf16) load_bf16(vb + r * D, (const uint16_t *)v_cache + off + r * W + h * D, D);
+            else memcpy(vb + r * D, (const float *)v_cache + off + r * W + h * D, sizeof(float) * D);
+        }
         const int full = t0 + PS - 1 <= first; /* no query row is masked in this page */
 #ifdef HAVE_FAST
         if (D == 64 && PS == 16) {
@@ -201,7 +211,7 @@ static int run(const float *q, const void *k_cache, const void *v_cache, int bf1
                int64_t ctx, int64_t H, int64_t Hkv, int64_t D, int64_t PS, int64_t page_stride, float scale,
                float *out, int num_threads) {
     const int64_t G = H / Hkv, NV = G * QB, blocks = (n + QB - 1) / QB, tasks = Hkv * blocks;
-    const int64_t words = D * PS + PS * D + NV * PS + NV * D + 2 * NV + NV * D + PS * Hkv * D;
+    const int64_t words = D * PS + PS * D + NV * PS + NV * D + 2 * NV + NV * D + PS * D;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {

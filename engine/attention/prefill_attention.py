@@ -8,6 +8,12 @@ prompt took 0.67 ms against 1.10 ms for gather + SDPA (fp32; bf16 0.66 against 1
 512-token one 2.5 against 4.1-4.3, a 200-token chunk after a 256-token prefix 1.37 against
 1.8. Tasks of 32 positions beat 16 by 7%. In `pdserve bench step` (32 prompts of 256
 tokens) a prefill step's attention went from 94 to 60 ms (fp32) and 104 to 60 ms (bf16).
+Later, measured on the 30 layers of two 1024-token prompts (~72 GFLOP): reading only the
+task's head from each page (not every head's rows, copied), eight chains of FMAs for the
+scores instead of four (their latency bound the loop), and V rows held in registers (the
+compiler had folded each row's loads into all 16 FMAs) took it from 635-683 to 548-590 ms
+fp32, about 120 GFLOP/s. Tried and dropped: tiles of two pages per softmax update (no
+faster than one).
 
 Built and loaded by `engine.native`; `kernel_for` returns None when that fails or the KV
 dtype is not float32/bfloat16, and callers use the torch path.

@@ -31,6 +31,9 @@ def _case(num_heads, num_kv_heads, head_dim, page_size, lens, dtype, seed=0):
         (4, 4, 32, 1, [5, 9, 1]),
         (6, 2, 48, 5, [23, 7, 60]),
         (8, 1, 128, 16, [33]),
+        # head_dim 64 with pages of other sizes: the bf16 scores' 16-row groups, split or partial
+        (9, 3, 64, 32, [70, 3, 33]),
+        (9, 3, 64, 5, [23, 7]),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
