@@ -8,15 +8,21 @@
  * One task is one KV head and QB query positions, for all G query heads that share the head
  * (GQA without repeats), so each page is converted (bfloat16), transposed (K) and read from
  * L1 by G * QB query vectors. Online softmax in float32, one pass over the pages; pages past
- * the task's last position are never read. With AVX-512 (D = 64, pages of 16) four query
- * vectors are scored against a page at once (16 rows in a register) and their weighted V
- * sums held in registers; elsewhere plain loops the compiler vectorizes. Tasks run longest
- * first (the last positions see the most context). Built and loaded by prefill_attention.py.
+ * the task's last position are never read. With AVX-512 (D = 64, pages of 16) a page's K is
+ * transposed in registers, four query vectors are scored against it at once (16 rows in a
+ * register) and their weighted V sums held in registers; each query's max moves only when a
+ * score passes it by more than TAU, so most pages need no horizontal max and no rescaling,
+ * and its sum stays 16 lanes wide until the end. bfloat16 pages with AVX512-BF16 are
+ * scored and summed by vdpbf16ps (K as pairs of dimensions, V rows in pairs, the weights
+ * rounded to bfloat16 as torch's flash attention does). Elsewhere plain loops the compiler
+ * vectorizes. Tasks run longest first (the last positions see the most context). Built and
+ * loaded by prefill_attention.py.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "../attention_tiles.h"
 #include "../fast_exp.h"
 
 #define QB 32 /* query positions per task */
@@ -29,57 +35,83 @@ static inline void load_bf16(float *restrict dst, const uint16_t *restrict src, 
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-/* fast_exp for 16 lanes: the same reduction and polynomial. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_min_ps(_mm512_set1_ps(88.0f), x));
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+#define TAU 8.0f /* scores may exceed the reference max by this before it moves (weights <= e^8) */
 
-/* Four query vectors (rows of qs, D = 64) against one page of 16 rows: kt [64][16], vb [16][64]. */
-static inline void page4(const float *restrict qs, const float *restrict kt, const float *restrict vb, const __mmask16 *mask,
-                         float *restrict mx, float *restrict tot, float *restrict acc, int c) {
-    __m512 s[4], u[4]; /* even and odd dimensions: eight chains of FMAs, not four */
+/* Four query vectors (D = 64) against one page of 16 rows. Scores: float32, qs (scaled) rows
+ * against kt [64][16]; or, when qp is set, bfloat16 pairs of the query (unscaled) against kt
+ * holding the page's pairs [32][16] (vdpbf16ps: two products a lane, summed in float32).
+ * vb rows [16][64] `vs` floats apart. mx: each query's reference max, moved only when a score
+ * passes it by more than TAU (then the sums and accumulators are rescaled), so most pages
+ * need no horizontal max; tot: each query's 16 lanes of partial sums. */
+static inline void page4(const float *restrict qs, const uint32_t *restrict qp, float scale, const float *restrict kt,
+                         const float *restrict vb, int64_t vs, const __mmask16 *mask, float *restrict mx,
+                         float *restrict tot, float *restrict acc, int c) {
+    (void)qp, (void)scale; /* without AVX512-BF16 */
+    __m512 s[4], u[4]; /* even and odd dimensions: eight chains, not four */
     for (int k = 0; k < 4; k++) s[k] = u[k] = _mm512_setzero_ps();
-    for (int d = 0; d < 64; d += 2) {
-        const __m512 kd = _mm512_load_ps(kt + d * 16), ke = _mm512_load_ps(kt + d * 16 + 16);
-        for (int k = 0; k < 4; k++) {
-            s[k] = _mm512_fmadd_ps(_mm512_set1_ps(qs[k * 64 + d]), kd, s[k]);
-            u[k] = _mm512_fmadd_ps(_mm512_set1_ps(qs[k * 64 + d + 1]), ke, u[k]);
+#ifdef __AVX512BF16__
+    if (qp) {
+        for (int j = 0; j < 32; j += 2) {
+            const __m512bh kd = (__m512bh)_mm512_load_si512(kt + j * 16), ke = (__m512bh)_mm512_load_si512(kt + j * 16 + 16);
+            for (int k = 0; k < 4; k++) {
+                s[k] = _mm512_dpbf16_ps(s[k], (__m512bh)_mm512_set1_epi32((int)qp[k * 32 + j]), kd);
+                u[k] = _mm512_dpbf16_ps(u[k], (__m512bh)_mm512_set1_epi32((int)qp[k * 32 + j + 1]), ke);
+            }
         }
+        for (int k = 0; k < 4; k++) s[k] = _mm512_mul_ps(_mm512_add_ps(s[k], u[k]), _mm512_set1_ps(scale));
+    } else
+#endif
+    {
+        for (int d = 0; d < 64; d += 2) {
+            const __m512 kd = _mm512_load_ps(kt + d * 16), ke = _mm512_load_ps(kt + d * 16 + 16);
+            for (int k = 0; k < 4; k++) {
+                s[k] = _mm512_fmadd_ps(_mm512_set1_ps(qs[k * 64 + d]), kd, s[k]);
+                u[k] = _mm512_fmadd_ps(_mm512_set1_ps(qs[k * 64 + d + 1]), ke, u[k]);
+            }
+        }
+        for (int k = 0; k < 4; k++) s[k] = _mm512_add_ps(s[k], u[k]);
     }
-    for (int k = 0; k < 4; k++) s[k] = _mm512_add_ps(s[k], u[k]);
     float pw[4][16] __attribute__((aligned(64)));
-    float alpha[4];
+    float alpha[4] = {1.0f, 1.0f, 1.0f, 1.0f};
     for (int k = 0; k < 4; k++) {
-        if (k >= c || !mask[k]) { _mm512_store_ps(pw[k], _mm512_setzero_ps()); alpha[k] = 1.0f; continue; }
-        const float pm = _mm512_mask_reduce_max_ps(mask[k], s[k]);
-        const float m = pm > mx[k] ? pm : mx[k];
-        const __m512 p = _mm512_maskz_mov_ps(mask[k], exp16(_mm512_sub_ps(s[k], _mm512_set1_ps(m))));
-        alpha[k] = m > mx[k] ? _mm512_cvtss_f32(exp16(_mm512_set1_ps(mx[k] - m))) : 1.0f;
-        mx[k] = m;
-        tot[k] = tot[k] * alpha[k] + _mm512_reduce_add_ps(p);
+        if (k >= c || !mask[k]) { _mm512_store_ps(pw[k], _mm512_setzero_ps()); continue; }
+        if (_mm512_mask_cmp_ps_mask(mask[k], s[k], _mm512_set1_ps(mx[k] + TAU), _CMP_GT_OQ)) {
+            const float m = _mm512_mask_reduce_max_ps(mask[k], s[k]);
+            alpha[k] = mx[k] == -INFINITY ? 0.0f : _mm512_cvtss_f32(exp16s(_mm512_set1_ps(mx[k] - m)));
+            mx[k] = m;
+            _mm512_store_ps(tot + k * 16, _mm512_mul_ps(_mm512_load_ps(tot + k * 16), _mm512_set1_ps(alpha[k])));
+        }
+        const __m512 p = _mm512_maskz_mov_ps(mask[k], exp16s(_mm512_sub_ps(s[k], _mm512_set1_ps(mx[k]))));
+        _mm512_store_ps(tot + k * 16, _mm512_add_ps(_mm512_load_ps(tot + k * 16), p));
         _mm512_store_ps(pw[k], p);
     }
     __m512 o[4][4];
     for (int k = 0; k < 4; k++) {
-        const __m512 a = _mm512_set1_ps(alpha[k]);
-        for (int j = 0; j < 4; j++) o[k][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + k * 64 + j * 16), a);
+        for (int j = 0; j < 4; j++) o[k][j] = _mm512_loadu_ps(acc + k * 64 + j * 16);
+        if (alpha[k] != 1.0f)
+            for (int j = 0; j < 4; j++) o[k][j] = _mm512_mul_ps(o[k][j], _mm512_set1_ps(alpha[k]));
     }
+#ifdef __AVX512BF16__
+    if (qp) { /* vb: the rows in pairs; the weights rounded to bfloat16, as torch's flash attention does */
+        uint32_t pp[4][8] __attribute__((aligned(32)));
+        for (int k = 0; k < 4; k++) _mm256_store_si256((__m256i *)pp[k], (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(pw[k])));
+        for (int i = 0; i < 8; i++) {
+            __m512i v0 = _mm512_load_si512(vb + i * 64), v1 = _mm512_load_si512(vb + i * 64 + 16);
+            __m512i v2 = _mm512_load_si512(vb + i * 64 + 32), v3 = _mm512_load_si512(vb + i * 64 + 48);
+            __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));
+            for (int k = 0; k < 4; k++) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[k][i]);
+                o[k][0] = _mm512_dpbf16_ps(o[k][0], w, (__m512bh)v0);
+                o[k][1] = _mm512_dpbf16_ps(o[k][1], w, (__m512bh)v1);
+                o[k][2] = _mm512_dpbf16_ps(o[k][2], w, (__m512bh)v2);
+                o[k][3] = _mm512_dpbf16_ps(o[k][3], w, (__m512bh)v3);
+            }
+        }
+    } else
+#endif
     for (int r = 0; r < 16; r++) {
-        __m512 v0 = _mm512_load_ps(vb + r * 64), v1 = _mm512_load_ps(vb + r * 64 + 16);
-        __m512 v2 = _mm512_load_ps(vb + r * 64 + 32), v3 = _mm512_load_ps(vb + r * 64 + 48);
+        __m512 v0 = _mm512_loadu_ps(vb + r * vs), v1 = _mm512_loadu_ps(vb + r * vs + 16);
+        __m512 v2 = _mm512_loadu_ps(vb + r * vs + 32), v3 = _mm512_loadu_ps(vb + r * vs + 48);
         /* Held in registers: left alone, the compiler folds each row's loads into all 16 FMAs
          * (four times the loads) and the weights into registers instead. */
         __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));
@@ -94,6 +126,7 @@ static inline void page4(const float *restrict qs, const float *restrict kt, con
     for (int k = 0; k < 4; k++)
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + k * 64 + j * 16, o[k][j]);
 }
+
 #define HAVE_FAST 1
 #endif
 
@@ -121,6 +154,69 @@ static inline __attribute__((always_inline)) void block(
     const int64_t first = ctx - n + i0;             /* absolute position of query row 0 */
     const int64_t last = first + nq - 1;
     const int64_t num_pages = last / PS + 1;
+#ifdef HAVE_FAST
+    if (D == 64 && PS == 16) {
+        float *restrict totv = row + PS * D; /* [NV][16] partial sums */
+        uint32_t *restrict qp = (uint32_t *)(totv + NV * 16); /* [NV][32] bfloat16 pairs (bfloat16 pages) */
+        memset(totv, 0, sizeof(float) * NV * 16);
+#ifdef __AVX512BF16__
+        const int dp = bf16;
+#else
+        const int dp = 0;
+#endif
+        if (dp)
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t i = 0; i < nq; i++) {
+                    const float *src = q + (i0 + i) * H * D + (h * G + g) * D;
+                    for (int64_t j = 0; j < 32; j++)
+                        qp[(g * QB + i) * 32 + j] = bf16_bits(src[2 * j]) | (uint32_t)bf16_bits(src[2 * j + 1]) << 16;
+                }
+        for (int64_t p = 0; p < num_pages; p++) {
+            const int64_t t0 = p * PS, rows = ctx - t0 < PS ? ctx - t0 : PS;
+            const int64_t off = (int64_t)pages[p] * page_stride + h * D;
+            if (dp) /* the page's bfloat16 pairs, as 32-bit words */
+                for (int b = 0; b < 2; b++) transpose16((const float *)((const uint16_t *)k_cache + off) + b * 16, W / 2, rows, kt + b * 256);
+            else {
+                const float *kr = (const float *)k_cache + off;
+                if (bf16) { /* converted first */
+                    for (int64_t r = 0; r < rows; r++) load_bf16(row + r * D, (const uint16_t *)k_cache + off + r * W, D);
+                    kr = row;
+                }
+                for (int b = 0; b < 4; b++) transpose16(kr + b * 16, bf16 ? D : W, rows, kt + b * 256);
+            }
+            const float *vrows = (const float *)v_cache + off;
+            int64_t vs = W;
+#ifdef __AVX512BF16__
+            if (dp) {
+                pair_rows((const uint16_t *)v_cache + off, W, rows, vb);
+                vrows = vb;
+            } else
+#endif
+            if (bf16 || rows < PS) { /* converted, or a partial page padded with zeros */
+                for (int64_t r = 0; r < PS; r++) {
+                    if (r >= rows) memset(vb + r * D, 0, sizeof(float) * D);
+                    else if (bf16) load_bf16(vb + r * D, (const uint16_t *)v_cache + off + r * W, D);
+                    else memcpy(vb + r * D, vrows + r * W, sizeof(float) * D);
+                }
+                vrows = vb;
+                vs = D;
+            }
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t i = 0; i < nq; i += 4) {
+                    const int c = nq - i < 4 ? (int)(nq - i) : 4;
+                    __mmask16 mask[4];
+                    for (int k = 0; k < 4; k++) {
+                        int64_t valid = k < c ? first + i + k - t0 + 1 : 0;
+                        valid = valid < 0 ? 0 : (valid > rows ? rows : valid);
+                        mask[k] = (__mmask16)((1u << valid) - 1u);
+                    }
+                    const int64_t v = g * QB + i;
+                    page4(qs + v * D, dp ? qp + v * 32 : NULL, scale, kt, vrows, vs, mask, mx + v, totv + v * 16, acc + v * D, c);
+                }
+        }
+        for (int64_t v = 0; v < NV; v++) tot[v] = _mm512_reduce_add_ps(_mm512_load_ps(totv + v * 16));
+    } else
+#endif
     for (int64_t p = 0; p < num_pages; p++) {
         const int64_t t0 = p * PS, rows = ctx - t0 < PS ? ctx - t0 : PS;
         const int64_t off = (int64_t)pages[p] * page_stride;
@@ -139,24 +235,6 @@ static inline __attribute__((always_inline)) void block(
             else memcpy(vb + r * D, (const float *)v_cache + off + r * W + h * D, sizeof(float) * D);
         }
         const int full = t0 + PS - 1 <= first; /* no query row is masked in this page */
-#ifdef HAVE_FAST
-        if (D == 64 && PS == 16) {
-            if (rows < PS) memset(vb + rows * D, 0, sizeof(float) * (PS - rows) * D);
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t i = 0; i < nq; i += 4) {
-                    const int c = nq - i < 4 ? (int)(nq - i) : 4;
-                    __mmask16 mask[4];
-                    for (int k = 0; k < 4; k++) {
-                        int64_t valid = k < c ? first + i + k - t0 + 1 : 0;
-                        valid = valid < 0 ? 0 : (valid > rows ? rows : valid);
-                        mask[k] = (__mmask16)((1u << valid) - 1u);
-                    }
-                    const int64_t v = g * QB + i;
-                    page4(qs + v * D, kt, vb, mask, mx + v, tot + v, acc + v * D, c);
-                }
-            continue;
-        }
-#endif
         for (int64_t g = 0; g < G; g++)
             for (int64_t i = 0; i < nq; i++) {
                 const int64_t v = g * QB + i, a = first + i;
@@ -211,7 +289,7 @@ static int run(const float *q, const void *k_cache, const void *v_cache, int bf1
                int64_t ctx, int64_t H, int64_t Hkv, int64_t D, int64_t PS, int64_t page_stride, float scale,
                float *out, int num_threads) {
     const int64_t G = H / Hkv, NV = G * QB, blocks = (n + QB - 1) / QB, tasks = Hkv * blocks;
-    const int64_t words = D * PS + PS * D + NV * PS + NV * D + 2 * NV + NV * D + PS * D;
+    const int64_t words = D * PS + PS * D + NV * PS + NV * D + 2 * NV + NV * D + PS * D + NV * 16 + NV * 32;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {

@@ -12,8 +12,13 @@ Later, measured on the 30 layers of two 1024-token prompts (~72 GFLOP): reading 
 task's head from each page (not every head's rows, copied), eight chains of FMAs for the
 scores instead of four (their latency bound the loop), and V rows held in registers (the
 compiler had folded each row's loads into all 16 FMAs) took it from 635-683 to 548-590 ms
-fp32, about 120 GFLOP/s. Tried and dropped: tiles of two pages per softmax update (no
-faster than one).
+fp32, about 120 GFLOP/s. Then, on the same case: each query's max moves only when a score
+passes it by more than 8 (no horizontal max, no rescaling on most pages; the sums kept 16
+lanes wide) and K is transposed in registers: 526 -> 425 ms fp32 (~170 GFLOP/s), 536 -> 427
+bf16. For bfloat16 pages (AVX512-BF16), scores and weighted sums by vdpbf16ps, two
+dimensions or two rows a lane (the weights rounded to bfloat16, as torch's flash attention
+does): 427 -> 292 ms. Tried and dropped: tiles of two pages per softmax update (no faster
+than one).
 
 Built and loaded by `engine.native`; `kernel_for` returns None when that fails or the KV
 dtype is not float32/bfloat16, and callers use the torch path.

@@ -55,3 +55,21 @@ def test_a_query_sees_no_later_position():
     after = torch_ops.attend(q, k_cache, v_cache, plan, 0.125)
     torch.testing.assert_close(after[:49], before[:49], atol=0, rtol=0)
     assert not torch.allclose(after[49], before[49])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_that_climb_and_spike_along_the_context(dtype):
+    # The AVX-512 path moves a query's reference max only when a score passes it by more
+    # than a margin, then rescales its sums: keys whose scale climbs with position, and a
+    # spike mid-context, pass it again and again, on pages after the first.
+    g = torch.Generator().manual_seed(3)
+    seq_lens, query_lens = [300, 181], [300, 81]
+    k_cache, v_cache, page_lists = scattered_pool(3, 64, 16, seq_lens, dtype, g)
+    for pages, n in zip(page_lists, seq_lens):
+        for pos in range(n):
+            page, row = pages[pos // 16], pos % 16
+            climb = 1.0 + pos / 50.0
+            k_cache[page, row] = (k_cache[page, row].float() * climb).to(dtype)
+        k_cache[pages[150 // 16], 150 % 16] = (k_cache[pages[150 // 16], 150 % 16].float() * 10).to(dtype)
+    q = torch.randn(sum(query_lens), 9, 64, generator=g).to(dtype)
+    kernel_and_torch_plans(q, k_cache, v_cache, query_lens, seq_lens, page_lists, 16, dtype)

@@ -1,0 +1,85 @@
+/* Building blocks shared by the C attention kernels: a float rounded to bfloat16 bits, and
+ * with AVX-512 a 16-lane exp, a 16 x 16 transpose of 32-bit words and bfloat16 rows
+ * interleaved in pairs for vdpbf16ps, each compiled only where the CPU has the instructions
+ * (the kernels are built with -march=native). */
+#ifndef PDSERVE_ATTENTION_TILES_H
+#define PDSERVE_ATTENTION_TILES_H
+#include <stdint.h>
+
+/* x rounded to bfloat16 (nearest even; exact for a query that was bfloat16), as its bits. */
+static inline uint16_t bf16_bits(float x) {
+    union { float f; uint32_t i; } u = { .f = x };
+    return (uint16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* fast_exp for 16 lanes: the same reduction and polynomial; no clamp, since scalef (p * 2^n)
+ * flushes to zero far below and the softmax never passes TAU above. */
+static inline __m512 exp16s(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#if defined(__AVX512BF16__)
+/* A page's 16 bfloat16 V rows of 64 (`stride` apart; rows past `rows`: zeros) in pairs:
+ * dst[i][d] = (v[2i][d], v[2i + 1][d]) as 32-bit words (64-byte aligned), what vdpbf16ps
+ * sums two rows a lane from. */
+static inline void pair_rows(const uint16_t *src, int64_t stride, int64_t rows, void *dst) {
+    static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t i = 0; i < 8; i++) {
+        const int64_t r = 2 * i;
+        const __m512i z = _mm512_setzero_si512();
+        const __m512i a0 = r < rows ? _mm512_loadu_si512(src + r * stride) : z;
+        const __m512i a1 = r < rows ? _mm512_loadu_si512(src + r * stride + 32) : z;
+        const __m512i b0 = r + 1 < rows ? _mm512_loadu_si512(src + (r + 1) * stride) : z;
+        const __m512i b1 = r + 1 < rows ? _mm512_loadu_si512(src + (r + 1) * stride + 32) : z;
+        _mm512_store_si512((uint32_t *)dst + i * 64, _mm512_permutex2var_epi16(a0, lo, b0));
+        _mm512_store_si512((uint32_t *)dst + i * 64 + 16, _mm512_permutex2var_epi16(a0, hi, b0));
+        _mm512_store_si512((uint32_t *)dst + i * 64 + 32, _mm512_permutex2var_epi16(a1, lo, b1));
+        _mm512_store_si512((uint32_t *)dst + i * 64 + 48, _mm512_permutex2var_epi16(a1, hi, b1));
+    }
+}
+#endif
+
+/* dst[j][r] = src[r * stride + j] for a 16 x 16 block of 32-bit words (rows past `rows`:
+ * zeros), in registers: a page's K transposed, 16 dimensions (float32) or 16 pairs
+ * (bfloat16) at a time. */
+static inline void transpose16(const float *src, int64_t stride, int64_t rows, float *restrict dst) {
+    __m512 t[16], a[16];
+    for (int r = 0; r < 16; r++) t[r] = r < rows ? _mm512_loadu_ps(src + r * stride) : _mm512_setzero_ps();
+    for (int r = 0; r < 16; r += 2) {
+        a[r] = _mm512_unpacklo_ps(t[r], t[r + 1]);
+        a[r + 1] = _mm512_unpackhi_ps(t[r], t[r + 1]);
+    }
+    for (int r = 0; r < 16; r += 4)
+        for (int j = 0; j < 2; j++) {
+            t[r + j] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[r + j]), _mm512_castps_pd(a[r + 2 + j])));
+            t[r + 2 + j] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[r + j]), _mm512_castps_pd(a[r + 2 + j])));
+        }
+    /* t[4g + (0, 2, 1, 3)[i]] holds, in each 128-bit lane L, rows 4g..4g+3 of word 4L + i */
+    for (int i = 0; i < 4; i++) {
+        const int j = (int[]){0, 2, 1, 3}[i];
+        const __m512 p = _mm512_shuffle_f32x4(t[j], t[4 + j], 0x88), q = _mm512_shuffle_f32x4(t[j], t[4 + j], 0xdd);
+        const __m512 r = _mm512_shuffle_f32x4(t[8 + j], t[12 + j], 0x88), s = _mm512_shuffle_f32x4(t[8 + j], t[12 + j], 0xdd);
+        _mm512_store_ps(dst + i * 16, _mm512_shuffle_f32x4(p, r, 0x88));
+        _mm512_store_ps(dst + (4 + i) * 16, _mm512_shuffle_f32x4(q, s, 0x88));
+        _mm512_store_ps(dst + (8 + i) * 16, _mm512_shuffle_f32x4(p, r, 0xdd));
+        _mm512_store_ps(dst + (12 + i) * 16, _mm512_shuffle_f32x4(q, s, 0xdd));
+    }
+}
+#endif /* __AVX512F__ */
+#endif
