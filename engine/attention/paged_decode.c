@@ -255,8 +255,9 @@ static inline void add_page_bf16(float *acc, const float *p, int64_t n, const ui
  * (scores stored [H][n], eight rows per horizontal sum); then max, exp and sums per head,
  * vectorized over positions; pass 2 adds every V row into all H outputs, 64 dimensions of
  * one head held in registers across a page's rows. Pages are walked in order, each one
- * converted once (bfloat16) and read from L1 by every head. */
-#define PAGED_DECODE(NAME, KV_T, SCORE, ADD)                                                      \
+ * read from L1 by every head: converted once (bfloat16), or with vdpbf16ps K read in place
+ * and V interleaved in row pairs once per KV head. */
+#define PAGED_DECODE(NAME, KV_T, SCORE, ADD)                                                   \
     int NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,                         \
              const int32_t *block_tables, int64_t max_pages, const int32_t *seq_lens,          \
              int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t page_size,                 \
