@@ -1,11 +1,13 @@
 """`Linear`: one weight matrix (and optional bias), applied as `x @ W.T + b`.
 
-On CPU the weight is reordered once, at load time, into oneDNN's blocked layout and every
-call runs oneDNN's GEMM on it (what torch.compile's CPU freezing does too). Measured on the
-2-core dev machine, fp32, a 1024 x 5632 weight: at 32-64 rows (decode steps) 50-90 GFLOPS
-against 30-65 for `F.linear` (MKL sgemm), at 256-512 rows (prefill chunks) equal or
-better; a whole engine run (32 prompts of 256 tokens, 32 new tokens each) took 1.7x less
-time. Everywhere else (GPU, fp16, a torch without oneDNN) it is `F.linear`.
+On a CPU with AVX-512 the weight is packed once, at load time, into gemm.c's panels, and
+every call runs gemm.c (faster than oneDNN at every row count measured; gemm.py has the
+figures). Where gemm.c cannot run, the weight is reordered into oneDNN's blocked layout and
+every call runs oneDNN's GEMM on it (what torch.compile's CPU freezing does too). Measured
+on the 2-core dev machine, fp32, a 1024 x 5632 weight: at 32-64 rows 50-90 GFLOPS against
+30-65 for `F.linear` (MKL sgemm), at 256-512 rows equal or better; a whole engine run (32
+prompts of 256 tokens, 32 new tokens each) took 1.7x less time. Everywhere else (GPU,
+fp16, a torch without oneDNN) it is `F.linear`.
 
 Invariant: `Linear(w, b)(x)` equals `F.linear(x, w, b)` up to float rounding.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .gemm import PanelWeight
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -26,14 +30,19 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.out_features, self.in_features = weight.shape
         self.bias = bias.contiguous() if bias is not None else None
-        self.packed = pack and can_pack(weight)
-        if self.packed:
+        self.panels = PanelWeight.pack(weight) if pack else None
+        self.packed = pack and self.panels is None and can_pack(weight)
+        if self.panels is not None:
+            self.weight = None  # held once, as panels
+        elif self.packed:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         else:
             self.weight = weight.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features]."""
+        if self.panels is not None:
+            return self.panels.matmul(x, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,87 @@
+"""`PanelWeight`: a weight packed for gemm.c, the CPU matmul of every linear layer.
+
+Why: at decode batch sizes oneDNN's GEMM on its own packed weights ran at 55-75% of the
+machine's peak on the dev machine (2 cores of an AMD EPYC, AVX-512 with BF16, no AMX),
+and the decode step of SmolLM2-135M is mostly matmuls. gemm.c's one kernel (8 rows x 48
+columns of sums in registers over all of K, panels split between threads, the next
+panel prefetched) measured, per step of all 30 layers' weights (plus the LM head where
+marked), cold as in the model, the best of 3-5 alternating runs:
+
+| rows | float32 oneDNN -> gemm.c (ms) | bfloat16 oneDNN -> gemm.c (ms) |
+| --- | --- | --- |
+| 1, with the LM head | 27.1 -> 21.7 | 14.2 -> 9.6 |
+| 32, with the LM head | 55.2 -> 44.4 | 28.3 -> 21.4 |
+| 256 | 293 -> 278 | 145 -> 140 |
+| 512 | 536 -> 531 | 270 -> 251 |
+| 1024 | 1137 -> 1113 | 580 -> 563 |
+| 2048 | 2315 -> 2203, 2139 -> 2051 | 1118 -> 1099, 1309 -> 1292 |
+
+Inside the engine (a decode step at batch 32, 256-token prompts, the two alternating), the
+matmuls took 36.4 -> 25.1 ms a step in bfloat16 and 62.4 -> 52.2 in float32. Past 2048
+rows gemm.c works in chunks of 2048 (one pass over 4096 rows measured 6% slower than
+oneDNN). So where it runs it replaces oneDNN, and the weight is held once, in this layout.
+
+`PanelWeight.pack(weight)` is None where the kernel cannot run: no AVX-512; bfloat16
+without AVX512-BF16, or with AMX (oneDNN's tiles win there); an odd K in bfloat16; other
+dtypes or devices; PDSERVE_NO_C_KERNELS. `Linear` then uses oneDNN or `F.linear`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from .. import native
+
+_NR = 48  # output columns per panel, as in gemm.c
+_SOURCE = Path(__file__).with_name("gemm.c")
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {"gemm_supported": []}
+for _s in ("f32", "bf16"):
+    _SIGNATURES[f"pack_{_s}"] = [_ptr, _i64, _i64, _ptr]
+    _SIGNATURES[f"gemm_{_s}"] = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int]
+_KINDS = {torch.float32: ("f32", 1), torch.bfloat16: ("bf16", 2)}  # suffix, gemm_supported bit
+
+
+def _library() -> ctypes.CDLL | None:
+    return native.load(_SOURCE, native.BASE_FLAGS, _SIGNATURES)
+
+
+class PanelWeight:
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor):
+        suffix, _ = _KINDS[weight.dtype]
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        panels = -(-self.out_features // _NR)
+        self.data = torch.empty(panels * _NR * self.in_features, dtype=weight.dtype)
+        w = weight.contiguous()
+        getattr(lib, f"pack_{suffix}")(w.data_ptr(), self.out_features, self.in_features, self.data.data_ptr())
+        self._gemm = getattr(lib, f"gemm_{suffix}")
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> PanelWeight | None:
+        kind = _KINDS.get(weight.dtype)
+        if kind is None or weight.device.type != "cpu" or weight.dim() != 2:
+            return None
+        if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
+            return None
+        lib = _library()
+        if lib is None or not lib.gemm_supported() & kind[1]:
+            return None
+        return PanelWeight(lib, weight)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in_features] -> x @ W.T + bias, [..., out_features]; bias [out_features] of
+        the weight's dtype."""
+        if x.dtype != self.dtype or x.device.type != "cpu" or x.shape[-1] != self.in_features:
+            raise ValueError(f"a {self.dtype} weight [{self.out_features}, {self.in_features}] cannot take "
+                             f"a {x.dtype} input of shape {tuple(x.shape)} on {x.device}")
+        flat = x.reshape(-1, self.in_features).contiguous()
+        rows = flat.shape[0]
+        out = torch.empty(rows, self.out_features, dtype=self.dtype)
+        if rows:
+            self._gemm(flat.data_ptr(), rows, self.in_features, self.data.data_ptr(), self.out_features,
+                       bias.data_ptr() if bias is not None else None, out.data_ptr(), torch.get_num_threads())
+        return out.view(*x.shape[:-1], self.out_features)

@@ -1,0 +1,108 @@
+"""gemm.c, the CPU matmul of the linear layers, gives x @ W.T + b: in float32 to the last
+bits a reordered sum can change, in bfloat16 the float32 sum rounded once (one bfloat16
+step at most, from the order of the sums). Shapes cover partial panels (N not a multiple
+of 48), partial row blocks (M not a multiple of 8), odd K, biases, more rows than one
+chunk (2048); `Linear` runs it for every call where it can run, else oneDNN."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import gemm
+from engine.model.gemm import PanelWeight
+from engine.model.linear import Linear
+
+_FLAGS = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+_HAS = {torch.float32: " avx512f " in f"{_FLAGS} ", torch.bfloat16: " avx512_bf16 " in f"{_FLAGS} "}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _pack(weight):
+    panels = PanelWeight.pack(weight)
+    if _HAS[weight.dtype]:
+        assert panels is not None, "the CPU has the instructions; no panels here is a build failure"
+    return panels
+
+
+def _reference(x, w, b):
+    """float64 sum, then the output dtype's rounding."""
+    want = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    return want.to(x.dtype)
+
+
+def _assert_matches(got, x, w, b):
+    want = _reference(x, w, b)
+    if got.dtype == torch.float32:
+        scale = (x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0)).float()
+        assert ((got - want).abs() <= 1e-6 * scale + 1e-30).all()
+    else:
+        # one bfloat16 step of the larger of the two at most
+        step = torch.maximum(got.float().abs(), want.float().abs()) * 2.0**-7
+        assert ((got.float() - want.float()).abs() <= step + 1e-30).all(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(50, 64), (96, 576), (49, 38), (145, 130)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panels_give_the_product_for_every_block_shape(dtype, n, k, with_bias):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    panels = _pack(w)
+    if panels is None:
+        return
+    for rows in (1, 3, 7, 8, 9, 17, 33, 64):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        _assert_matches(panels.matmul(x, b), x, w, b)
+
+
+def test_odd_k_in_float32_and_zero_rows():
+    w = torch.randn(70, 37)
+    panels = _pack(w)
+    if panels is None:
+        return
+    x = torch.randn(11, 37)
+    _assert_matches(panels.matmul(x, None), x, w, None)
+    assert panels.matmul(torch.empty(0, 37), None).shape == (0, 70)
+
+
+def test_bfloat16_with_odd_k_is_not_packed():
+    assert PanelWeight.pack(torch.randn(8, 37).bfloat16()) is None
+
+
+def test_no_c_kernels_means_no_panels(monkeypatch):
+    monkeypatch.setattr(gemm, "_library", lambda: None)
+    w = torch.randn(8, 16)
+    lin = Linear(w)
+    assert lin.panels is None
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(lin(x), F.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_runs_panels_for_every_row_count(dtype):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(100, 64, generator=g).to(dtype)
+    b = torch.randn(100, generator=g).to(dtype)
+    lin = Linear(w, b)
+    if lin.panels is None:
+        assert not _HAS[dtype]
+        return
+    assert lin.weight is None, "the weight is held once, as panels"
+    for rows in (1, 256, 2048, 2049, 4100):  # one chunk, a chunk and a row, two chunks and some
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        got = lin(x)
+        _assert_matches(got, x, w, b)
+        assert torch.equal(got[-5:], lin(x[-5:])), "a row's result does not depend on its chunk"
+    # a strided input, or one with leading dimensions, is taken as its rows
+    x = torch.randn(64, 4, generator=g).to(dtype).T
+    _assert_matches(lin(x), x, w, b)
+    x3 = torch.randn(2, 3, 64, generator=g).to(dtype)
+    assert lin(x3).shape == (2, 3, 100)
+    _assert_matches(lin(x3).reshape(6, 100), x3.reshape(6, 64), w, b)
+    with pytest.raises(ValueError, match="cannot take"):
+        lin(torch.randn(2, 64, dtype=torch.float16))
