@@ -121,6 +121,7 @@ class DecodeRole:
             queued_s=waited_s,
             writer_address=req.writer_address, caller=req.caller,
             num_pages=len({slot // self.page_size for slot in reservation.slots}))
+        self.agent.stay_active(lease_ms / 1000)  # the writes land meanwhile: no idle polling
         self.requests_total += 1
         self.prefix_hit_tokens_total += reservation.prefix_matched_length
         return self._signed(lease, encode_append_metadata(reservation.slots))

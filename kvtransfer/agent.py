@@ -11,8 +11,9 @@ Invariants:
 - No busy spinning. nixl's Python wrapper (``nixl_agent``) hard-codes the UCX progress
   thread's poll delay (``pthrDelay``) to 0, which spins a core even when idle, so the agent
   is built on ``nixl._bindings`` directly. By default NIXL's progress thread is off: a
-  Python thread polls every ``poll_interval_s`` (wire-up, notifications, target-side
-  work) and ``write`` drives the copy itself. Measured here, NIXL's thread made the many
+  `Poller` thread polls every ``poll_interval_s`` (wire-up, notifications, target-side
+  work), every ``idle_poll_interval_s`` after ``idle_after_s`` of no work (poller.py),
+  and ``write`` drives the copy itself. Measured here, NIXL's thread made the many
   small puts of a fragmented window fight it for UCX's worker spinlock (~45% of samples
   in ``pthread_spin_lock``). ``progress_thread=True`` keeps NIXL's thread, with a
   non-zero ``pthrDelay`` so it sleeps in ``poll()`` between events.
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from .plan import TransferPlan
+from .poller import Poller
 
 
 class TransferError(RuntimeError):
@@ -83,12 +85,15 @@ class TransferAgent:
         progress_thread: bool = False,
         progress_delay_us: int = 2000,
         poll_interval_s: float = 0.01,
+        idle_poll_interval_s: float = 0.1,
+        idle_after_s: float = 1.0,
         backend_params: dict[str, str] | None = None,
     ) -> None:
         if progress_delay_us <= 0:
             raise ValueError("progress_delay_us must be positive (0 makes UCX's thread spin)")
-        if poll_interval_s <= 0:
-            raise ValueError("poll_interval_s must be positive")
+        if not 0 < poll_interval_s <= idle_poll_interval_s:
+            raise ValueError(f"poll_interval_s ({poll_interval_s}) must be positive, "
+                             f"idle_poll_interval_s ({idle_poll_interval_s}) no shorter")
         b = _bindings()
         self._b = b
         self.name = name
@@ -116,26 +121,24 @@ class TransferAgent:
         self._keep = memory  # the registered memory must outlive the registration
 
         self._progress_thread = progress_thread
-        self._stop = threading.Event()
-        self._poller: threading.Thread | None = None
+        self._poller: Poller | None = None
         if not progress_thread:
-            self._poller = threading.Thread(
-                target=self._poll_loop, args=(poll_interval_s,), name=f"nixl-poll-{name}", daemon=True
-            )
-            self._poller.start()
+            self._poller = Poller(self._poll_once, f"nixl-poll-{name}", poll_interval_s, idle_poll_interval_s,
+                                  idle_after_s)
 
-    def _poll_loop(self, interval: float) -> None:
-        # Without NIXL's thread, UCX only progresses inside our calls. This slow poll keeps
-        # connection wire-up, incoming notifications and target-side work (TCP puts) moving
-        # while nobody is transferring; write() drives progress itself while it runs.
-        while not self._stop.wait(interval):
-            with self._lock:
-                if self._agent is None:
-                    return
-                try:
-                    self._drain()
-                except Exception:
-                    pass  # a failed poll surfaces in the next write or wait
+    def stay_active(self, seconds: float | None = None) -> None:
+        """Poll at the busy interval for `seconds` (default ``idle_after_s``): a node about
+        to be written to calls this, so its side of the work waits for no idle poll."""
+        if self._poller is not None:
+            self._poller.stay_active(seconds)
+
+    def _poll_once(self) -> bool:
+        with self._lock:
+            try:
+                return self._agent is not None and self._drain()
+            except Exception:
+                return False  # a failed poll surfaces in the next write or wait
+
     # ----------------------------------------------------------------- metadata / peers
     def metadata(self) -> bytes:
         """This agent's NIXL metadata (connection info + registered pool), for peers."""
@@ -143,6 +146,7 @@ class TransferAgent:
 
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer's metadata once and return its agent name (cached by content)."""
+        self.stay_active()
         digest = hashlib.sha256(metadata).hexdigest()
         with self._lock:
             for remote, known in self._remotes.items():
@@ -194,6 +198,7 @@ class TransferAgent:
         """Start a WRITE of ``plan``'s descriptors into ``remote_name`` (with
         ``notification`` delivered after its data, if not empty); the handle for `done`
         and `release`. Every posted handle must be released."""
+        self.stay_active()
         if isinstance(notification, str):
             notification = notification.encode()
         if self._closed:
@@ -239,13 +244,8 @@ class TransferAgent:
         except Exception:
             pass  # NIXL could not cancel; the agent frees it at destruction
 
-    def write(
-        self,
-        remote_name: str,
-        plan: TransferPlan | Sequence[tuple[int, int, int]],
-        notification: bytes,
-        timeout_s: float = 30.0,
-    ) -> None:
+    def write(self, remote_name: str, plan: TransferPlan | Sequence[tuple[int, int, int]], notification: bytes,
+              timeout_s: float = 30.0) -> None:
         """WRITE ``plan``'s descriptors into ``remote_name``, then deliver ``notification``.
 
         Returns once the data is in place remotely; raises ``TransferError`` on failure
@@ -275,6 +275,7 @@ class TransferAgent:
     # -------------------------------------------------------------------- notifications
     def send_notification(self, remote_name: str, message: bytes) -> None:
         """Send a standalone notification (not tied to a transfer)."""
+        self.stay_active()
         if isinstance(message, str):
             message = message.encode()
         try:
@@ -282,11 +283,13 @@ class TransferAgent:
         except Exception as e:
             raise TransferError(f"cannot notify {remote_name!r}: {e}") from e
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Notifications received into the buffer; whether there were any."""
         new = self._agent.getNotifs({}, [])
         for remote, msgs in new.items():
             for m in msgs:
                 self._notifs.append((remote, bytes(m)))
+        return bool(new)
 
     def _take(self, tag: bytes) -> bool:
         for i, (_, msg) in enumerate(self._notifs):
@@ -297,6 +300,7 @@ class TransferAgent:
 
     def wait_notification(self, tag: bytes, timeout_s: float = 30.0) -> bool:
         """Wait until a notification equal to ``tag`` arrives (consuming it); False on timeout."""
+        self.stay_active()
         if isinstance(tag, str):
             tag = tag.encode()
         deadline = time.monotonic() + timeout_s
@@ -314,6 +318,7 @@ class TransferAgent:
 
     def take_notifications(self) -> list[tuple[str, bytes]]:
         """All notifications received and not yet consumed, as (remote, message)."""
+        self.stay_active()
         with self._lock:
             self._drain()
             out = list(self._notifs)
@@ -326,9 +331,8 @@ class TransferAgent:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
         if self._poller is not None:
-            self._poller.join(5)
+            self._poller.close()
         with self._lock:
             for r in list(self._remotes):
                 self._invalidate(r)

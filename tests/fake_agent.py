@@ -10,7 +10,8 @@ tensor; because every pool is in this process, the absolute addresses of a
   unknown peer, a closed agent, an address outside either registered pool, or a timeout;
 - `post`, `done`, `release`: the layer-wise sender's WRITE, copied at once by `post`;
 - `send_notification`, `take_notifications`, `wait_notification` and `close` behave
-  as documented in kvtransfer/agent.py.
+  as documented in kvtransfer/agent.py; `stay_active(seconds)` records `seconds` in
+  `kept_active`.
 
 Knobs for tests (none involves wall-clock time):
 - `hold_writes()` returns a `Hold`: the next writes block at their start (after `started`
@@ -107,6 +108,7 @@ class FakeAgent:
         self.notifications_sent: list[tuple[str, bytes]] = []  # standalone ones
         self.add_remote_calls = 0
         self.polls = 0  # take_notifications calls
+        self.kept_active: list[float | None] = []  # stay_active calls
         fabric._register(self)
 
     # ---- knobs ------------------------------------------------------------------------
@@ -193,6 +195,9 @@ class FakeAgent:
         with self._cond:
             self.notifications_sent.append((remote_name, message))
         remote._receive(self.name, [], message)
+
+    def stay_active(self, seconds: float | None = None) -> None:
+        self.kept_active.append(seconds)
 
     def take_notifications(self) -> list[tuple[str, bytes]]:
         with self._cond:

@@ -272,3 +272,20 @@ def test_start_without_kv_of_a_window_still_to_receive_is_refused(node):
         assert await free_pages(node.decode) == PAGES
 
     asyncio.run(go())
+
+
+def test_a_granted_reservation_keeps_the_agent_polling_busily_for_its_lease(node):
+    """The prefill node writes into a reservation at any time within its lease: the
+    agent's poll must not have dropped to its idle interval meanwhile (kvtransfer/poller.py)."""
+    async def go():
+        role = node.role(lease_ms=12_000)
+        assert node.d_agent.kept_active == []
+        with pytest.raises(ValueError):
+            await role.prepare_receive(dataclasses.replace(prepare("bad"), kv_window_end=10**6))
+        assert node.d_agent.kept_active == [], "nothing granted, nothing expected"
+        prepared = await role.prepare_receive(prepare("r"))
+        assert node.d_agent.kept_active == [pytest.approx(prepared.lease_ms / 1000, rel=0.01)]
+        assert await role.abort("r", settled=True) is True
+        assert await free_pages(node.decode) == PAGES
+
+    asyncio.run(go())
