@@ -9,17 +9,19 @@ marked), cold as in the model, the best of 3-5 alternating runs:
 
 | rows | float32 oneDNN -> gemm.c (ms) | bfloat16 oneDNN -> gemm.c (ms) |
 | --- | --- | --- |
-| 1, with the LM head | 27.1 -> 21.7 | 14.2 -> 9.6 |
-| 32, with the LM head | 55.2 -> 44.4 | 28.3 -> 21.4 |
+| 1, with the LM head, before the prefetch | 27.1 -> 21.7 | 14.2 -> 9.6 |
+| 32, with the LM head, before the prefetch | 55.2 -> 44.4 | 28.3 -> 21.4 |
 | 256 | 293 -> 278 | 145 -> 140 |
 | 512 | 536 -> 531 | 270 -> 251 |
 | 1024 | 1137 -> 1113 | 580 -> 563 |
-| 2048 | 2315 -> 2203, 2139 -> 2051 | 1118 -> 1099, 1309 -> 1292 |
+| 1536, 1792 | 1502 -> 1492, 1754 -> 1744 | |
+| 2048 | 2315 -> 2203, 2139 -> 2051, 2094 -> 2083 | 1118 -> 1099, 1309 -> 1292 |
 
-Inside the engine (a decode step at batch 32, 256-token prompts, the two alternating), the
-matmuls took 36.4 -> 25.1 ms a step in bfloat16 and 62.4 -> 52.2 in float32. Past 2048
-rows gemm.c works in chunks of 2048 (one pass over 4096 rows measured 6% slower than
-oneDNN). So where it runs it replaces oneDNN, and the weight is held once, in this layout.
+Inside the engine (a decode step at batch 32, 256-token prompts, the two alternating twice),
+the matmuls took 36.4 / 35.0 -> 25.1 / 24.6 ms a step in bfloat16 and 68.8 / 74.2 -> 56.8 /
+53.9 in float32 (a noisy VM). Past 2048 rows gemm.c works in chunks of 2048 (one pass over
+4096 rows measured 6% slower than oneDNN). So where it runs it replaces oneDNN, and the
+weight is held once, in this layout.
 
 `PanelWeight.pack(weight)` is None where the kernel cannot run: no AVX-512; bfloat16
 without AVX512-BF16, or with AMX (oneDNN's tiles win there); an odd K in bfloat16; other
