@@ -24,8 +24,8 @@ the matmuls took 36.4 / 35.0 -> 25.1 / 24.6 ms a step in bfloat16 and 68.8 / 74.
 weight is held once, in this layout.
 
 `PanelWeight.pack(weight)` is None where the kernel cannot run: no AVX-512; bfloat16
-without AVX512-BF16, or with AMX (oneDNN's tiles win there); an odd K in bfloat16; other
-dtypes or devices; PDSERVE_NO_C_KERNELS. `Linear` then uses oneDNN or `F.linear`.
+without AVX512-BF16, or with AMX (oneDNN's tiles win there); an odd K in bfloat16; an empty
+weight; other dtypes or devices; PDSERVE_NO_C_KERNELS. `Linear` then uses oneDNN or `F.linear`.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class PanelWeight:
         kind = _KINDS.get(weight.dtype)
         if kind is None or weight.device.type != "cpu" or weight.dim() != 2:
             return None
-        if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
+        if (weight.dtype == torch.bfloat16 and weight.shape[1] % 2) or 0 in weight.shape:
             return None
         lib = _library()
         if lib is None or not lib.gemm_supported() & kind[1]:

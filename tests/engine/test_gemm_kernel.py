@@ -106,3 +106,8 @@ def test_linear_runs_panels_for_every_row_count(dtype):
     _assert_matches(lin(x3).reshape(6, 100), x3.reshape(6, 64), w, b)
     with pytest.raises(ValueError, match="cannot take"):
         lin(torch.randn(2, 64, dtype=torch.float16))
+
+
+def test_an_empty_weight_is_not_packed():
+    assert PanelWeight.pack(torch.randn(0, 16)) is None
+    assert PanelWeight.pack(torch.randn(8, 0)) is None
