@@ -1,8 +1,8 @@
 """`Linear`: one weight matrix (and optional bias), applied as `x @ W.T + b`.
 
 On a CPU with AVX-512 the weight is packed once, at load time, into gemm.c's panels, and
-every call runs gemm.c (faster than oneDNN at every row count measured; gemm.py has the
-figures). Where gemm.c cannot run, the weight is reordered into oneDNN's blocked layout and
+every call runs gemm.c (level with oneDNN or faster at every row count measured, 1 to 2048,
+in chunks of 2048 past that; gemm.py has the figures). Where gemm.c cannot run, the weight is reordered into oneDNN's blocked layout and
 every call runs oneDNN's GEMM on it (what torch.compile's CPU freezing does too). Measured
 on the 2-core dev machine, fp32, a 1024 x 5632 weight: at 32-64 rows 50-90 GFLOPS against
 30-65 for `F.linear` (MKL sgemm), at 256-512 rows equal or better; a whole engine run (32
