@@ -54,7 +54,9 @@ class Poller:
         while not self._stop.is_set():
             self._wake.wait(self.next_wait())
             self._wake.clear()
-            if self._stop.is_set() or self._poll():
+            if self._stop.is_set():
+                return
+            if self._poll():
                 self.stay_active()
 
     def close(self, timeout_s: float = 5.0) -> None:
