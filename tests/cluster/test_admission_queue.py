@@ -66,32 +66,43 @@ def small(tiny_model, tmp_path_factory):
 
 def test_a_burst_several_times_the_cache_completes_in_full_and_in_order(small):
     c = small
-    # Each reserves 25 of the 40 pages and grows to 38: one at a time, the rest in line.
+    # Each reserves 25 of the 40 pages and grows to 38: one at a time, the rest in line. The
+    # first one's prefill is held at the prefill node's gate (its 25 pages reserved) until
+    # all the others are in line, so they wait however fast the engine is.
     n, length, max_tokens = 6, 200, 100
+    first = f"{SLOW}burst-0"
 
     async def go():
         before = await at_decode(c)
         async with AsyncClient(c.address("main")) as client:
-            sent, calls = [], []
+            sent, seen, calls = [], [], []
             for i in range(n):
                 sent.append(time.monotonic())
                 calls.append(asyncio.ensure_future(client.generate(
-                    prompt(i, length), max_tokens=max_tokens, timeout=120, **GREEDY)))
+                    prompt(i, length), max_tokens=max_tokens, timeout=120,
+                    **({"request_id": first} if i == 0 else {}), **GREEDY)))
 
                 async def arrived(count=i + 1) -> bool:  # the order of arrival to keep
                     return await at_decode(c) - before >= count
                 await wait_for(arrived, timeout_s=30, poll_s=0.01)
+                seen.append(time.monotonic())  # it reached the decode node by now
+                if i == 0:
+                    await gate_reached(c.address("prefill"), "prefill", first)
+            opened = time.monotonic()
+            for phase in ("kv_write", "prefill"):  # the prefill node holds both phases
+                await gate_open(c.address("prefill"), phase, first)
             outs = await asyncio.gather(*calls)
             alone = [await client.generate(prompt(i, length), max_tokens=max_tokens, **GREEDY)
                      for i in range(n)]
         reports = await wait_pools_full([c.address("prefill"), c.address("decode")])
-        return sent, outs, alone, reports
+        return sent, seen, opened, outs, alone, reports
 
-    sent, outs, alone, reports = run(go(), timeout_s=240)
+    sent, seen, opened, outs, alone, reports = run(go(), timeout_s=240)
     assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
     assert all(len(o.token_ids) == max_tokens for o in outs)
     waits = [o.usage.queue_time_s for o in outs]
-    assert max(waits) > 0.2, waits  # they really waited for pages
+    # Each of the others was in line from before `seen` until after the gate opened.
+    assert all(w >= opened - s for w, s in zip(waits[1:], seen[1:])), (waits, opened, seen)
     first_tokens = [s + o.usage.time_to_first_token_s for s, o in zip(sent, outs)]
     assert first_tokens == sorted(first_tokens), (first_tokens, waits)
     assert all(r.free_pages == r.total_pages and r.num_parked == 0 for r in reports), reports

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.client import AsyncClient
 from runtime.server import channel
-from tests.cluster.conftest import ROUTER_FLAGS, SLOW
+from tests.cluster.conftest import HELD, ROUTER_FLAGS, SLOW
 from tests.cluster.nodes import (GREEDY, Cluster, full, gate_open, load, run, stopped_at,
                                  wait_for, wait_pools_full)
 
@@ -70,7 +70,11 @@ def test_sigterm_on_a_decode_node_finishes_its_stream_while_traffic_moves_on(fau
 
     async def go():
         async with AsyncClient(c.address("main")) as client:
-            stream = client.responses("a stream on a node about to stop", max_tokens=300, **GREEDY)
+            # Held by its decode node after the first token, so it is still in flight at
+            # SIGTERM however fast the engine is.
+            request_id = f"{HELD}sigterm-decode"
+            stream = client.responses("a stream on a node about to stop", request_id=request_id,
+                                      max_tokens=300, **GREEDY)
             first = await stream.__anext__()
             running = {d: (await load(c.address(d))).num_running for d in ("d1", "d2")}
             victim = next(d for d, n in running.items() if n)
@@ -79,6 +83,7 @@ def test_sigterm_on_a_decode_node_finishes_its_stream_while_traffic_moves_on(fau
             await wait_for(lambda: _not_serving(c.address(victim)), timeout_s=10)
             during = [await client.generate(f"during drain {i}", max_tokens=3, timeout=20,
                                             **GREEDY) for i in range(3)]
+            await gate_open(c.address(victim), "stream", request_id)
             tokens, reason = await _consume(stream)
             code = await asyncio.to_thread(c.nodes[victim].proc.wait, 20)
             reports = await wait_pools_full([c.address(n) for n in ("p1", "p2", other)])
