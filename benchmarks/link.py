@@ -37,7 +37,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve import netns
+from pdserve import launch, netns
 from pdserve.procs import pid_alive
 
 PREFIX = "pdslink"
@@ -107,10 +107,11 @@ class Host:
     address: str
     device: str = DEVICE
 
-    def preexec(self):
-        """A `preexec_fn` that moves a child into this host (network and /sys, as
-        `ip netns exec` does) before it execs."""
-        return netns.preexec(self.ns)
+    def command(self, argv: list[str]) -> list[str]:
+        """`argv` run inside this host (network and /sys, as `ip netns exec` does), moved
+        there by `pdserve.launch` before it execs (after Popen has returned: a child whose
+        host is gone by then exits without running)."""
+        return launch.command(argv, netns=self.ns)
 
     def enter(self) -> None:
         """Move the calling thread (and what it starts later) into this host."""
@@ -127,7 +128,7 @@ class Host:
         no UCX settings (or only UCX_NET_DEVICES=pd0) wrote 10 MB through shared memory
         or CMA while 2 KB crossed the veth. UCX_NET_DEVICES keeps TCP off `lo`, whose
         127.0.0.1 is a different host on each side. (UCX finds `pd0` by listing
-        /sys/class/net, hence the sysfs remount in `preexec`.)"""
+        /sys/class/net, hence the sysfs remount in `command`.)"""
         return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.device}
 
     def counters(self) -> dict[str, int]:
@@ -227,10 +228,10 @@ class Link:
         if made.returncode != 0:
             return f"`ip netns add` is not permitted here: {made.stderr.strip()}"
         try:
-            try:  # what a host's children go through: setns, a private mount namespace, sysfs
-                subprocess.run(["true"], preexec_fn=netns.preexec(probe), check=True)
-            except (subprocess.SubprocessError, OSError) as err:
-                return f"cannot move a process into a namespace here: {err}"
+            # what a host's children go through: setns, a private mount namespace, sysfs
+            moved = subprocess.run(launch.command(["true"], netns=probe), capture_output=True, text=True)
+            if moved.returncode != 0:
+                return f"cannot move a process into a namespace here: {moved.stderr.strip()[-300:]}"
             checks = [(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit",
                         "burst", "64k", "limit", "1m"], "tc's tbf qdisc")]
             if delay_ms > 0:

@@ -3,7 +3,7 @@
 On one machine two NIXL agents talk through shared memory or CMA, which says nothing
 about a prefill and a decode node on two hosts. With ``--link`` this process makes a
 ``Link`` (``link.py``: two network namespaces, a veth shaped by tc) and re-executes the
-benchmark as the sender inside host a (``preexec_fn`` setns, as ``ip netns exec`` does);
+benchmark as the sender inside host a (``pdserve.launch`` setns, as ``ip netns exec`` does);
 that sender starts its receiver inside host b. Both NIXL agents are created in their
 namespaces with ``Host.ucx_env()``: UCX's TCP transport on ``pd0`` only. Invariants:
 - The result is the sender's, plus the link: ``link_gbit`` and ``link_delay_ms`` (what tc
@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.link import Link, LinkError, rate_bits
-from pdserve.procs import die_with_parent
+from pdserve import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ("bytes", "descriptors", "link_gbit", "link_delay_ms", "raw_nixl_gbit", "kv_gbit", "link_fraction",
@@ -74,15 +75,9 @@ def _sender(link: Link, argv: list[str]) -> dict[str, Any]:
     sender, receiver = link.hosts
     env = dict(os.environ, **sender.ucx_env())
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    on_death, enter = die_with_parent(), sender.preexec()
-
-    def before_exec() -> None:
-        on_death()
-        enter()
-
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.transfer", *argv, "--json",
-                           "--receiver-netns", receiver.ns],
-                          cwd=ROOT, env=env, preexec_fn=before_exec, stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-m", "benchmarks.transfer", *argv, "--json", "--receiver-netns", receiver.ns]
+    proc = subprocess.run(launch.command(argv, parent_death=signal.SIGTERM, netns=sender.ns),
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
         raise RuntimeError(f"the sender in {sender.ns} exited with {proc.returncode} and no result")

@@ -4,7 +4,8 @@
 relays use this to put a child, or one thread, "on another host". Python 3.11 has no
 `os.setns`, so it goes through libc with ctypes. Invariants:
 - A network namespace is per thread: `setns(CLONE_NEWNET)` moves only the calling thread
-  (and whatever it later forks or spawns). A `preexec_fn` therefore moves the whole child.
+  (and whatever it later forks or spawns). `pdserve.launch` therefore moves a whole child,
+  entering before it execs the child's command.
 - With `remount_sys` the thread also gets its own mount namespace, a slave of ours, with a
   fresh sysfs on /sys, exactly what `ip netns exec` does: sysfs shows the devices of the
   namespace that mounted it, and UCX finds its TCP devices by listing /sys/class/net, so
@@ -26,7 +27,7 @@ MNT_DETACH = 2
 
 
 def _libc() -> dict:
-    """The libc calls, resolved here: a `preexec_fn` then makes no dlsym after fork."""
+    """The libc calls this module makes."""
     libc = ctypes.CDLL(None, use_errno=True)
     return {name: getattr(libc, name) for name in ("setns", "unshare", "mount", "umount2")}
 
@@ -54,11 +55,3 @@ def enter(name: str, *, remount_sys: bool = True, libc: dict | None = None) -> N
     libc["umount2"](b"/sys", MNT_DETACH)  # fails harmlessly when /sys was not mounted
     _check(libc["mount"](name.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs on /sys")
 
-
-def preexec(name: str, *, remount_sys: bool = True):
-    """A `preexec_fn` that moves the child into `name` before it execs."""
-    libc = _libc()
-
-    def move() -> None:
-        enter(name, remount_sys=remount_sys, libc=libc)
-    return move

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve import netns as namespaces
+from pdserve import launch
 
 LISTENING = re.compile(r"pdserve (\w+)(?: listening on|: router on) (\S+):(\d+)")
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,8 +62,9 @@ def pid_alive(pid: int) -> bool:
 
 
 def die_with_parent(sig: int = signal.SIGTERM):
-    """A `preexec_fn` that has the child sent `sig` when its parent dies (Linux
-    `PR_SET_PDEATHSIG`); elsewhere it does nothing."""
+    """A function that has the process calling it sent `sig` when its parent dies (Linux
+    `PR_SET_PDEATHSIG`); elsewhere it does nothing. Children started here get theirs from
+    `pdserve.launch` instead."""
     def set_death_signal() -> None:
         try:
             ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # 1 = PR_SET_PDEATHSIG
@@ -102,21 +103,12 @@ class NodeProcess:
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         if threads is not None:
             env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        on_death = die_with_parent(death_signal)
-        enter = namespaces.preexec(netns) if netns is not None else None
-
-        def before_exec() -> None:
-            on_death()
-            if enter is not None:
-                enter()
-            if cores:
-                os.sched_setaffinity(0, cores)
-
         self._log = open(self.log_path, "w") if self.log_path is not None else None
         command = program or [sys.executable, "-m", module]  # `program`: another binary
-        self.proc = subprocess.Popen([*command, *self.args], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
-                                     start_new_session=session, preexec_fn=before_exec)
+        # Set up by pdserve.launch in the child, not by a preexec_fn: see there why.
+        argv = launch.command([*command, *self.args], parent_death=death_signal, netns=netns, cores=cores)
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, bufsize=1, start_new_session=session)
 
     def wait_ready(self, timeout_s: float = 120.0) -> str:
         """The node's `HOST:PORT` once it listens (see `dial_address`); raises RuntimeError

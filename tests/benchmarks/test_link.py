@@ -21,6 +21,7 @@ import pytest
 from benchmarks.link import PREFIX, Host, Link, LinkError, cleanup_stale, parse_link, rate_bits
 from pdserve import netns
 from pdserve.procs import NodeProcess, dial_address
+from tests.cluster.nodes import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +84,16 @@ def test_the_link_exists_only_inside_the_with(linkable):
     assert ours() == set()
 
 
+def _comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as comm:
+        return comm.read().strip()
+
+
 def test_leaving_refuses_to_hide_a_process_still_inside(linkable):
     with pytest.raises(LinkError, match="still in them"):
         with Link(None, release_timeout_s=0.5) as link:
-            sleeper = subprocess.Popen(["sleep", "60"], preexec_fn=link.hosts[0].preexec())
+            sleeper = subprocess.Popen(link.hosts[0].command(["sleep", "60"]))
+            wait_until(lambda: _comm(sleeper.pid) == "sleep", "the launcher to move in and exec sleep")
     sleeper.kill()  # the Link never kills what it did not start
     sleeper.wait()
     assert ours() == set()
