@@ -3,7 +3,6 @@ forks nothing: no at-fork handler of ours (gRPC's among them) runs in the parent
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ from tests.cluster.nodes import wait_until
 
 PR_GET_PDEATHSIG = 2
 REPORT = ("import ctypes, json, os; s = ctypes.c_int(); "
-          "ctypes.CDLL(None).prctl(2, ctypes.byref(s)); "
+          f"ctypes.CDLL(None).prctl({PR_GET_PDEATHSIG}, ctypes.byref(s)); "
           "print(json.dumps({'cores': sorted(os.sched_getaffinity(0)), 'death': s.value, "
           "'ppid': os.getppid()}))")
 
