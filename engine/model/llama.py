@@ -43,6 +43,10 @@ class StepAttention:
     store_kv: Callable  # (k_cache, v_cache, k, v, slot_mapping)
     attend: Callable  # (q, k_cache, v_cache, scale) -> out
     layer_hook: Callable | None = None  # (layer_idx) after the layer's K/V is written
+    # The rows whose hidden states are wanted (int64, in the order wanted), and `attend` for
+    # them alone, each row the last query of its sequence; None: every row.
+    keep: torch.Tensor | None = None
+    attend_kept: Callable | None = None
 
 
 class LlamaModel:
@@ -112,20 +116,33 @@ class LlamaModel:
         self.intermediate_size = self.layers[0].down.in_features if self.layers else 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, step: StepAttention) -> torch.Tensor:
-        """Final hidden states [T, hidden] of `input_ids` [T] at `positions` [T], writing
-        every layer's K/V into the page-major `kv_cache` [pages, layers, 2, page_size, Hkv, D]
-        at step.slot_mapping."""
+        """Final hidden states [T, hidden] of `input_ids` [T] at `positions` [T] (only the
+        rows step.keep, when set), writing every layer's K/V into the page-major `kv_cache`
+        [pages, layers, 2, page_size, Hkv, D] at step.slot_mapping.
+
+        Past the last layer's K/V only the kept rows matter, so with step.keep the rest stop
+        there: its attention, o projection and MLP run for the kept rows alone (a prefill
+        chunk keeps one row, or none before its last chunk)."""
         ops = self.ops
         q_size = self.num_heads * self.head_dim
         residual = F.embedding(input_ids, self.embed)
         h, residual = ops.add_rms_norm(residual, None, self.layers[0].input_norm if self.layers else self.norm)
+        if step.keep is not None and not self.layers:
+            return h.index_select(0, step.keep)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # [pages, page_size, Hkv, D]
             q = ops.rope_store(layer.qkv(h), positions, layer.q_norm, layer.k_norm, k_cache, v_cache,
                                step.slot_mapping, step.store_kv)
             if step.layer_hook is not None:
                 step.layer_hook(i)
-            attn = step.attend(q, k_cache, v_cache, self.scale)
+            attend = step.attend
+            if i == last and step.keep is not None:
+                if not step.keep.numel():
+                    return h[:0]
+                q, residual = q.index_select(0, step.keep), residual.index_select(0, step.keep)
+                attend = step.attend_kept
+            attn = attend(q, k_cache, v_cache, self.scale)
             h, residual = ops.add_rms_norm(layer.o(attn.view(-1, q_size)), residual, layer.post_norm)
             x = layer.down(ops.silu_mul(layer.gate_up(h)))
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm

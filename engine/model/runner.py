@@ -4,7 +4,7 @@ will be sampled.
 Rows are laid out decodes first (sorted by context length, so the torch path groups them
 into tightly padded batches), then prefill chunks; the caller never sees this order: logits
 come back in the order of the sequences it passed. Only rows that will be sampled go
-through the LM head.
+through the LM head, and past the last layer's K/V write only they are computed.
 """
 
 from __future__ import annotations
@@ -57,11 +57,17 @@ class ModelRunner:
         step = StepAttention(slot_t, self.ops.store_kv, self._attend_fn(query_lens, seq_lens, page_lists))
         if layer_hook is not None:
             step.layer_hook = layer_hook
+        kept = [j for j in range(len(seqs)) if wants_logits[j]]
+        rows = torch.tensor([last_row[j] for j in kept], dtype=torch.int64, device=dev)
+        if len(kept) < len(input_ids):
+            step.keep = rows
+            if kept:  # each kept row is the last query of its sequence: a decode's shape
+                step.attend_kept = self._attend_fn(
+                    [1] * len(kept), [seqs[j].num_computed + num_new[j] for j in kept], [seqs[j].pages for j in kept])
         hidden = self.model.forward(ids_t, pos_t, self.kv_cache, step)
-        rows = [last_row[j] for j in range(len(seqs)) if wants_logits[j]]
-        if not rows:
+        if not kept:
             return torch.empty(0, self.model.vocab_size)
-        picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
+        picked = hidden if step.keep is not None else hidden.index_select(0, rows)
         return self.model.logits(picked).to("cpu")
 
     def _attend_fn(self, query_lens, seq_lens, page_lists):

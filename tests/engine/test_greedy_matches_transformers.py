@@ -74,3 +74,25 @@ def test_batched_output_equals_one_at_a_time(make_engine, prompts_of_lengths):
     together = [o.token_ids for o in llm.generate(prompts, params)]
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert together == alone
+
+
+def test_rows_not_sampled_stop_at_the_last_layers_kv(make_engine, hf_greedy, prompts_of_lengths):
+    """Past the last layer's K/V write only the rows that are sampled are computed: the
+    chunks before a prompt's last compute no row there, its last chunk one, a decode one."""
+    llm = make_engine("llama", llm=True, page_size=5, num_pages=200, max_num_batched_tokens=16)
+    layers = llm.engine.model.layers
+    rows = {"first": [], "last": []}
+
+    def counting(name, linear):
+        def call(x):
+            rows[name].append(x.shape[0])
+            return linear(x)
+        return call
+
+    layers[0].gate_up = counting("first", layers[0].gate_up)
+    layers[-1].gate_up = counting("last", layers[-1].gate_up)
+    (out,) = check(llm, hf_greedy, "llama", prompts_of_lengths([40], seed=5))
+    generated = len(out.token_ids)
+    assert generated > 1
+    assert rows["first"] == [16, 16, 8] + [1] * (generated - 1)
+    assert rows["last"] == [1] * generated
