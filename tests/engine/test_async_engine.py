@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import threading
 import time
 
 import pytest
@@ -121,3 +122,34 @@ def test_prefill_only_then_start_generation_through_async(make_engine, prompts_o
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_built_from_a_config_the_engine_loads_on_its_own_thread(checkpoint_dirs, monkeypatch):
+    """Loading runs OpenMP work, and OpenMP keeps a pool of threads per thread that starts
+    it: built on the caller's thread, the process would hold a second pool, and the engine's
+    workers would sleep and wake at every parallel region (AsyncEngine._build)."""
+    import engine.async_engine as module
+
+    built_on = []
+
+    class Recording(module.Engine):
+        def __init__(self, config):
+            built_on.append(threading.current_thread())
+            super().__init__(config)
+
+    monkeypatch.setattr(module, "Engine", Recording)
+    ae = AsyncEngine(EngineConfig(model_dir=checkpoint_dirs("llama"), page_size=4, num_pages=16))
+    try:
+        assert built_on == [ae._thread] and ae._thread is not threading.current_thread()
+        assert isinstance(ae.engine, Recording)
+    finally:
+        ae.shutdown()
+
+
+def test_an_engine_that_fails_to_build_raises_to_the_caller_and_leaves_no_thread(tmp_path):
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="config.json"):
+        AsyncEngine(EngineConfig(model_dir=str(tmp_path), page_size=4, num_pages=16))
+    for thread in set(threading.enumerate()) - before:
+        thread.join(timeout=10)
+        assert not thread.is_alive(), f"{thread.name} still runs"
