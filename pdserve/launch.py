@@ -40,6 +40,15 @@ def command(argv: list[str], *, parent_death: int | None = None, netns: str | No
     return [sys.executable, "-m", "pdserve.launch", *options, "--", *argv] if options else list(argv)
 
 
+def set_parent_death_signal(sig: int) -> None:
+    """Have the calling process sent `sig` when its parent dies (Linux `PR_SET_PDEATHSIG`;
+    it lasts across exec); elsewhere nothing."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
+    except (AttributeError, OSError):
+        pass  # not Linux: nothing to set
+
+
 def _cores(text: str) -> set[int]:
     try:
         cores = {int(c) for c in text.split(",") if c}
@@ -62,10 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     if not cmd:
         parser.error("no command to run (give it after --)")
     if args.parent is not None:
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, args.death_signal)
-        except (AttributeError, OSError):
-            pass  # not Linux: nothing to set
+        set_parent_death_signal(args.death_signal)
         if os.getppid() != args.parent:  # the parent died before the death signal was set
             sys.exit(1)
     if args.netns is not None:

@@ -38,10 +38,10 @@ def _check(rc: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def enter(name: str, *, remount_sys: bool = True, libc: dict | None = None) -> None:
+def enter(name: str, *, remount_sys: bool = True) -> None:
     """Move the calling thread into network namespace `name` (a file in /run/netns);
     with `remount_sys`, also into a private mount namespace whose /sys is that namespace's."""
-    libc = libc or _libc()
+    libc = _libc()
     fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
     try:
         _check(libc["setns"](fd, CLONE_NEWNET), f"setns into network namespace {name!r}")

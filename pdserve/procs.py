@@ -18,7 +18,6 @@ port it bound, so `--port 0` works everywhere. Invariants:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import select
@@ -59,18 +58,6 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def die_with_parent(sig: int = signal.SIGTERM):
-    """A function that has the process calling it sent `sig` when its parent dies (Linux
-    `PR_SET_PDEATHSIG`); elsewhere it does nothing. Children started here get theirs from
-    `pdserve.launch` instead."""
-    def set_death_signal() -> None:
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # 1 = PR_SET_PDEATHSIG
-        except (AttributeError, OSError):
-            pass
-    return set_death_signal
 
 
 class NodeProcess:

@@ -26,7 +26,8 @@ from benchmarks.chaos.faults import FaultInjector, FaultTimes
 from benchmarks.model_choice import add_model_flag, node_dtype, resolve_or_exit
 from benchmarks.serve.workload import parse_range
 from pdserve.client import AsyncClient
-from pdserve.procs import NodeProcess, die_with_parent
+from pdserve.launch import set_parent_death_signal
+from pdserve.procs import NodeProcess
 
 PROG = "pdserve bench chaos"
 EXAMPLES = """examples:
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the `finally`s stop the nodes and remove our rules;
     # a soak whose parent (a test, `pdserve bench`) dies gets one too, never runs orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    die_with_parent(signal.SIGTERM)()
+    set_parent_death_signal(signal.SIGTERM)
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else report.table(result))
     return 0 if result["ok"] else 1
