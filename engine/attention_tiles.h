@@ -1,7 +1,8 @@
 /* Building blocks shared by the C attention kernels: a float rounded to bfloat16 bits, and
  * with AVX-512 a 16-lane exp, a 16 x 16 transpose of 32-bit words and bfloat16 rows
- * interleaved in pairs for vdpbf16ps, each compiled only where the CPU has the instructions
- * (the kernels are built with -march=native). */
+ * interleaved in pairs for vdpbf16ps (with AVX2 only: an 8-lane exp and the transpose in
+ * plain loops), each compiled only where the CPU has the instructions (the kernels are
+ * built with -march=native). */
 #ifndef PDSERVE_ATTENTION_TILES_H
 #define PDSERVE_ATTENTION_TILES_H
 #include <stdint.h>
@@ -81,5 +82,30 @@ static inline void transpose16(const float *src, int64_t stride, int64_t rows, f
         _mm512_store_ps(dst + (12 + i) * 16, _mm512_shuffle_f32x4(q, s, 0xdd));
     }
 }
-#endif /* __AVX512F__ */
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* fast_exp for 8 lanes (AVX2): the same clamp, reduction and polynomial. */
+static inline __m256 exp8s(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+/* transpose16's contract with plain loads and stores (a page's K, once per page). */
+static inline void transpose16(const float *src, int64_t stride, int64_t rows, float *restrict dst) {
+    for (int j = 0; j < 16; j++)
+        for (int r = 0; r < 16; r++) dst[j * 16 + r] = r < rows ? src[r * stride + j] : 0.0f;
+}
+#endif /* __AVX512F__, __AVX2__ */
 #endif

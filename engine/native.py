@@ -10,7 +10,8 @@ other).
 
 `load(source, flags, signatures)` returns the library, or None when there is no compiler,
 the build fails, the system is not Linux or PDSERVE_NO_C_KERNELS is set: callers then use
-their torch path.
+their torch path. PDSERVE_KERNEL_CFLAGS adds compiler flags after the kernel's own: for
+example `-mno-avx512f` builds the AVX2 paths on an AVX-512 CPU (the tests run both).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import math
 import mmap
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -73,7 +75,7 @@ def load(source: Path, flags: list[str], signatures: dict[str, list]) -> ctypes.
         lib = None
         if not os.environ.get("PDSERVE_NO_C_KERNELS"):
             try:
-                lib = _build(source, flags)
+                lib = _build(source, [*flags, *shlex.split(os.environ.get("PDSERVE_KERNEL_CFLAGS", ""))])
                 if lib is not None:
                     for name, argtypes in signatures.items():
                         fn = getattr(lib, name)

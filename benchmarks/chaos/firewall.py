@@ -32,8 +32,12 @@ _RULE = re.compile(rf"^-A INPUT (.*--comment \"?{PREFIX}(\d+)\"?.*)$")
 
 
 def _iptables(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["iptables", "-w", "5", *args], capture_output=True, text=True,
-                          timeout=15)
+    """iptables' result; where it is not installed, a failed one (so `clear()` at the start
+    and end of every soak finds nothing to remove instead of raising)."""
+    command = ["iptables", "-w", "5", *args]
+    if shutil.which("iptables") is None:
+        return subprocess.CompletedProcess(command, 127, "", "iptables is not installed")
+    return subprocess.run(command, capture_output=True, text=True, timeout=15)
 
 
 def _rule(port: int) -> list[str]:

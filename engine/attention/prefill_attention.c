@@ -14,9 +14,10 @@
  * score passes it by more than TAU, so most pages need no horizontal max and no rescaling,
  * and its sum stays 16 lanes wide until the end. bfloat16 pages with AVX512-BF16 are
  * scored and summed by vdpbf16ps (K as pairs of dimensions, V rows in pairs, the weights
- * rounded to bfloat16 as torch's flash attention does). Elsewhere plain loops the compiler
- * vectorizes. Tasks run longest first (the last positions see the most context). Built and
- * loaded by prefill_attention.py.
+ * rounded to bfloat16 as torch's flash attention does). With AVX2 and FMA only, the same
+ * page-at-a-time plan on 8-lane registers (float32; bfloat16 pages converted). Elsewhere
+ * plain loops the compiler vectorizes. Tasks run longest first (the last positions see the
+ * most context). Built and loaded by prefill_attention.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -127,6 +128,80 @@ static inline void page4(const float *restrict qs, const uint32_t *restrict qp, 
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + k * 64 + j * 16, o[k][j]);
 }
 
+typedef __mmask16 page_mask;
+static inline float sum16(const float *x) { return _mm512_reduce_add_ps(_mm512_load_ps(x)); }
+#define HAVE_FAST 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TAU 8.0f
+typedef uint32_t page_mask;
+
+/* page4 with AVX2 (16 registers of 8 floats), float32 only (bfloat16 pages come converted):
+ * scores as two registers a query (8 sums), then the weighted V rows a quarter of D (16
+ * dimensions) at a time for all four queries (8 sums, 2 rows, 1 weight in registers). */
+static inline void page4(const float *restrict qs, const uint32_t *restrict qp, float scale, const float *restrict kt,
+                         const float *restrict vb, int64_t vs, const page_mask *mask, float *restrict mx,
+                         float *restrict tot, float *restrict acc, int c) {
+    (void)qp, (void)scale;
+    __m256 s[4][2];
+    for (int k = 0; k < 4; k++) s[k][0] = s[k][1] = _mm256_setzero_ps();
+    for (int d = 0; d < 64; d++) {
+        __m256 k0 = _mm256_load_ps(kt + d * 16), k1 = _mm256_load_ps(kt + d * 16 + 8);
+        __asm__("" : "+x"(k0), "+x"(k1)); /* in registers, not loaded again for each query */
+        for (int k = 0; k < 4; k++) {
+            const __m256 x = _mm256_broadcast_ss(qs + k * 64 + d);
+            s[k][0] = _mm256_fmadd_ps(x, k0, s[k][0]);
+            s[k][1] = _mm256_fmadd_ps(x, k1, s[k][1]);
+        }
+    }
+    float pw[4][16] __attribute__((aligned(32)));
+    float alpha[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int k = 0; k < 4; k++) {
+        const int valid = k < c ? __builtin_popcount(mask[k]) : 0; /* a prefix of the page's rows */
+        __m256 m[2], p[2];
+        for (int h = 0; h < 2; h++)
+            m[h] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - 8 * h), lane));
+        const __m256 bar = _mm256_set1_ps(mx[k] + TAU);
+        const __m256 over = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(s[k][0], bar, _CMP_GT_OQ), m[0]),
+                                         _mm256_and_ps(_mm256_cmp_ps(s[k][1], bar, _CMP_GT_OQ), m[1]));
+        if (_mm256_movemask_ps(over)) {
+            float top[16], mnew = -INFINITY;
+            _mm256_storeu_ps(top, s[k][0]), _mm256_storeu_ps(top + 8, s[k][1]);
+            for (int r = 0; r < valid; r++) mnew = top[r] > mnew ? top[r] : mnew;
+            alpha[k] = mx[k] == -INFINITY ? 0.0f : fast_exp(mx[k] - mnew);
+            mx[k] = mnew;
+            for (int r = 0; r < 16; r++) tot[k * 16 + r] *= alpha[k];
+        }
+        for (int h = 0; h < 2; h++) {
+            p[h] = _mm256_and_ps(exp8s(_mm256_sub_ps(s[k][h], _mm256_set1_ps(mx[k]))), m[h]);
+            _mm256_storeu_ps(tot + k * 16 + 8 * h, _mm256_add_ps(_mm256_loadu_ps(tot + k * 16 + 8 * h), p[h]));
+            _mm256_store_ps(pw[k] + 8 * h, p[h]);
+        }
+    }
+    for (int quarter = 0; quarter < 64; quarter += 16) {
+        __m256 o[4][2];
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < 2; j++)
+                o[k][j] = _mm256_mul_ps(_mm256_loadu_ps(acc + k * 64 + quarter + 8 * j), _mm256_set1_ps(alpha[k]));
+        for (int r = 0; r < 16; r++) {
+            __m256 v0 = _mm256_loadu_ps(vb + r * vs + quarter), v1 = _mm256_loadu_ps(vb + r * vs + quarter + 8);
+            __asm__("" : "+x"(v0), "+x"(v1));
+            for (int k = 0; k < 4; k++) {
+                const __m256 w = _mm256_broadcast_ss(pw[k] + r);
+                o[k][0] = _mm256_fmadd_ps(w, v0, o[k][0]);
+                o[k][1] = _mm256_fmadd_ps(w, v1, o[k][1]);
+            }
+        }
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < 2; j++) _mm256_storeu_ps(acc + k * 64 + quarter + 8 * j, o[k][j]);
+    }
+}
+static inline float sum16(const float *x) {
+    float t = 0.0f;
+    for (int r = 0; r < 16; r++) t += x[r];
+    return t;
+}
 #define HAVE_FAST 1
 #endif
 
@@ -204,17 +279,17 @@ static inline __attribute__((always_inline)) void block(
             for (int64_t g = 0; g < G; g++)
                 for (int64_t i = 0; i < nq; i += 4) {
                     const int c = nq - i < 4 ? (int)(nq - i) : 4;
-                    __mmask16 mask[4];
+                    page_mask mask[4];
                     for (int k = 0; k < 4; k++) {
                         int64_t valid = k < c ? first + i + k - t0 + 1 : 0;
                         valid = valid < 0 ? 0 : (valid > rows ? rows : valid);
-                        mask[k] = (__mmask16)((1u << valid) - 1u);
+                        mask[k] = (page_mask)((1u << valid) - 1u);
                     }
                     const int64_t v = g * QB + i;
                     page4(qs + v * D, dp ? qp + v * 32 : NULL, scale, kt, vrows, vs, mask, mx + v, totv + v * 16, acc + v * D, c);
                 }
         }
-        for (int64_t v = 0; v < NV; v++) tot[v] = _mm512_reduce_add_ps(_mm512_load_ps(totv + v * 16));
+        for (int64_t v = 0; v < NV; v++) tot[v] = sum16(totv + v * 16);
     } else
 #endif
     for (int64_t p = 0; p < num_pages; p++) {

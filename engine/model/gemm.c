@@ -18,12 +18,15 @@
  * (gate|up, the LM head) slower than oneDNN inside the engine, where attention and the
  * other layers stream through the caches between them.
  *
+ * Without AVX-512, an AVX2 kernel on the same panels (float32 and bfloat16; see its section).
+ *
  * Numerics: float32 fused multiply-adds in k order for each output (oneDNN and MKL block
  * K differently, so results differ from theirs in the last bits); bfloat16 sums pairs by
  * vdpbf16ps in float32, adds the bias in float32 and rounds once to nearest even, as
  * oneDNN does.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define NR 48
@@ -34,11 +37,15 @@
  * multiplies bfloat16 with its tiles there, which vdpbf16ps cannot approach. */
 int gemm_supported(void) {
     int bits = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     bits |= 1;
+#endif
+#if defined(__AVX512F__)
 #if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
     bits |= 2;
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+    bits |= 2; /* without AVX-512, oneDNN has no bfloat16 linear to fall back on */
 #endif
     return bits;
 }
@@ -73,6 +80,31 @@ int pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
     return 0;
 }
 
+/* Where a block of rows prefetches the next panel from: each block of a panel takes an
+ * equal share of the next panel's bytes, `lines` 64-byte lines a step of K, so the next
+ * panel arrives while this one computes from L2. */
+typedef struct {
+    const char *next;
+    int64_t bytes;
+    int64_t lines;
+} Prefetch;
+
+/* The whole multiply, ROW_CHUNK rows at a time (past that, x's rows stop fitting in L2 and
+ * each panel would read them from further out: 4096 rows in one pass measured 6% slower
+ * than oneDNN, 2048 0.5-5% faster): threads split the panels, each panel meets every block
+ * of rows of the chunk. */
+#define ROW_CHUNK 2048
+#define GEMM(NAME, T)                                                                               \
+    int NAME(const T *x, int64_t rows, int64_t k, const T *packed, int64_t n, const T *bias,       \
+             T *out, int threads) {                                                               \
+        for (int64_t first = 0; first < rows; first += ROW_CHUNK) {                               \
+            const int64_t chunk = rows - first < ROW_CHUNK ? rows - first : ROW_CHUNK;            \
+            if (NAME##_rows(x + first * k, chunk, k, packed, n, bias, out + first * n, threads))  \
+                return 1;                                                                         \
+        }                                                                                         \
+        return 0;                                                                                 \
+    }
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -83,15 +115,6 @@ static inline void column_masks(int64_t cols, __mmask16 m[3]) {
         m[j] = c >= 16 ? (__mmask16)0xffff : c <= 0 ? (__mmask16)0 : (__mmask16)((1u << c) - 1);
     }
 }
-
-/* Where a block of rows prefetches the next panel from: each block of a panel takes an
- * equal share of the next panel's bytes, `lines` 64-byte lines a step of K, so the next
- * panel arrives while this one computes from L2. */
-typedef struct {
-    const char *next;
-    int64_t bytes;
-    int64_t lines;
-} Prefetch;
 
 /* A block of `mr` rows (a compile-time constant after inlining, so the sums stay in
  * registers) against one panel; a, c: the block's first row. */
@@ -126,23 +149,8 @@ typedef struct {
 #define F32_STORE(dst, mask, v) _mm512_mask_storeu_ps(dst, mask, v)
 BLOCK(block_f32, float, F32_LOAD_B, k, F32_MADD, F32_STORE)
 
-/* The whole multiply, ROW_CHUNK rows at a time (past that, x's rows stop fitting in L2 and
- * each panel would read them from further out: 4096 rows in one pass measured 6% slower
- * than oneDNN, 2048 0.5-5% faster): threads split the panels, each panel meets every block
- * of rows of the chunk. */
-#define ROW_CHUNK 2048
-#define GEMM(NAME, T)                                                                               \
-    int NAME(const T *x, int64_t rows, int64_t k, const T *packed, int64_t n, const T *bias,       \
-             T *out, int threads) {                                                               \
-        for (int64_t first = 0; first < rows; first += ROW_CHUNK) {                               \
-            const int64_t chunk = rows - first < ROW_CHUNK ? rows - first : ROW_CHUNK;            \
-            NAME##_rows(x + first * k, chunk, k, packed, n, bias, out + first * n, threads);      \
-        }                                                                                         \
-        return 0;                                                                                 \
-    }
-
 #define GEMM_ROWS(NAME, T, BLOCK_FN, STEPS)                                                        \
-    static void NAME##_rows(const T *x, int64_t rows, int64_t k, const T *packed, int64_t n,       \
+    static int NAME##_rows(const T *x, int64_t rows, int64_t k, const T *packed, int64_t n,        \
                             const T *bias, T *out, int threads) {                                 \
         const int64_t panels = panels_of(n), panel = k * NR, blocks = (rows + MR - 1) / MR;       \
         const int64_t share = (panel * (int64_t)sizeof(T) + blocks - 1) / blocks;                 \
@@ -173,6 +181,7 @@ BLOCK(block_f32, float, F32_LOAD_B, k, F32_MADD, F32_STORE)
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
+        return 0;                                                                                 \
     }
 
 #define BIAS_float(src, mask) _mm512_maskz_loadu_ps(mask, src)
@@ -202,18 +211,154 @@ BLOCK(block_bf16, uint16_t, BF16_LOAD_B, k / 2, BF16_MADD, BF16_STORE)
 GEMM_ROWS(gemm_bf16, uint16_t, block_bf16, k / 2)
 GEMM(gemm_bf16, uint16_t)
 #endif
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* AVX2 (16 registers of 8 floats). Tiles of the same panels: `mr` rows by `cv` vectors of 8
+ * columns from column `col` of the panel, mr * cv <= 12 sums in registers. Blocks of up to 6
+ * rows take the panel in thirds (16 columns: one 64-byte line of each float32 step of K);
+ * one or two rows (decode at batch 1-2) take it whole. bfloat16: x's rows come converted to
+ * float32 (`a`), each pair of the panel is split into its even and odd k (a shift, a mask),
+ * and the float32 sums are rounded once to nearest even. */
+#define B_F32(j) _mm256_load_ps((const float *)b + s * NR + col + 8 * (j))
+#define B_EVEN(j) _mm256_castsi256_ps(_mm256_slli_epi32( \
+    _mm256_loadu_si256((const __m256i *)((const uint16_t *)b + 2 * (s * NR + col + 8 * (j)))), 16))
+#define B_ODD(j) _mm256_and_ps(_mm256_loadu_ps((const float *)((const uint16_t *)b + 2 * (s * NR + col + 8 * (j)))), \
+                               _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u)))
+/* One step of K into the sums. 15 registers live at most: the sums, then the broadcasts of
+ * x (two rows) or the two vectors of the panel (3-6 rows) and one of the other. */
+#define K_STEP(LOAD_B, ka)                                                                           \
+    if (mr <= 2) {                                                                                   \
+        __m256 av[2];                                                                                \
+        _Pragma("GCC unroll 2") for (int r = 0; r < mr; r++) av[r] = _mm256_broadcast_ss(a + r * k + (ka)); \
+        _Pragma("GCC unroll 6") for (int j = 0; j < cv; j++) {                                       \
+            const __m256 bj = LOAD_B(j);                                                             \
+            _Pragma("GCC unroll 2") for (int r = 0; r < mr; r++) acc[r][j] = _mm256_fmadd_ps(av[r], bj, acc[r][j]); \
+        }                                                                                            \
+    } else {                                                                                         \
+        __m256 b0 = LOAD_B(0), b1 = LOAD_B(1);                                                       \
+        __asm__("" : "+x"(b0), "+x"(b1)); /* in registers: gcc would load them again for each row */ \
+        _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {                                       \
+            const __m256 x = _mm256_broadcast_ss(a + r * k + (ka));                                  \
+            acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);                                           \
+            acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);                                           \
+        }                                                                                            \
+    }
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The tile; b: the panel (float32, or bfloat16 pairs when bf16); bias: the panel's, of the
+ * same dtype, or NULL; c: the tile's first row at the panel's first column. */
+static inline __attribute__((always_inline)) void tile(const int bf16, const int mr, const int cv, const float *a,
+                                                       int64_t k, const void *b, int col, int cols, const void *bias,
+                                                       void *c, int64_t ldc, Prefetch pf) {
+    __m256 acc[6][6];
+    __m256i mask[6];
+    for (int j = 0; j < cv; j++) {
+        mask[j] = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - col - 8 * j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 bv = _mm256_setzero_ps();
+        if (bias && bf16)
+            for (int l = 0; l < 8 && col + 8 * j + l < cols; l++) bv[l] = bf16_to_f32(((const uint16_t *)bias)[col + 8 * j + l]);
+        else if (bias)
+            bv = _mm256_maskload_ps((const float *)bias + col + 8 * j, mask[j]);
+        for (int r = 0; r < mr; r++) acc[r][j] = bv;
+    }
+    const int64_t steps = bf16 ? k / 2 : k, fetching = (pf.bytes + 64 * pf.lines - 1) / (64 * pf.lines);
+    for (int64_t s = 0; s < steps; s++) {
+        if (s < fetching)
+            for (int64_t l = 0; l < pf.lines; l++) _mm_prefetch(pf.next + (s * pf.lines + l) * 64, _MM_HINT_T1);
+        if (bf16) {
+            K_STEP(B_EVEN, 2 * s)
+            K_STEP(B_ODD, 2 * s + 1)
+        } else {
+            K_STEP(B_F32, s)
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < cv; j++) {
+            if (!bf16) {
+                _mm256_maskstore_ps((float *)c + r * ldc + col + 8 * j, mask[j], acc[r][j]);
+                continue;
+            }
+            float v[8];
+            _mm256_storeu_ps(v, acc[r][j]);
+            for (int l = 0; l < 8 && col + 8 * j + l < cols; l++) {
+                uint32_t u;
+                memcpy(&u, v + l, sizeof u);
+                ((uint16_t *)c)[r * ldc + col + 8 * j + l] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+            }
+        }
+}
+
+#define TILE_ROWS(BF16, ...)                                   \
+    switch (mr) {                                              \
+    case 6: tile(BF16, 6, 2, __VA_ARGS__); break;              \
+    case 5: tile(BF16, 5, 2, __VA_ARGS__); break;              \
+    case 4: tile(BF16, 4, 2, __VA_ARGS__); break;              \
+    default: tile(BF16, 3, 2, __VA_ARGS__); break;             \
+    }
+
+/* Threads split the panels; each panel meets every block of 6 rows (bfloat16 rows converted
+ * to float32 first, once), and each block prefetches its share of the next panel. 1: no
+ * memory for the converted rows. */
+#define GEMM_ROWS_AVX2(NAME, T, BF16)                                                                  \
+    static int NAME##_rows(const T *x, int64_t rows, int64_t k, const T *packed, int64_t n, const T *bias, \
+                            T *out, int threads) {                                                     \
+        const int64_t panels = panels_of(n), panel = k * NR, blocks = (rows + 5) / 6;                  \
+        const int64_t share = (panel * (int64_t)sizeof(T) + blocks - 1) / blocks;                     \
+        const int64_t lines = (share + 64 * k - 1) / (64 * k);                                         \
+        float *conv = BF16 ? malloc(sizeof(float) * rows * k) : NULL;                                  \
+        if (BF16 && !conv)                                                                             \
+            return 1;                                                                                  \
+        _Pragma("omp parallel num_threads(threads)") {                                                 \
+            if (BF16) {                                                                                \
+                _Pragma("omp for schedule(static)") for (int64_t i = 0; i < rows * k; i++)             \
+                    conv[i] = bf16_to_f32(((const uint16_t *)x)[i]);                                   \
+            }                                                                                          \
+            _Pragma("omp for schedule(static)") for (int64_t p = 0; p < panels; p++) {                 \
+                const T *b = packed + p * panel, *pb = bias ? bias + p * NR : NULL;                    \
+                const int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;                             \
+                for (int64_t blk = 0; blk < blocks; blk++) {                                           \
+                    const int64_t r0 = blk * 6, off = blk * share, left = panel * (int64_t)sizeof(T) - off; \
+                    const Prefetch pf = {(const char *)(b + panel) + off,                              \
+                                         p + 1 < panels ? (share < left ? share : left) : 0, lines},   \
+                                   none = {NULL, 0, 1};                                                \
+                    const int mr = rows - r0 < 6 ? (int)(rows - r0) : 6;                               \
+                    const float *a = BF16 ? conv + r0 * k : (const float *)(x + r0 * k);               \
+                    T *c = out + r0 * n + p * NR;                                                      \
+                    if (mr == 2) tile(BF16, 2, 6, a, k, b, 0, cols, pb, c, n, pf);                     \
+                    else if (mr == 1) tile(BF16, 1, 6, a, k, b, 0, cols, pb, c, n, pf);                \
+                    else                                                                               \
+                        for (int col = 0; col < cols; col += 16)                                       \
+                            TILE_ROWS(BF16, a, k, b, col, cols, pb, c, n, col ? none : pf)             \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        free(conv);                                                                                    \
+        return 0;                                                                                      \
+    }
+GEMM_ROWS_AVX2(gemm_f32, float, 0)
+GEMM(gemm_f32, float)
+GEMM_ROWS_AVX2(gemm_bf16, uint16_t, 1)
+GEMM(gemm_bf16, uint16_t)
 #endif
 
 /* Where a kernel is not built, its symbol still is (gemm_supported says not to call it), so
  * the library loads the same everywhere. */
-#if !defined(__AVX512F__)
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
 int gemm_f32(const float *x, int64_t rows, int64_t k, const float *packed, int64_t n, const float *bias,
              float *out, int threads) {
     (void)x, (void)rows, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)threads;
     return 1;
 }
 #endif
-#if !defined(__AVX512F__) || !defined(__AVX512BF16__)
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__)) && !(!defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__))
 int gemm_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *packed, int64_t n, const uint16_t *bias,
               uint16_t *out, int threads) {
     (void)x, (void)rows, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)threads;

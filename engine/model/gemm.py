@@ -23,9 +23,24 @@ the matmuls took 36.4 / 35.0 -> 25.1 / 24.6 ms a step in bfloat16 and 68.8 / 74.
 4096 rows measured 6% slower than oneDNN). So where it runs it replaces oneDNN, and the
 weight is held once, in this layout.
 
-`PanelWeight.pack(weight)` is None where the kernel cannot run: no AVX-512; bfloat16
-without AVX512-BF16, or with AMX (oneDNN's tiles win there); an odd K in bfloat16; an empty
-weight; other dtypes or devices; PDSERVE_NO_C_KERNELS. `Linear` then uses oneDNN or `F.linear`.
+On a CPU with AVX2 and FMA but no AVX-512 (2 cores of an AMD EPYC Zen 3: 190 GFLOP/s peak
+float32, 23 GB/s read), gemm.c has a second kernel on the same panels: blocks of 6 rows take
+a panel in thirds (6 x 16 sums in 12 registers), one or two rows take it whole. float32, all
+30 layers' weights cold, against oneDNN, alternating, best of 4 (ms):
+
+| rows | 1 | 8 | 32 | 64 | 2048 |
+| --- | --- | --- | --- | --- | --- |
+| oneDNN -> gemm.c | 22.8 -> 19.7 | 33.9 -> 33.0 | 62.2 -> 53.9 | 107.6 -> 96.1 | 2646 -> 2597 |
+
+There oneDNN has no bfloat16 linear at all (its reorder needs AVX-512), and `F.linear` in
+bfloat16 ran a prefill step's matmuls at ~25 GFLOP/s; the AVX2 kernel splits each bfloat16
+pair of the panel into two float32 vectors (a shift, a mask) against x converted once:
+~90 GFLOP/s at 256-2048 rows, 69 at 32 (float32: ~150 and 85).
+
+`PanelWeight.pack(weight)` is None where the kernel cannot run: neither AVX-512 nor AVX2 with
+FMA; bfloat16 on an AVX-512 CPU without AVX512-BF16 (oneDNN's bfloat16 runs there), or with
+AMX (oneDNN's tiles win there); an odd K in bfloat16; an empty weight; other dtypes or
+devices; PDSERVE_NO_C_KERNELS. `Linear` then uses oneDNN or `F.linear`.
 """
 
 from __future__ import annotations
@@ -84,6 +99,8 @@ class PanelWeight:
         rows = flat.shape[0]
         out = torch.empty(rows, self.out_features, dtype=self.dtype)
         if rows:
-            self._gemm(flat.data_ptr(), rows, self.in_features, self.data.data_ptr(), self.out_features,
-                       bias.data_ptr() if bias is not None else None, out.data_ptr(), torch.get_num_threads())
+            failed = self._gemm(flat.data_ptr(), rows, self.in_features, self.data.data_ptr(), self.out_features,
+                                bias.data_ptr() if bias is not None else None, out.data_ptr(), torch.get_num_threads())
+            if failed:
+                raise MemoryError(f"gemm.c could not allocate float32 rows for a [{rows}, {self.in_features}] input")
         return out.view(*x.shape[:-1], self.out_features)

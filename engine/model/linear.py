@@ -1,14 +1,14 @@
 """`Linear`: one weight matrix (and optional bias), applied as `x @ W.T + b`.
 
-On a CPU with AVX-512 the weight is packed once, at load time, into gemm.c's panels, and
+On a CPU with AVX-512 or AVX2 the weight is packed once, at load time, into gemm.c's panels, and
 every call runs gemm.c (level with oneDNN or faster at every row count measured, 1 to 2048,
 in chunks of 2048 past that; gemm.py has the figures). Where gemm.c cannot run, the weight
 is reordered into oneDNN's blocked layout and every call runs oneDNN's GEMM on it (what
 torch.compile's CPU freezing does too). Measured on the 2-core dev machine, fp32, a
 1024 x 5632 weight: at 32-64 rows 50-90 GFLOPS against 30-65 for `F.linear` (MKL sgemm),
 at 256-512 rows equal or better; a whole engine run (32 prompts of 256 tokens, 32 new
-tokens each) took 1.7x less time. Everywhere else (GPU, fp16, a torch without oneDNN) it
-is `F.linear`.
+tokens each) took 1.7x less time. Everywhere else (GPU, fp16, a torch without oneDNN,
+bfloat16 on a CPU where oneDNN has no bfloat16 linear and gemm.c cannot run) it is `F.linear`.
 
 Invariant: `Linear(w, b)(x)` equals `F.linear(x, w, b)` up to float rounding.
 """
@@ -24,7 +24,11 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in _PACKABLE and torch.backends.mkldnn.is_available()
+    if weight.device.type != "cpu" or weight.dtype not in _PACKABLE or not torch.backends.mkldnn.is_available():
+        return False
+    # oneDNN's bfloat16 linear needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2-only
+    # CPU its reorder raises, so the weight stays plain for F.linear.
+    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class Linear:

@@ -77,3 +77,20 @@ def make_engine(checkpoint_dirs):
     yield make
     for engine in engines:
         assert engine.num_free_pages() == engine.num_total_pages(), "pages leaked"
+
+
+_CPU_FLAGS = set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernel_isa(request, monkeypatch):
+    """Run a C-kernel test as built for this CPU, then (on an AVX-512 CPU) built without
+    AVX-512, so the AVX2 paths are checked on every x86 machine that has them."""
+    from engine import native
+
+    if request.param == "avx2":
+        if "avx512f" not in _CPU_FLAGS or not {"avx2", "fma"} <= _CPU_FLAGS:
+            pytest.skip("the native build is the AVX2 one here, or there is no AVX2")
+        monkeypatch.setenv("PDSERVE_KERNEL_CFLAGS", "-mno-avx512f")
+        monkeypatch.setattr(native, "_libraries", {})
+    return request.param

@@ -1,7 +1,7 @@
 """gemm.c, the CPU matmul of the linear layers, gives x @ W.T + b: in float32 to the last
 bits a reordered sum can change, in bfloat16 the float32 sum rounded once (one bfloat16
 step at most, from the order of the sums). Shapes cover partial panels (N not a multiple
-of 48), partial row blocks (M not a multiple of 8), odd K, biases, more rows than one
+of 48), partial row blocks (M not a multiple of 8, or of 6 in the AVX2 build), odd K, biases, more rows than one
 chunk (2048); `Linear` runs it for every call where it can run, else oneDNN."""
 
 from __future__ import annotations
@@ -17,13 +17,23 @@ from engine.model.gemm import PanelWeight
 from engine.model.linear import Linear
 
 _FLAGS = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-_HAS = {torch.float32: " avx512f " in f"{_FLAGS} ", torch.bfloat16: " avx512_bf16 " in f"{_FLAGS} "}
+_CPU = set(_FLAGS.split())
+_AVX2 = {"avx2", "fma"} <= _CPU
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _pack(weight):
+def _has(dtype, isa):
+    """Whether gemm.c runs `dtype` here, as built for `isa` (the kernel_isa fixture): with
+    AVX-512 float32, and bfloat16 where there is AVX512-BF16 but no AMX; without AVX-512 (or
+    built without it), both wherever there is AVX2 with FMA."""
+    if isa == "avx2" or "avx512f" not in _CPU:
+        return _AVX2
+    return dtype == torch.float32 or ("avx512_bf16" in _CPU and "amx_bf16" not in _CPU)
+
+
+def _pack(weight, isa):
     panels = PanelWeight.pack(weight)
-    if _HAS[weight.dtype]:
+    if _has(weight.dtype, isa):
         assert panels is not None, "the CPU has the instructions; no panels here is a build failure"
     return panels
 
@@ -48,21 +58,21 @@ def _assert_matches(got, x, w, b):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(50, 64), (96, 576), (49, 38), (145, 130)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_panels_give_the_product_for_every_block_shape(dtype, n, k, with_bias):
+def test_panels_give_the_product_for_every_block_shape(dtype, n, k, with_bias, kernel_isa):
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if with_bias else None
-    panels = _pack(w)
+    panels = _pack(w, kernel_isa)
     if panels is None:
         return
-    for rows in (1, 3, 7, 8, 9, 17, 33, 64):
+    for rows in (1, 2, 3, 6, 7, 8, 9, 13, 17, 33, 64):
         x = torch.randn(rows, k, generator=g).to(dtype)
         _assert_matches(panels.matmul(x, b), x, w, b)
 
 
-def test_odd_k_in_float32_and_zero_rows():
+def test_odd_k_in_float32_and_zero_rows(kernel_isa):
     w = torch.randn(70, 37)
-    panels = _pack(w)
+    panels = _pack(w, kernel_isa)
     if panels is None:
         return
     x = torch.randn(11, 37)
@@ -84,13 +94,13 @@ def test_no_c_kernels_means_no_panels(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_runs_panels_for_every_row_count(dtype):
+def test_linear_runs_panels_for_every_row_count(dtype, kernel_isa):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(100, 64, generator=g).to(dtype)
     b = torch.randn(100, generator=g).to(dtype)
     lin = Linear(w, b)
     if lin.panels is None:
-        assert not _HAS[dtype]
+        assert not _has(dtype, kernel_isa)
         return
     assert lin.weight is None, "the weight is held once, as panels"
     for rows in (1, 256, 2048, 2049, 4100):  # one chunk, a chunk and a row, two chunks and some

@@ -1,5 +1,6 @@
 """The C paged-decode kernel gives the same attention as the torch gather + SDPA path,
-reading strided page views of a page-major pool like the engine's."""
+reading strided page views of a page-major pool like the engine's, as built for this CPU
+and, on an AVX-512 CPU, built without AVX-512 (its AVX2 paths)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _case(num_heads, num_kv_heads, head_dim, page_size, lens, dtype, seed=0):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_gather_and_sdpa(num_heads, num_kv_heads, head_dim, page_size, lens, dtype):
+def test_kernel_matches_gather_and_sdpa(num_heads, num_kv_heads, head_dim, page_size, lens, dtype, kernel_isa):
     q, k_cache, v_cache, page_lists = _case(num_heads, num_kv_heads, head_dim, page_size, lens, dtype)
     with_kernel, without = kernel_and_torch_plans(q, k_cache, v_cache, [1] * len(lens), lens, page_lists,
                                                   page_size, dtype)

@@ -1,7 +1,7 @@
 """The C prefill-attention kernel gives the same attention as the torch gather + SDPA path:
 fresh prompts (causal), chunks after a cached prefix, chunks beside decodes, on strided page
-views of a page-major pool like the engine's, in both the AVX-512 shape (head_dim 64, pages
-of 16) and the generic loops."""
+views of a page-major pool like the engine's, in both the vector shape (head_dim 64, pages
+of 16: AVX-512, and AVX2, built without AVX-512 where the CPU has it) and the generic loops."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def test_the_kernel_builds_here():
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_gather_and_sdpa(num_heads, num_kv_heads, head_dim, page_size, query_lens, seq_lens, dtype):
+def test_kernel_matches_gather_and_sdpa(num_heads, num_kv_heads, head_dim, page_size, query_lens, seq_lens, dtype,
+                                        kernel_isa):
     g = torch.Generator().manual_seed(1)
     k_cache, v_cache, page_lists = scattered_pool(num_kv_heads, head_dim, page_size, seq_lens, dtype, g)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=g).to(dtype)
@@ -58,8 +59,8 @@ def test_a_query_sees_no_later_position():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scores_that_climb_and_spike_along_the_context(dtype):
-    # The AVX-512 path moves a query's reference max only when a score passes it by more
+def test_scores_that_climb_and_spike_along_the_context(dtype, kernel_isa):
+    # The AVX-512 and AVX2 paths move a query's reference max only when a score passes it by more
     # than a margin, then rescales its sums: keys whose scale climbs with position, and a
     # spike mid-context, pass it again and again, on pages after the first.
     g = torch.Generator().manual_seed(3)
