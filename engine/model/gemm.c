@@ -224,8 +224,8 @@ GEMM(gemm_bf16, uint16_t)
 #define B_F32(j) _mm256_load_ps((const float *)b + s * NR + col + 8 * (j))
 #define B_EVEN(j) _mm256_castsi256_ps(_mm256_slli_epi32( \
     _mm256_loadu_si256((const __m256i *)((const uint16_t *)b + 2 * (s * NR + col + 8 * (j)))), 16))
-#define B_ODD(j) _mm256_and_ps(_mm256_loadu_ps((const float *)((const uint16_t *)b + 2 * (s * NR + col + 8 * (j)))), \
-                               _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u)))
+#define B_ODD(j) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32( /* two shifts: no mask register */ \
+    _mm256_loadu_si256((const __m256i *)((const uint16_t *)b + 2 * (s * NR + col + 8 * (j)))), 16), 16))
 /* One step of K into the sums. 15 registers live at most: the sums, then the broadcasts of
  * x (two rows) or the two vectors of the panel (3-6 rows) and one of the other. */
 #define K_STEP(LOAD_B, ka)                                                                           \
@@ -253,77 +253,107 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-/* The tile; b: the panel (float32, or bfloat16 pairs when bf16); bias: the panel's, of the
- * same dtype, or NULL; c: the tile's first row at the panel's first column. */
-static inline __attribute__((always_inline)) void tile(const int bf16, const int mr, const int cv, const float *a,
-                                                       int64_t k, const void *b, int col, int cols, const void *bias,
-                                                       void *c, int64_t ldc, Prefetch pf) {
+/* The tile; b: the panel (float32, or bfloat16 pairs when `pairs`); bias: the panel's, or
+ * NULL, and c: the tile's first row at the panel's first column, both bfloat16 when `bf16`. */
+static inline __attribute__((always_inline)) void tile(const int pairs, const int bf16, const int mr, const int cv,
+                                                       const float *a, int64_t k, const void *b, int col, int cols,
+                                                       const void *bias, void *c, int64_t ldc, Prefetch pf) {
     __m256 acc[6][6];
     __m256i mask[6];
     for (int j = 0; j < cv; j++) {
         mask[j] = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - col - 8 * j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         __m256 bv = _mm256_setzero_ps();
-        if (bias && bf16)
-            for (int l = 0; l < 8 && col + 8 * j + l < cols; l++) bv[l] = bf16_to_f32(((const uint16_t *)bias)[col + 8 * j + l]);
-        else if (bias)
+        if (bias && bf16) {
+            float f[8] = {0};
+            for (int l = 0; l < 8 && col + 8 * j + l < cols; l++) f[l] = bf16_to_f32(((const uint16_t *)bias)[col + 8 * j + l]);
+            bv = _mm256_loadu_ps(f);
+        } else if (bias)
             bv = _mm256_maskload_ps((const float *)bias + col + 8 * j, mask[j]);
         for (int r = 0; r < mr; r++) acc[r][j] = bv;
     }
-    const int64_t steps = bf16 ? k / 2 : k, fetching = (pf.bytes + 64 * pf.lines - 1) / (64 * pf.lines);
+    const int64_t steps = pairs ? k / 2 : k, fetching = (pf.bytes + 64 * pf.lines - 1) / (64 * pf.lines);
     for (int64_t s = 0; s < steps; s++) {
         if (s < fetching)
             for (int64_t l = 0; l < pf.lines; l++) _mm_prefetch(pf.next + (s * pf.lines + l) * 64, _MM_HINT_T1);
-        if (bf16) {
+        if (pairs) {
             K_STEP(B_EVEN, 2 * s)
             K_STEP(B_ODD, 2 * s + 1)
         } else {
             K_STEP(B_F32, s)
         }
     }
+    if (!bf16) {
+        _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) _Pragma("GCC unroll 6") for (int j = 0; j < cv; j++)
+            _mm256_maskstore_ps((float *)c + r * ldc + col + 8 * j, mask[j], acc[r][j]);
+        return;
+    }
+    /* Through memory, with every index a constant: a loop indexing acc at run time would keep
+     * all of it on the stack, stored on every step of K. */
+    uint32_t v[6][48];
+    _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) _Pragma("GCC unroll 6") for (int j = 0; j < cv; j++)
+        _mm256_storeu_ps((float *)v[r] + 8 * j, acc[r][j]);
+    const int width = cols - col < 8 * cv ? cols - col : 8 * cv;
     for (int r = 0; r < mr; r++)
-        for (int j = 0; j < cv; j++) {
-            if (!bf16) {
-                _mm256_maskstore_ps((float *)c + r * ldc + col + 8 * j, mask[j], acc[r][j]);
-                continue;
-            }
-            float v[8];
-            _mm256_storeu_ps(v, acc[r][j]);
-            for (int l = 0; l < 8 && col + 8 * j + l < cols; l++) {
-                uint32_t u;
-                memcpy(&u, v + l, sizeof u);
-                ((uint16_t *)c)[r * ldc + col + 8 * j + l] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-            }
+        for (int l = 0; l < width; l++)
+            ((uint16_t *)c)[r * ldc + col + l] = (uint16_t)((v[r][l] + 0x7fffu + ((v[r][l] >> 16) & 1u)) >> 16);
+}
+
+/* A bfloat16 pair panel as a float32 one ([k][48]): past UNPAIR_ROWS rows the panel is
+ * converted once and the float32 tiles run on it (the even/odd split on every step cost them
+ * a third of their rate); up to there, reading half the bytes matters more. */
+#define UNPAIR_ROWS 8
+static void unpair(const uint16_t *b, int64_t k, float *restrict f) {
+    for (int64_t i = 0; i < k / 2; i++)
+        for (int j = 0; j < NR; j += 8) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2 * (i * NR + j)));
+            _mm256_store_ps(f + 2 * i * NR + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+            _mm256_store_ps(f + (2 * i + 1) * NR + j,
+                            _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u))));
         }
 }
 
-#define TILE_ROWS(BF16, ...)                                   \
-    switch (mr) {                                              \
-    case 6: tile(BF16, 6, 2, __VA_ARGS__); break;              \
-    case 5: tile(BF16, 5, 2, __VA_ARGS__); break;              \
-    case 4: tile(BF16, 4, 2, __VA_ARGS__); break;              \
-    default: tile(BF16, 3, 2, __VA_ARGS__); break;             \
-    }
+/* One block of `mr` rows against a panel (`pairs`: still bfloat16 pairs). */
+#define BLOCK_AVX2(PAIRS, BF16, b)                                                                    \
+    if (mr == 2) tile(PAIRS, BF16, 2, 6, a, k, b, 0, cols, pb, c, n, pf);                             \
+    else if (mr == 1) tile(PAIRS, BF16, 1, 6, a, k, b, 0, cols, pb, c, n, pf);                        \
+    else                                                                                              \
+        for (int col = 0; col < cols; col += 16) {                                                    \
+            const Prefetch q = col ? none : pf;                                                       \
+            switch (mr) {                                                                             \
+            case 6: tile(PAIRS, BF16, 6, 2, a, k, b, col, cols, pb, c, n, q); break;                  \
+            case 5: tile(PAIRS, BF16, 5, 2, a, k, b, col, cols, pb, c, n, q); break;                  \
+            case 4: tile(PAIRS, BF16, 4, 2, a, k, b, col, cols, pb, c, n, q); break;                  \
+            default: tile(PAIRS, BF16, 3, 2, a, k, b, col, cols, pb, c, n, q); break;                 \
+            }                                                                                         \
+        }
 
-/* Threads split the panels; each panel meets every block of 6 rows (bfloat16 rows converted
- * to float32 first, once), and each block prefetches its share of the next panel. 1: no
- * memory for the converted rows. */
+/* Threads split the panels; each panel meets every block of 6 rows, and each block prefetches
+ * its share of the next panel. bfloat16: x's rows converted to float32 once, and past
+ * UNPAIR_ROWS rows each panel too, into the thread's buffer. 1: no memory for those. */
 #define GEMM_ROWS_AVX2(NAME, T, BF16)                                                                  \
     static int NAME##_rows(const T *x, int64_t rows, int64_t k, const T *packed, int64_t n, const T *bias, \
-                            T *out, int threads) {                                                     \
+                           T *out, int threads) {                                                      \
         const int64_t panels = panels_of(n), panel = k * NR, blocks = (rows + 5) / 6;                  \
         const int64_t share = (panel * (int64_t)sizeof(T) + blocks - 1) / blocks;                     \
         const int64_t lines = (share + 64 * k - 1) / (64 * k);                                         \
         float *conv = BF16 ? malloc(sizeof(float) * rows * k) : NULL;                                  \
         if (BF16 && !conv)                                                                             \
             return 1;                                                                                  \
+        int failed = 0;                                                                                \
         _Pragma("omp parallel num_threads(threads)") {                                                 \
+            float *fp = BF16 && rows > UNPAIR_ROWS ? aligned_alloc(64, sizeof(float) * panel) : NULL;            \
+            if (BF16 && rows > UNPAIR_ROWS && !fp) {                                                             \
+                _Pragma("omp atomic write") failed = 1;                                                \
+            }                                                                                          \
             if (BF16) {                                                                                \
                 _Pragma("omp for schedule(static)") for (int64_t i = 0; i < rows * k; i++)             \
                     conv[i] = bf16_to_f32(((const uint16_t *)x)[i]);                                   \
             }                                                                                          \
             _Pragma("omp for schedule(static)") for (int64_t p = 0; p < panels; p++) {                 \
+                if (BF16 && rows > UNPAIR_ROWS && !fp) continue;                                                 \
                 const T *b = packed + p * panel, *pb = bias ? bias + p * NR : NULL;                    \
                 const int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;                             \
+                if (fp) unpair((const uint16_t *)b, k, fp);                                            \
                 for (int64_t blk = 0; blk < blocks; blk++) {                                           \
                     const int64_t r0 = blk * 6, off = blk * share, left = panel * (int64_t)sizeof(T) - off; \
                     const Prefetch pf = {(const char *)(b + panel) + off,                              \
@@ -332,16 +362,17 @@ static inline __attribute__((always_inline)) void tile(const int bf16, const int
                     const int mr = rows - r0 < 6 ? (int)(rows - r0) : 6;                               \
                     const float *a = BF16 ? conv + r0 * k : (const float *)(x + r0 * k);               \
                     T *c = out + r0 * n + p * NR;                                                      \
-                    if (mr == 2) tile(BF16, 2, 6, a, k, b, 0, cols, pb, c, n, pf);                     \
-                    else if (mr == 1) tile(BF16, 1, 6, a, k, b, 0, cols, pb, c, n, pf);                \
-                    else                                                                               \
-                        for (int col = 0; col < cols; col += 16)                                       \
-                            TILE_ROWS(BF16, a, k, b, col, cols, pb, c, n, col ? none : pf)             \
+                    if (fp) {                                                                          \
+                        BLOCK_AVX2(0, BF16, fp)                                                        \
+                    } else {                                                                           \
+                        BLOCK_AVX2(BF16, BF16, b)                                                      \
+                    }                                                                                  \
                 }                                                                                      \
             }                                                                                          \
+            free(fp);                                                                                  \
         }                                                                                              \
         free(conv);                                                                                    \
-        return 0;                                                                                      \
+        return failed;                                                                                 \
     }
 GEMM_ROWS_AVX2(gemm_f32, float, 0)
 GEMM(gemm_f32, float)
