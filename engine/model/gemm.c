@@ -218,7 +218,7 @@ GEMM(gemm_bf16, uint16_t)
 /* AVX2 (16 registers of 8 floats). Tiles of the same panels: `mr` rows by `cv` vectors of 8
  * columns from column `col` of the panel, mr * cv <= 12 sums in registers. Blocks of up to 6
  * rows take the panel in thirds (16 columns: one 64-byte line of each float32 step of K);
- * one or two rows (decode at batch 1-2) take it whole. bfloat16: x's rows come converted to
+ * one or two rows (decode at batch 1-2) take it whole. `a`: the block's rows interleaved. bfloat16: x's rows come converted to
  * float32 (`a`), each pair of the panel is split into its even and odd k (a shift, a mask),
  * and the float32 sums are rounded once to nearest even. */
 #define B_F32(j) _mm256_load_ps((const float *)b + s * NR + col + 8 * (j))
@@ -231,7 +231,7 @@ GEMM(gemm_bf16, uint16_t)
 #define K_STEP(LOAD_B, ka)                                                                           \
     if (mr <= 2) {                                                                                   \
         __m256 av[2];                                                                                \
-        _Pragma("GCC unroll 2") for (int r = 0; r < mr; r++) av[r] = _mm256_broadcast_ss(a + r * k + (ka)); \
+        _Pragma("GCC unroll 2") for (int r = 0; r < mr; r++) av[r] = _mm256_broadcast_ss(a + (ka) * 6 + r); \
         _Pragma("GCC unroll 6") for (int j = 0; j < cv; j++) {                                       \
             const __m256 bj = LOAD_B(j);                                                             \
             _Pragma("GCC unroll 2") for (int r = 0; r < mr; r++) acc[r][j] = _mm256_fmadd_ps(av[r], bj, acc[r][j]); \
@@ -240,7 +240,7 @@ GEMM(gemm_bf16, uint16_t)
         __m256 b0 = LOAD_B(0), b1 = LOAD_B(1);                                                       \
         __asm__("" : "+x"(b0), "+x"(b1)); /* in registers: gcc would load them again for each row */ \
         _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {                                       \
-            const __m256 x = _mm256_broadcast_ss(a + r * k + (ka));                                  \
+            const __m256 x = _mm256_broadcast_ss(a + (ka) * 6 + r);                                  \
             acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);                                           \
             acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);                                           \
         }                                                                                            \
@@ -328,16 +328,18 @@ static void unpair(const uint16_t *b, int64_t k, float *restrict f) {
         }
 
 /* Threads split the panels; each panel meets every block of 6 rows, and each block prefetches
- * its share of the next panel. bfloat16: x's rows converted to float32 once, and past
- * UNPAIR_ROWS rows each panel too, into the thread's buffer. 1: no memory for those. */
+ * its share of the next panel. x is first copied (bfloat16: converted) into blocks of 6 rows
+ * interleaved, [k][6], so a step's broadcasts read one line, not six rows k apart (3-7%
+ * faster at 256-2048 rows); bfloat16 past UNPAIR_ROWS rows converts each panel too, into the
+ * thread's buffer. 1: no memory for those. */
 #define GEMM_ROWS_AVX2(NAME, T, BF16)                                                                  \
     static int NAME##_rows(const T *x, int64_t rows, int64_t k, const T *packed, int64_t n, const T *bias, \
                            T *out, int threads) {                                                      \
         const int64_t panels = panels_of(n), panel = k * NR, blocks = (rows + 5) / 6;                  \
         const int64_t share = (panel * (int64_t)sizeof(T) + blocks - 1) / blocks;                     \
         const int64_t lines = (share + 64 * k - 1) / (64 * k);                                         \
-        float *conv = BF16 ? malloc(sizeof(float) * rows * k) : NULL;                                  \
-        if (BF16 && !conv)                                                                             \
+        float *conv = malloc(sizeof(float) * blocks * 6 * k);                                          \
+        if (!conv)                                                                                     \
             return 1;                                                                                  \
         int failed = 0;                                                                                \
         _Pragma("omp parallel num_threads(threads)") {                                                 \
@@ -345,9 +347,14 @@ static void unpair(const uint16_t *b, int64_t k, float *restrict f) {
             if (BF16 && rows > UNPAIR_ROWS && !fp) {                                                             \
                 _Pragma("omp atomic write") failed = 1;                                                \
             }                                                                                          \
-            if (BF16) {                                                                                \
-                _Pragma("omp for schedule(static)") for (int64_t i = 0; i < rows * k; i++)             \
-                    conv[i] = bf16_to_f32(((const uint16_t *)x)[i]);                                   \
+            _Pragma("omp for schedule(static)") for (int64_t i = 0; i < blocks * 6; i++) {             \
+                float *dst = conv + (i / 6) * 6 * k + i % 6;                                           \
+                if (i >= rows)                                                                         \
+                    for (int64_t s = 0; s < k; s++) dst[6 * s] = 0.0f;                                 \
+                else if (BF16)                                                                         \
+                    for (int64_t s = 0; s < k; s++) dst[6 * s] = bf16_to_f32(((const uint16_t *)x)[i * k + s]); \
+                else                                                                                   \
+                    for (int64_t s = 0; s < k; s++) dst[6 * s] = ((const float *)x)[i * k + s];        \
             }                                                                                          \
             _Pragma("omp for schedule(static)") for (int64_t p = 0; p < panels; p++) {                 \
                 if (BF16 && rows > UNPAIR_ROWS && !fp) continue;                                                 \
@@ -360,7 +367,7 @@ static void unpair(const uint16_t *b, int64_t k, float *restrict f) {
                                          p + 1 < panels ? (share < left ? share : left) : 0, lines},   \
                                    none = {NULL, 0, 1};                                                \
                     const int mr = rows - r0 < 6 ? (int)(rows - r0) : 6;                               \
-                    const float *a = BF16 ? conv + r0 * k : (const float *)(x + r0 * k);               \
+                    const float *a = conv + r0 * k;                                                    \
                     T *c = out + r0 * n + p * NR;                                                      \
                     if (fp) {                                                                          \
                         BLOCK_AVX2(0, BF16, fp)                                                        \
