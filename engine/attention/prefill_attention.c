@@ -154,6 +154,13 @@ static inline void page4(const float *restrict qs, const uint32_t *restrict qp, 
             s[k][1] = _mm256_fmadd_ps(x, k1, s[k][1]);
         }
     }
+    /* The scores through memory, with constant indices: the softmax below indexes them at run
+     * time, which had kept all eight sums on the stack, stored on every step of the loop above. */
+    float sc[4][16] __attribute__((aligned(32)));
+    _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {
+        _mm256_store_ps(sc[k], s[k][0]);
+        _mm256_store_ps(sc[k] + 8, s[k][1]);
+    }
     float pw[4][16] __attribute__((aligned(32)));
     float alpha[4] = {1.0f, 1.0f, 1.0f, 1.0f};
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -163,18 +170,18 @@ static inline void page4(const float *restrict qs, const uint32_t *restrict qp, 
         for (int h = 0; h < 2; h++)
             m[h] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - 8 * h), lane));
         const __m256 bar = _mm256_set1_ps(mx[k] + TAU);
-        const __m256 over = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(s[k][0], bar, _CMP_GT_OQ), m[0]),
-                                         _mm256_and_ps(_mm256_cmp_ps(s[k][1], bar, _CMP_GT_OQ), m[1]));
+        const __m256 s0 = _mm256_load_ps(sc[k]), s1 = _mm256_load_ps(sc[k] + 8);
+        const __m256 over = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(s0, bar, _CMP_GT_OQ), m[0]),
+                                         _mm256_and_ps(_mm256_cmp_ps(s1, bar, _CMP_GT_OQ), m[1]));
         if (_mm256_movemask_ps(over)) {
-            float top[16], mnew = -INFINITY;
-            _mm256_storeu_ps(top, s[k][0]), _mm256_storeu_ps(top + 8, s[k][1]);
-            for (int r = 0; r < valid; r++) mnew = top[r] > mnew ? top[r] : mnew;
+            float mnew = -INFINITY;
+            for (int r = 0; r < valid; r++) mnew = sc[k][r] > mnew ? sc[k][r] : mnew;
             alpha[k] = mx[k] == -INFINITY ? 0.0f : fast_exp(mx[k] - mnew);
             mx[k] = mnew;
             for (int r = 0; r < 16; r++) tot[k * 16 + r] *= alpha[k];
         }
         for (int h = 0; h < 2; h++) {
-            p[h] = _mm256_and_ps(exp8s(_mm256_sub_ps(s[k][h], _mm256_set1_ps(mx[k]))), m[h]);
+            p[h] = _mm256_and_ps(exp8s(_mm256_sub_ps(h ? s1 : s0, _mm256_set1_ps(mx[k]))), m[h]);
             _mm256_storeu_ps(tot + k * 16 + 8 * h, _mm256_add_ps(_mm256_loadu_ps(tot + k * 16 + 8 * h), p[h]));
             _mm256_store_ps(pw[k] + 8 * h, p[h]);
         }

@@ -32,10 +32,17 @@ a panel in thirds (6 x 16 sums in 12 registers), one or two rows take it whole. 
 | --- | --- | --- | --- | --- | --- |
 | oneDNN -> gemm.c | 22.8 -> 19.7 | 33.9 -> 33.0 | 62.2 -> 53.9 | 107.6 -> 96.1 | 2646 -> 2597 |
 
+x is copied first into blocks of 6 rows interleaved, so a step's broadcasts read one line
+(3-7% faster at 256-2048 rows than reading the six rows in place).
+
 There oneDNN has no bfloat16 linear at all (its reorder needs AVX-512), and `F.linear` in
-bfloat16 ran a prefill step's matmuls at ~25 GFLOP/s; the AVX2 kernel splits each bfloat16
-pair of the panel into two float32 vectors (a shift, a mask) against x converted once:
-~90 GFLOP/s at 256-2048 rows, 69 at 32 (float32: ~150 and 85).
+bfloat16 ran a prefill step's matmuls at ~25 GFLOP/s. The AVX2 kernel converts x to float32
+once; up to 8 rows it splits each bfloat16 pair of the panel into two float32 vectors (a
+shift, a mask) on every step, reading half the bytes (at 4 rows 24.3 ms against 30.0 for
+converting the panel first); past 8 rows it converts each panel once into a float32 one and
+runs the float32 tiles (the split on every step had run at ~60% of the float32 rate, 90
+against 150 GFLOP/s at 2048 rows; now level with it). In `pdserve bench step --dtype bfloat16
+--batch 16` a prefill step went from 17.8 s to 2.7 s, a decode step from 291 to 99 ms.
 
 `PanelWeight.pack(weight)` is None where the kernel cannot run: neither AVX-512 nor AVX2 with
 FMA; bfloat16 on an AVX-512 CPU without AVX512-BF16 (oneDNN's bfloat16 runs there), or with
