@@ -218,9 +218,10 @@ GEMM(gemm_bf16, uint16_t)
 /* AVX2 (16 registers of 8 floats). Tiles of the same panels: `mr` rows by `cv` vectors of 8
  * columns from column `col` of the panel, mr * cv <= 12 sums in registers. Blocks of up to 6
  * rows take the panel in thirds (16 columns: one 64-byte line of each float32 step of K);
- * one or two rows (decode at batch 1-2) take it whole. `a`: the block's rows interleaved. bfloat16: x's rows come converted to
- * float32 (`a`), each pair of the panel is split into its even and odd k (a shift, a mask),
- * and the float32 sums are rounded once to nearest even. */
+ * one or two rows (decode at batch 1-2) take it whole. `a`: the block's rows, float32,
+ * interleaved ([k][6]). bfloat16: each pair of the panel is split into its even and odd k
+ * (shifts) on every step, or the panel comes converted (see unpair), and the float32 sums
+ * are rounded once to nearest even. */
 #define B_F32(j) _mm256_load_ps((const float *)b + s * NR + col + 8 * (j))
 #define B_EVEN(j) _mm256_castsi256_ps(_mm256_slli_epi32( \
     _mm256_loadu_si256((const __m256i *)((const uint16_t *)b + 2 * (s * NR + col + 8 * (j)))), 16))
@@ -343,8 +344,8 @@ static void unpair(const uint16_t *b, int64_t k, float *restrict f) {
             return 1;                                                                                  \
         int failed = 0;                                                                                \
         _Pragma("omp parallel num_threads(threads)") {                                                 \
-            float *fp = BF16 && rows > UNPAIR_ROWS ? aligned_alloc(64, sizeof(float) * panel) : NULL;            \
-            if (BF16 && rows > UNPAIR_ROWS && !fp) {                                                             \
+            float *fp = BF16 && rows > UNPAIR_ROWS ? aligned_alloc(64, sizeof(float) * panel) : NULL; \
+            if (BF16 && rows > UNPAIR_ROWS && !fp) {                                                \
                 _Pragma("omp atomic write") failed = 1;                                                \
             }                                                                                          \
             _Pragma("omp for schedule(static)") for (int64_t i = 0; i < blocks * 6; i++) {             \
@@ -357,7 +358,7 @@ static void unpair(const uint16_t *b, int64_t k, float *restrict f) {
                     for (int64_t s = 0; s < k; s++) dst[6 * s] = ((const float *)x)[i * k + s];        \
             }                                                                                          \
             _Pragma("omp for schedule(static)") for (int64_t p = 0; p < panels; p++) {                 \
-                if (BF16 && rows > UNPAIR_ROWS && !fp) continue;                                                 \
+                if (BF16 && rows > UNPAIR_ROWS && !fp) continue;                                    \
                 const T *b = packed + p * panel, *pb = bias ? bias + p * NR : NULL;                    \
                 const int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;                             \
                 if (fp) unpair((const uint16_t *)b, k, fp);                                            \
