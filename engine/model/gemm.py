@@ -35,6 +35,15 @@ a panel in thirds (6 x 16 sums in 12 registers), one or two rows take it whole. 
 x is copied first into blocks of 6 rows interleaved, so a step's broadcasts read one line
 (3-7% faster at 256-2048 rows than reading the six rows in place).
 
+Later, on the same kind of machine but with its L3 and memory shared with busier tenants, a
+tile wrote its sums with masked stores (`vmaskmovps`, microcoded on Zen 3) even where the
+panel was whole, the copy of x went row by row (k apart), and rows came in chunks of 2048.
+Plain stores for whole tiles, the copy written block by block in order, and chunks of 192
+rows: the 30 layers' linears at 2048 rows, built both ways and alternating, best of 6, went
+from 74-96 to 112-122 GFLOP/s; the prefill of the engine benchmark's uniform workload (32
+prompts of 256 tokens, one output token each), the two trees alternating, from 29.3-30.6
+and 25.8-26.7 s to 18.8-20.4 s (chunks of 2048 instead of 192: 18.6-22.6 s).
+
 There oneDNN has no bfloat16 linear at all (its reorder needs AVX-512), and `F.linear` in
 bfloat16 ran a prefill step's matmuls at ~25 GFLOP/s. The AVX2 kernel converts x to float32
 once; up to 8 rows it splits each bfloat16 pair of the panel into two float32 vectors (a

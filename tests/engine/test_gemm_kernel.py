@@ -2,7 +2,7 @@
 bits a reordered sum can change, in bfloat16 the float32 sum rounded once (one bfloat16
 step at most, from the order of the sums). Shapes cover partial panels (N not a multiple
 of 48), partial row blocks (M not a multiple of 8, or of 6 in the AVX2 build), odd K, biases, more rows than one
-chunk (2048); `Linear` runs it for every call where it can run, else oneDNN."""
+chunk (2048 rows in the AVX-512 build, 192 in the AVX2 one); `Linear` runs it for every call where it can run, else oneDNN."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def test_linear_runs_panels_for_every_row_count(dtype, kernel_isa):
         assert not _has(dtype, kernel_isa)
         return
     assert lin.weight is None, "the weight is held once, as panels"
-    for rows in (1, 256, 2048, 2049, 4100):  # one chunk, a chunk and a row, two chunks and some
+    for rows in (1, 256, 2048, 2049, 4100):  # one chunk, then several, ending whole or partial
         x = torch.randn(rows, 64, generator=g).to(dtype)
         got = lin(x)
         _assert_matches(got, x, w, b)
