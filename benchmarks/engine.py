@@ -24,7 +24,8 @@ Workloads (`--quick` shrinks each to a smoke test):
 - long-mixed: 32 prompts of 32-1024 ids, 16-256 new tokens each;
 - decode-heavy: 64 prompts of 64 ids, 512 new tokens each.
 `all` is mixed and uniform against transformers, and uniform, long-mixed and decode-heavy
-against a peer.
+against a peer. `--prefill-only` keeps each workload's prompts and asks one new token of
+each: the prefill alone, whose time, taken from the full workload's, leaves its decode.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import peer as peers
+from benchmarks.engine_table import print_table
 
 # Ids below are special tokens: 0-5 in engine.checkpoint's tokenizers, 0-16 in SmolLM2's.
 FIRST_PROMPT_TOKEN = 17
@@ -113,6 +115,12 @@ def make_workloads(names: list[str], vocab_size: int, quick: bool, seed: int = 0
     return [shapes[n][0](n, *(shapes[n][1] if quick else shapes[n][2])) for n in names]
 
 
+def prefill_only(workload: Workload) -> Workload:
+    """The same prompts, one new token each (named `<workload>-prefill`)."""
+    return Workload(f"{workload.name}-prefill", workload.prompts, [1] * len(workload.prompts),
+                    workload.hf_batch_size)
+
+
 def kv_cache_bytes(config, dtype: str, workloads: list[Workload], page_size: int) -> int:
     """Room for every context of the largest workload at once (plus one page each), so
     pdserve never waits for KV memory, as transformers never does."""
@@ -183,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peer-python", metavar="PATH", default=None,
                         help=f"the peer's interpreter (default ${peers.PEER_PYTHON_ENV}, else "
                              f"{peers.DEFAULT_PEER_PYTHON} in the repository, made by `make bench-peers`)")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="one new token per prompt (same prompts): how fast each engine prefills")
     parser.add_argument("--transformers", action="store_true",
                         help="with --peer, measure transformers generate as well")
     return parser
@@ -206,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_or_exit(args.model, "pdserve bench engine")
     config = AutoConfig.from_pretrained(model.dir)
     workloads = make_workloads(workload_names(args.workload, args.peer), config.vocab_size, args.quick)
+    if args.prefill_only:
+        workloads = [prefill_only(w) for w in workloads]
     kv_bytes = kv_cache_bytes(config, args.dtype, workloads, args.page_size)
     with_transformers = not args.peer or args.transformers
     # One short run each first, so one-time set-up costs stay out of the measurement.
@@ -243,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "quick": args.quick,
+        "prefill_only": args.prefill_only,
         "engine_startup_s": round(engine_startup_s, 3),
         "prefix_cache": not args.peer,
         "workloads": [{k: v for k, v in asdict(r).items() if v is not None} for r in results],
@@ -254,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_table(report)
+        print_table(report)
     return 0
 
 
@@ -310,40 +323,6 @@ def match(ours: list[list[int]], theirs: list[list[int]]) -> float:
 class _NoProgress:
     def update(self, n):
         pass
-
-
-def _print_table(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    m, peer = report["model"], report.get("peer")
-    rows = report["workloads"]
-    with_hf = "transformers_s" in rows[0]
-    against = [*(["transformers generate"] if with_hf else []),
-               *([f"vLLM {peer['version']}"] if peer else [])]
-    title = (f"pdserve vs {' and '.join(against)}: {m['name']} ({m['parameters'] / 1e6:.0f}M params), "
-             f"{report['dtype']}, {report['threads']} threads; start-up pdserve "
-             f"{report['engine_startup_s']:.1f} s")
-    if peer:
-        title += f", vLLM {peer['startup_s']:.1f} s"
-    columns = ["workload", "prompts", "generated", "pdserve tok/s"]
-    if with_hf:
-        columns += ["transformers tok/s", "speedup", "greedy match"]
-    if peer:
-        columns += ["vLLM tok/s", "pdserve/vLLM", "vLLM match"]
-    table = Table(title=title)
-    for col in columns:
-        table.add_column(col, justify="right")
-    for r in rows:
-        cells = [r["workload"], str(r["num_prompts"]), str(r["generated_tokens"]),
-                 f"{r['engine_tokens_per_s']:.1f}"]
-        if with_hf:
-            cells += [f"{r['transformers_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
-                      f"{r['greedy_match']:.0%}"]
-        if peer:
-            cells += [f"{r['peer_tokens_per_s']:.1f}", f"{r['peer_ratio']:.2f}x", f"{r['peer_match']:.0%}"]
-        table.add_row(*cells)
-    Console().print(table)
 
 
 if __name__ == "__main__":

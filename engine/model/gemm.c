@@ -92,9 +92,10 @@ typedef struct {
 /* The whole multiply, ROW_CHUNK rows at a time: threads split the panels, each panel meets
  * every block of rows of the chunk, so the chunk's rows are read again for every panel.
  * AVX-512 (Zen 4): 4096 rows in one pass measured 6% slower than oneDNN, 2048 0.5-5% faster.
- * AVX2 (Zen 3, an L3 shared with other tenants): chunks of 48-192 rows, whose rows stay in
- * L2 while the panels stream past, ran the 30 layers' linears at 2048 rows 98-105 GFLOP/s
- * on average against 87-90 in chunks of 2048, the builds alternating (see gemm.py). */
+ * AVX2 (Zen 3, an L3 shared with other tenants): in chunks of 192 rows (at K = 576 a
+ * chunk's x, 442 KiB, about fills L2, and the panels stream past it), the engine prefilled
+ * the uniform workload's prompts in 17.6-18.9 s against 18.6-22.6 in chunks of 2048, the
+ * two alternating (the linears alone ran level in chunks of 48, 96 or 256 KiB of x). */
 #if defined(__AVX512F__)
 #define ROW_CHUNK 2048
 #else
@@ -295,8 +296,9 @@ static inline __attribute__((always_inline)) void tile(const int pairs, const in
         }
     }
     if (!bf16 && cols - col >= 8 * cv) {
-        /* Plain stores where the tile is whole: a masked store is microcoded on Zen 3, and
-         * with them the 30 layers' linears at 2048 rows ran at 68-84 GFLOP/s against 92-103. */
+        /* Plain stores where the tile is whole: a masked store (vmaskmovps) is microcoded on
+         * Zen 3. With masked stores everywhere (and x copied row by row) the 30 layers'
+         * linears at 2048 rows ran at 74-96 GFLOP/s, against 112-122 (see gemm.py). */
         _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) _Pragma("GCC unroll 6") for (int j = 0; j < cv; j++)
             _mm256_storeu_ps((float *)c + r * ldc + col + 8 * j, acc[r][j]);
         return;
@@ -350,8 +352,9 @@ static void unpair(const uint16_t *b, int64_t k, float *restrict f) {
  * its share of the next panel. x is first copied (bfloat16: converted) into blocks of 6 rows
  * interleaved, [k][6], so a step's broadcasts read one line, not six rows k apart (3-7%
  * faster at 256-2048 rows); a thread copies whole blocks, writing each in order (copying
- * row by row, k apart, took 1.4 ms of a [2048, 1536] input against 0.8); bfloat16 past UNPAIR_ROWS rows converts each panel too, into the
- * thread's buffer. 1: no memory for those. */
+ * row by row, k apart, took 1.4 ms of a [2048, 1536] input against 0.8); bfloat16 past
+ * UNPAIR_ROWS rows converts each panel too, into the thread's buffer. 1: no memory for
+ * those. */
 #define GEMM_ROWS_AVX2(NAME, T, BF16)                                                                  \
     static int NAME##_rows(const T *x, int64_t rows, int64_t k, const T *packed, int64_t n, const T *bias, \
                            T *out, int threads) {                                                      \

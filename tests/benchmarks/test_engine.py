@@ -39,6 +39,23 @@ def test_quick_bench_reports_both_throughputs_and_speedup(tmp_path, monkeypatch,
         assert w["greedy_match"] == 1.0
 
 
+def test_prefill_only_keeps_the_prompts_and_asks_one_token_of_each(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    argv = ["--quick", "--json", "--model", "bench-random-tiny", "--workload", "long-mixed", "--prefill-only"]
+    assert bench.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prefill_only"] is True
+    (w,) = report["workloads"]
+    (full,) = bench.make_workloads(["long-mixed"], 1024, quick=True)
+    assert w["workload"] == "long-mixed-prefill"
+    assert w["prompt_tokens"] == sum(map(len, full.prompts))
+    assert w["generated_tokens"] == w["num_prompts"] == len(full.prompts)
+    assert w["greedy_match"] == 1.0
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps cells to the terminal's width
+    bench.print_table(report)
+    assert "long-mixed-prefill" in capsys.readouterr().out
+
+
 def test_workloads_fit_the_real_models_vocabulary_and_context():
     for quick in (False, True):
         for w in bench.make_workloads(["mixed", "uniform"], 49152, quick):
