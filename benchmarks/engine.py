@@ -25,7 +25,7 @@ Workloads (`--quick` shrinks each to a smoke test):
 - decode-heavy: 64 prompts of 64 ids, 512 new tokens each.
 `all` is mixed and uniform against transformers, and uniform, long-mixed and decode-heavy
 against a peer. `--prefill-only` keeps each workload's prompts and asks one new token of
-each: the prefill alone, whose time, taken from the full workload's, leaves its decode.
+each: the prefill alone (the full workload's time less this one is roughly its decode).
 """
 
 from __future__ import annotations
