@@ -295,17 +295,18 @@ static inline __attribute__((always_inline)) void tile(const int pairs, const in
             K_STEP(B_F32, s)
         }
     }
-    if (!bf16 && cols - col >= 8 * cv) {
-        /* Plain stores where the tile is whole: a masked store (vmaskmovps) is microcoded on
+    if (!bf16) {
+        /* Masked stores only where the panel ends inside the tile: vmaskmovps is microcoded on
          * Zen 3. With masked stores everywhere (and x copied row by row) the 30 layers'
          * linears at 2048 rows ran at 74-96 GFLOP/s, against 112-122 (see gemm.py). */
-        _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) _Pragma("GCC unroll 6") for (int j = 0; j < cv; j++)
-            _mm256_storeu_ps((float *)c + r * ldc + col + 8 * j, acc[r][j]);
-        return;
-    }
-    if (!bf16) {
-        _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) _Pragma("GCC unroll 6") for (int j = 0; j < cv; j++)
-            _mm256_maskstore_ps((float *)c + r * ldc + col + 8 * j, mask[j], acc[r][j]);
+        const int whole = cols - col >= 8 * cv;
+        _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) _Pragma("GCC unroll 6") for (int j = 0; j < cv; j++) {
+            float *dst = (float *)c + r * ldc + col + 8 * j;
+            if (whole)
+                _mm256_storeu_ps(dst, acc[r][j]);
+            else
+                _mm256_maskstore_ps(dst, mask[j], acc[r][j]);
+        }
         return;
     }
     /* Through memory, with every index a constant: a loop indexing acc at run time would keep

@@ -1,8 +1,9 @@
 """gemm.c, the CPU matmul of the linear layers, gives x @ W.T + b: in float32 to the last
 bits a reordered sum can change, in bfloat16 the float32 sum rounded once (one bfloat16
 step at most, from the order of the sums). Shapes cover partial panels (N not a multiple
-of 48), partial row blocks (M not a multiple of 8, or of 6 in the AVX2 build), odd K, biases, more rows than one
-chunk (2048 rows in the AVX-512 build, 192 in the AVX2 one); `Linear` runs it for every call where it can run, else oneDNN."""
+of 48), partial row blocks (M not a multiple of 8, or of 6 in the AVX2 build), odd K,
+biases, more rows than one chunk (2048 rows in the AVX-512 build, 192 in the AVX2 one);
+`Linear` runs it for every call where it can run, else oneDNN."""
 
 from __future__ import annotations
 
