@@ -167,12 +167,15 @@ def run(coro, timeout_s: float = 120.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
-def wait_until(condition, what: str, timeout_s: float = 10.0):
-    """Poll `condition()` until it returns something truthy (returned), or fail naming `what`.
-    Nodes record a stream's end just after its last message reaches the client."""
+def wait_until(condition, what, timeout_s: float = 10.0):
+    """Poll `condition()` until it returns something truthy (returned), or fail naming `what`
+    (a string, or a callable giving one: what was last seen). Nodes record a stream's end
+    just after its last message reaches the client."""
     deadline = time.monotonic() + timeout_s
     while not (result := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for "
+                                 f"{what() if callable(what) else what}")
         time.sleep(0.05)
     return result
 

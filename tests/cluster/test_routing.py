@@ -11,7 +11,7 @@ from pdserve.client import AsyncClient
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from runtime.server import channel
 from tests.cluster.conftest import SCALE_PAGE as PAGE
-from tests.cluster.nodes import run, sample, wait_until
+from tests.cluster.nodes import run, wait_until
 
 GREEDY = dict(temperature=0.0, max_tokens=2, ignore_eos=True)
 
@@ -34,6 +34,9 @@ def test_round_robin_spreads_requests_evenly_over_both_pools(scale_cluster):
     assert prefill == {"p1": 2, "p2": 2} and decode == {"d1": 2, "d2": 2}, got
 
 
+HOLD_S = 60  # the work parked below outlives the wait for the router to see it (30 s)
+
+
 async def _park(address: str, n: int, tag: str) -> list[str]:
     """Reserve `n` requests on a decode node directly: load no router sent."""
     ids = [f"{tag}-{i}" for i in range(n)]
@@ -41,8 +44,8 @@ async def _park(address: str, n: int, tag: str) -> list[str]:
         stub = pdserve_pb2_grpc.WorkerStub(ch)
         for rid in ids:
             await stub.PrepareReceive(pdserve_pb2.PrepareReceiveRequest(
-                request_id=rid, prompt_token_ids=prompt(7), kv_window_end=-1, lease_ms=20_000),
-                timeout=10)
+                request_id=rid, prompt_token_ids=prompt(7), kv_window_end=-1,
+                lease_ms=HOLD_S * 1000), timeout=10)
     return ids
 
 
@@ -52,6 +55,13 @@ async def _abort(address: str, ids: list[str]) -> None:
         for rid in ids:
             await stub.Abort(pdserve_pb2.AbortRequest(request_id=rid, kv_write_settled=True),
                              timeout=10)
+
+
+def _endpoint_queues(c) -> dict[tuple[str, str], float]:
+    """The ll router's /metrics: (pool, node name) -> the queue it sees there."""
+    return {(dict(labels)["pool"], c.name_of(dict(labels)["endpoint"])): value
+            for (name, labels), value in c.scrape("ll").items()
+            if name == "pdserve_router_endpoint_queue"}
 
 
 def test_least_loaded_avoids_the_nodes_busy_with_work_from_elsewhere(scale_cluster):
@@ -65,17 +75,19 @@ def test_least_loaded_avoids_the_nodes_busy_with_work_from_elsewhere(scale_clust
             stub = pdserve_pb2_grpc.WorkerStub(ch)
             busy = [asyncio.ensure_future(stub.RemoteSend(pdserve_pb2.RemoteSendRequest(
                 request_id=f"busy-{i}", prompt_token_ids=prompt(8 + i), kv_window_end=-1 + 24,
-                window_follows=True), timeout=20)) for i in range(2)]
+                window_follows=True), timeout=HOLD_S)) for i in range(2)]
             try:
-                def seen_by_router():  # the ll router's last load reports show that work
-                    s = c.scrape("ll")
-                    return sample(s, "pdserve_router_endpoint_queue", pool="decode",
-                                  endpoint=c.address("d1")) == 3 and \
-                        sample(s, "pdserve_router_endpoint_queue", pool="prefill",
-                               endpoint=c.address("p1")) == 2
+                seen = {}
 
-                await asyncio.to_thread(wait_until, seen_by_router, "the ll router's view of "
-                                        "the load", 30)
+                def seen_by_router():  # the ll router's last load reports show that work
+                    ended = [f for f in busy if f.done()]
+                    assert not ended, f"a RemoteSend on p1 ended early: {ended[0]!r}"
+                    seen.update(queues=_endpoint_queues(c))
+                    return seen["queues"].get(("decode", "d1"), 0) >= 3 and \
+                        seen["queues"].get(("prefill", "p1"), 0) >= 2
+
+                await asyncio.to_thread(wait_until, seen_by_router, lambda: "the ll router's "
+                                        f"view of the load (last seen: {seen})", 30)
                 got = await routes(c.address("ll"), [prompt(200 + i) for i in range(4)])
             finally:
                 await _abort(c.address("p1"), [f"busy-{i}" for i in range(2)])
