@@ -266,15 +266,41 @@ static inline float x_at(const void *x, const int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
+/* x copied (bfloat16: converted) into blocks of 6 rows interleaved, [k][6] (a last partial
+ * block padded with zeros), by the threads of the enclosing parallel region, each writing
+ * whole blocks in order. */
+static void interleave(const void *x, const int bf16, int64_t rows, int64_t k, float *conv) {
+    const int64_t blocks = (rows + 5) / 6, size = bf16 ? 2 : 4;
+    _Pragma("omp for schedule(static)") for (int64_t blk = 0; blk < blocks; blk++) {
+        float *dst = conv + blk * 6 * k;
+        const void *src = (const char *)x + blk * 6 * k * size;
+        const int mr = rows - blk * 6 < 6 ? (int)(rows - blk * 6) : 6;
+        if (mr == 6)
+            for (int64_t s = 0; s < k; s++)
+                _Pragma("GCC unroll 6") for (int r = 0; r < 6; r++) dst[6 * s + r] = x_at(src, bf16, r * k + s);
+        else
+            for (int64_t s = 0; s < k; s++)
+                for (int r = 0; r < 6; r++) dst[6 * s + r] = r < mr ? x_at(src, bf16, r * k + s) : 0.0f;
+    }
+}
+
 /* The tile; b: the panel (float32, or bfloat16 pairs when `pairs`); bias: the panel's, or
  * NULL, and c: the tile's first row at the panel's first column, both bfloat16 when `bf16`. */
 static inline __attribute__((always_inline)) void tile(const int pairs, const int bf16, const int mr, const int cv,
                                                        const float *a, int64_t k, const void *b, int col, int cols,
-                                                       const void *bias, void *c, int64_t ldc, Prefetch pf) {
+                                                       const void *bias, void *c, int64_t ldc, Prefetch pf,
+                                                       const int resume) {
     __m256 acc[6][6];
     __m256i mask[6];
     for (int j = 0; j < cv; j++) {
         mask[j] = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - col - 8 * j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        if (resume) { /* float32: the sums of the steps of K before these, from c */
+            for (int r = 0; r < mr; r++) {
+                const float *src = (const float *)c + r * ldc + col + 8 * j;
+                acc[r][j] = cols - col >= 8 * (j + 1) ? _mm256_loadu_ps(src) : _mm256_maskload_ps(src, mask[j]);
+            }
+            continue;
+        }
         __m256 bv = _mm256_setzero_ps();
         if (bias && bf16) {
             float f[8] = {0};
@@ -336,16 +362,16 @@ static void unpair(const uint16_t *b, int64_t k, float *restrict f) {
 
 /* One block of `mr` rows against a panel (`pairs`: still bfloat16 pairs). */
 #define BLOCK_AVX2(PAIRS, BF16, b)                                                                    \
-    if (mr == 2) tile(PAIRS, BF16, 2, 6, a, k, b, 0, cols, pb, c, n, pf);                             \
-    else if (mr == 1) tile(PAIRS, BF16, 1, 6, a, k, b, 0, cols, pb, c, n, pf);                        \
+    if (mr == 2) tile(PAIRS, BF16, 2, 6, a, k, b, 0, cols, pb, c, n, pf, 0);                          \
+    else if (mr == 1) tile(PAIRS, BF16, 1, 6, a, k, b, 0, cols, pb, c, n, pf, 0);                     \
     else                                                                                              \
         for (int col = 0; col < cols; col += 16) {                                                    \
             const Prefetch q = col ? none : pf;                                                       \
             switch (mr) {                                                                             \
-            case 6: tile(PAIRS, BF16, 6, 2, a, k, b, col, cols, pb, c, n, q); break;                  \
-            case 5: tile(PAIRS, BF16, 5, 2, a, k, b, col, cols, pb, c, n, q); break;                  \
-            case 4: tile(PAIRS, BF16, 4, 2, a, k, b, col, cols, pb, c, n, q); break;                  \
-            default: tile(PAIRS, BF16, 3, 2, a, k, b, col, cols, pb, c, n, q); break;                 \
+            case 6: tile(PAIRS, BF16, 6, 2, a, k, b, col, cols, pb, c, n, q, 0); break;               \
+            case 5: tile(PAIRS, BF16, 5, 2, a, k, b, col, cols, pb, c, n, q, 0); break;               \
+            case 4: tile(PAIRS, BF16, 4, 2, a, k, b, col, cols, pb, c, n, q, 0); break;               \
+            default: tile(PAIRS, BF16, 3, 2, a, k, b, col, cols, pb, c, n, q, 0); break;              \
             }                                                                                         \
         }
 
@@ -371,19 +397,7 @@ static void unpair(const uint16_t *b, int64_t k, float *restrict f) {
             if (BF16 && rows > UNPAIR_ROWS && !fp) {                                                \
                 _Pragma("omp atomic write") failed = 1;                                                \
             }                                                                                          \
-            _Pragma("omp for schedule(static)") for (int64_t blk = 0; blk < blocks; blk++) {           \
-                float *dst = conv + blk * 6 * k;                                                       \
-                const T *src = x + blk * 6 * k;                                                        \
-                const int mr = rows - blk * 6 < 6 ? (int)(rows - blk * 6) : 6;                         \
-                if (mr == 6)                                                                           \
-                    for (int64_t s = 0; s < k; s++)                                                    \
-                        _Pragma("GCC unroll 6") for (int r = 0; r < 6; r++)                            \
-                            dst[6 * s + r] = x_at(src, BF16, r * k + s);                               \
-                else                                                                                   \
-                    for (int64_t s = 0; s < k; s++)                                                    \
-                        for (int r = 0; r < 6; r++)                                                    \
-                            dst[6 * s + r] = r < mr ? x_at(src, BF16, r * k + s) : 0.0f;               \
-            }                                                                                          \
+            interleave(x, BF16, rows, k, conv);                                                        \
             _Pragma("omp for schedule(static)") for (int64_t p = 0; p < panels; p++) {                 \
                 if (BF16 && rows > UNPAIR_ROWS && !fp) continue;                                    \
                 const T *b = packed + p * panel, *pb = bias ? bias + p * NR : NULL;                    \
@@ -409,7 +423,66 @@ static void unpair(const uint16_t *b, int64_t k, float *restrict f) {
         free(conv);                                                                                    \
         return failed;                                                                                 \
     }
-GEMM_ROWS_AVX2(gemm_f32, float, 0)
+GEMM_ROWS_AVX2(gemm_f32_whole_k, float, 0)
+
+/* float32 from BLOCKED_ROWS rows: K in chunks of up to KC steps, as BLIS does. For each chunk
+ * of a panel, a third of the panel's columns (KC x 16, 16 KiB) stays in L1 while every block
+ * of rows runs past it, its x (6 x KC, 6 KiB) from L2; the tiles of later chunks resume from
+ * the sums in `out`. Over all of K at once, every tile read its third of the panel (36-96
+ * KiB) and its x block again from L2. The same fused multiply-adds in the same k order: the
+ * results are bit for bit those of the whole-K loop. */
+#define KC 256
+#define BLOCKED_ROWS 3
+static int gemm_f32_blocked_rows(const float *x, int64_t rows, int64_t k, const float *packed, int64_t n,
+                                 const float *bias, float *out, int threads) {
+    const int64_t panels = panels_of(n), panel = k * NR, blocks = (rows + 5) / 6;
+    const int64_t chunks = (k + KC - 1) / KC, kc_max = (k + chunks - 1) / chunks;
+    const float *end = packed + panels * panel;
+    float *conv = malloc(sizeof(float) * blocks * 6 * k);
+    if (!conv)
+        return 1;
+    _Pragma("omp parallel num_threads(threads)") {
+        interleave(x, 0, rows, k, conv);
+        _Pragma("omp for schedule(static)") for (int64_t p = 0; p < panels; p++) {
+            const float *b = packed + p * panel, *pb = bias ? bias + p * NR : NULL;
+            const int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;
+            for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+                const int64_t kc = k - k0 < kc_max ? k - k0 : kc_max;
+                /* Every tile of this chunk prefetches its share of the next chunk (or panel). */
+                const float *next = b + (k0 + kc) * NR;
+                const int64_t tiles = blocks * ((cols + 15) / 16);
+                const int64_t bytes = next < end ? kc_max * NR * (int64_t)sizeof(float) : 0;
+                const int64_t share = (bytes + tiles - 1) / tiles, lines = share ? (share + 64 * kc - 1) / (64 * kc) : 1;
+                int64_t t = 0;
+                for (int col = 0; col < cols; col += 16)
+                    for (int64_t blk = 0; blk < blocks; blk++, t++) {
+                        const int64_t off = t * share < bytes ? t * share : bytes;
+                        const Prefetch pf = {(const char *)next + off, bytes - off < share ? bytes - off : share,
+                                             lines};
+                        const int mr = rows - blk * 6 < 6 ? (int)(rows - blk * 6) : 6;
+                        const float *a = conv + blk * 6 * k + k0 * 6, *bk = b + k0 * NR, *bias0 = k0 ? NULL : pb;
+                        float *c = out + blk * 6 * n + p * NR;
+                        switch (mr) {
+                        case 6: tile(0, 0, 6, 2, a, kc, bk, col, cols, bias0, c, n, pf, k0 > 0); break;
+                        case 5: tile(0, 0, 5, 2, a, kc, bk, col, cols, bias0, c, n, pf, k0 > 0); break;
+                        case 4: tile(0, 0, 4, 2, a, kc, bk, col, cols, bias0, c, n, pf, k0 > 0); break;
+                        case 3: tile(0, 0, 3, 2, a, kc, bk, col, cols, bias0, c, n, pf, k0 > 0); break;
+                        case 2: tile(0, 0, 2, 2, a, kc, bk, col, cols, bias0, c, n, pf, k0 > 0); break;
+                        default: tile(0, 0, 1, 2, a, kc, bk, col, cols, bias0, c, n, pf, k0 > 0); break;
+                        }
+                    }
+            }
+        }
+    }
+    free(conv);
+    return 0;
+}
+
+static int gemm_f32_rows(const float *x, int64_t rows, int64_t k, const float *packed, int64_t n,
+                         const float *bias, float *out, int threads) {
+    return (rows >= BLOCKED_ROWS ? gemm_f32_blocked_rows : gemm_f32_whole_k_rows)(x, rows, k, packed, n, bias,
+                                                                                out, threads);
+}
 GEMM(gemm_f32, float)
 GEMM_ROWS_AVX2(gemm_bf16, uint16_t, 1)
 GEMM(gemm_bf16, uint16_t)

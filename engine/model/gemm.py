@@ -44,6 +44,22 @@ from 74-96 to 112-122 GFLOP/s; the prefill of the engine benchmark's uniform wor
 prompts of 256 tokens, one output token each), the two trees alternating, from 29.3-30.6
 and 25.8-26.7 s to 18.8-20.4 s (chunks of 2048 instead of 192: 18.6-22.6 s).
 
+Then float32 from 3 rows took K in chunks of up to 256 steps, as BLIS does: a third of a
+panel's chunk (16 KiB) stays in L1 while every block of rows runs past it, and the tiles of
+later chunks resume from the sums already in `out` (the same multiply-adds in the same
+order: bit for bit the same results). Over all of K at once every tile had read its third
+of the panel (36-96 KiB) from L2 again. The 30 layers' linears, both builds alternating,
+best of 4-6 (ms):
+
+| rows | 3 | 4 | 8 | 16 | 32 | 64 | 192 | 512 | 2048 |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| whole K -> chunks | 54.5 -> 37.5 | 64.2 -> 37.9 | 60.2 -> 46.1 | 73.7 -> 54.7 | 101 -> 79 | 156 -> 112 | 383 -> 336 | 1024 -> 933 | 3989 -> 3870 |
+
+One or two rows keep the whole-K tiles over the full panel width (38.4 and 39.2 ms against
+42.8 and 44.5 in chunks). In the engine, the benchmark's long-mixed workload (fp32, the two
+trees alternating): 90.0 / 83.7 s -> 84.6 / 78.7 s, its matmuls 62.4 / 58.4 -> 56.8 / 53.9 s;
+its prefill alone level (47.4 / 51.1 -> 47.3 / 47.4 s): the gain is in decode.
+
 There oneDNN has no bfloat16 linear at all (its reorder needs AVX-512), and `F.linear` in
 bfloat16 ran a prefill step's matmuls at ~25 GFLOP/s. The AVX2 kernel converts x to float32
 once; up to 8 rows it splits each bfloat16 pair of the panel into two float32 vectors (a
