@@ -219,8 +219,11 @@ def test_pages_of_an_expired_lease_are_not_reused_until_the_late_write_lands(fau
             d, p = worker_stub(dch), worker_stub(pch)
             before = (await load(d1)).late_writes_total
             await gate_open(p1, "prefill", x_id)
-            x_ids = ids(999, 121)
+            # Not a progression like every other test's prompts (the bystanders of the test
+            # above reach (11*999 + 7j) at i=33): D must hold none of X's prompt.
+            x_ids = [(j * j * 5 + 3) % 480 + 20 for j in range(121)]
             x = await prepare(d, x_id, x_ids, 1000)
+            assert x.prefix_matched_length == 0, x
             x_slots = set(slots(x.kv_append_metadata))
             send = asyncio.ensure_future(p.RemoteSend(pdserve_pb2.RemoteSendRequest(
                 request_id=x_id, prompt_token_ids=x_ids, kv_window_begin=x.prefix_matched_length,
