@@ -1,7 +1,7 @@
 /* Building blocks shared by the C attention kernels: a float rounded to bfloat16 bits, and
  * with AVX-512 a 16-lane exp, a 16 x 16 transpose of 32-bit words and bfloat16 rows
- * interleaved in pairs for vdpbf16ps (with AVX2 only: an 8-lane exp and the transpose in
- * plain loops), each compiled only where the CPU has the instructions (the kernels are
+ * interleaved in pairs for vdpbf16ps (with AVX2 only: an 8-lane exp and the transpose on
+ * 8-lane registers), each compiled only where the CPU has the instructions (the kernels are
  * built with -march=native). */
 #ifndef PDSERVE_ATTENTION_TILES_H
 #define PDSERVE_ATTENTION_TILES_H
@@ -102,10 +102,29 @@ static inline __m256 exp8s(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
-/* transpose16's contract with plain loads and stores (a page's K, once per page). */
+/* transpose16's contract on 8-lane registers: four 8 x 8 blocks, each by unpacks,
+ * shuffles and lane swaps (a page's K, once per page). */
 static inline void transpose16(const float *src, int64_t stride, int64_t rows, float *restrict dst) {
-    for (int j = 0; j < 16; j++)
-        for (int r = 0; r < 16; r++) dst[j * 16 + r] = r < rows ? src[r * stride + j] : 0.0f;
+    for (int rb = 0; rb < 16; rb += 8)
+        for (int cb = 0; cb < 16; cb += 8) {
+            __m256 t[8], u[8];
+            for (int r = 0; r < 8; r++)
+                t[r] = rb + r < rows ? _mm256_loadu_ps(src + (rb + r) * stride + cb) : _mm256_setzero_ps();
+            for (int r = 0; r < 8; r += 2) {
+                u[r] = _mm256_unpacklo_ps(t[r], t[r + 1]);
+                u[r + 1] = _mm256_unpackhi_ps(t[r], t[r + 1]);
+            }
+            for (int r = 0; r < 8; r += 4)
+                for (int j = 0; j < 2; j++) {
+                    t[r + 2 * j] = _mm256_shuffle_ps(u[r + j], u[r + 2 + j], 0x44);
+                    t[r + 2 * j + 1] = _mm256_shuffle_ps(u[r + j], u[r + 2 + j], 0xee);
+                }
+            /* t[4h + i] holds, in each 128-bit lane L, rows 4h..4h+3 of column 4L + i */
+            for (int i = 0; i < 4; i++) {
+                _mm256_storeu_ps(dst + (cb + i) * 16 + rb, _mm256_permute2f128_ps(t[i], t[4 + i], 0x20));
+                _mm256_storeu_ps(dst + (cb + 4 + i) * 16 + rb, _mm256_permute2f128_ps(t[i], t[4 + i], 0x31));
+            }
+        }
 }
 #endif /* __AVX512F__, __AVX2__ */
 #endif

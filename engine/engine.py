@@ -38,7 +38,7 @@ from .detokenizer import IncrementalDetokenizer
 from .model import LlamaModel, ModelRunner
 from .model.weights import load_config, load_state_dict, load_tokenizer
 from .memory import kv_cache_pages
-from .native import lazy_zeros
+from .native import keep_step_buffers, lazy_zeros
 from .outputs import CompletionOutput, RequestOutput, Reservation
 from .page_pool import OutOfPages, PagePool
 from .prefix_cache import PrefixCache, extend_page_keys
@@ -56,6 +56,8 @@ class Engine:
         config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)  # never pinned: cores are shared
+        if torch.device(config.device).type == "cpu":
+            keep_step_buffers()
         self.config = config
         self.model_config = load_config(config.model_dir)
         self.tokenizer = load_tokenizer(config.model_dir)

@@ -29,7 +29,12 @@ ms, against 644 and 645 with it (old and new alternating twice; the step 3113/31
 Then the scores went through memory with constant indices before the softmax: it indexed
 them at run time, so gcc had kept the eight sums on the stack and stored them on every step
 of the scoring loop. 30 layers of one 1024-token prompt took 346 ms against 541 (same bits
-out), and that prefill step's attention 558 / 462 ms against 767 / 792.
+out), and that prefill step's attention 558 / 462 ms against 767 / 792. Then each page's K
+was transposed in 8 x 8 blocks of registers, not element by element: one layer of a
+1024-token prompt 9.39-9.43 -> 8.84-8.98 ms (~135 GFLOP/s of causal work), and with
+`engine.native.keep_step_buffers` a 1024-token prefill in the engine 1546-1617 -> 1491-1515
+ms, a prefill step of `pdserve bench step` (32 prompts of 256) 2297-2306 -> 2143-2153 ms.
+Tasks of 16 or 64 positions ran level with 32 there.
 
 Built and loaded by `engine.native`; `kernel_for` returns None when that fails or the KV
 dtype is not float32/bfloat16, and callers use the torch path.

@@ -1,6 +1,10 @@
-"""`engine.native`: the KV cache's memory is plain zeros that cost nothing until written."""
+"""`engine.native`: the KV cache's memory is plain zeros that cost nothing until written, and
+freed step buffers are kept for the next step, not faulted in again."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import torch
 
@@ -26,3 +30,35 @@ def test_a_large_kv_cache_costs_no_memory_until_written():
     t[3].fill_(1.0)
     assert float(t[3].sum()) == 1 << 20 and not t[4].any()
 
+
+
+# A fresh interpreter (the setting is process-wide, and an Engine of another test may have
+# made it already): five steps that each allocate 16 blocks of 6 MiB, write them and free
+# them, as a prefill's activations are; prints the page faults of those five steps.
+_STEPS = """
+import resource, sys, torch
+from engine.native import keep_step_buffers
+if sys.argv[1] == "keep":
+    assert keep_step_buffers() and keep_step_buffers()  # once, then a no-op
+def step():
+    blocks = [torch.ones(6 << 18) for _ in range(16)]
+    del blocks
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_freed_step_buffers_are_reused_not_faulted_in_again():
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return int(out.stdout.split()[-1])
+
+    pages_per_step = 16 * (6 << 20) // 4096
+    default, kept = faults("default"), faults("keep")
+    # glibc's defaults give the 96 MiB back after each step and fault it in again
+    assert default >= 4 * pages_per_step, default
+    assert kept < pages_per_step // 2, (kept, default)
