@@ -266,15 +266,26 @@ static inline float x_at(const void *x, const int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
-/* x copied (bfloat16: converted) into blocks of 6 rows interleaved, [k][6] (a last partial
- * block padded with zeros), by the threads of the enclosing parallel region, each writing
- * whole blocks in order. */
+/* The rows in (rows + 5) / 6 blocks of at most 6, as even as they go: block `blk` holds
+ * `mr` rows from row `r0`. 32 rows (a decode step's batch) make 6, 6, 5, 5, 5, 5, not five
+ * blocks of 6 and one of 2, whose tiles' 4 sums a step left the FMA units half idle. */
+static inline void block_rows(int64_t rows, int64_t blk, int64_t *r0, int *mr) {
+    const int64_t blocks = (rows + 5) / 6, base = rows / blocks, extra = rows % blocks;
+    *r0 = blk * base + (blk < extra ? blk : extra);
+    *mr = (int)(base + (blk < extra));
+}
+
+/* x copied (bfloat16: converted) into its blocks of rows interleaved, [k][6] each (a block
+ * under 6 rows padded with zeros), by the threads of the enclosing parallel region, each
+ * writing whole blocks in order. */
 static void interleave(const void *x, const int bf16, int64_t rows, int64_t k, float *conv) {
     const int64_t blocks = (rows + 5) / 6, size = bf16 ? 2 : 4;
     _Pragma("omp for schedule(static)") for (int64_t blk = 0; blk < blocks; blk++) {
+        int64_t r0;
+        int mr;
+        block_rows(rows, blk, &r0, &mr);
         float *dst = conv + blk * 6 * k;
-        const void *src = (const char *)x + blk * 6 * k * size;
-        const int mr = rows - blk * 6 < 6 ? (int)(rows - blk * 6) : 6;
+        const void *src = (const char *)x + r0 * k * size;
         if (mr == 6)
             for (int64_t s = 0; s < k; s++)
                 _Pragma("GCC unroll 6") for (int r = 0; r < 6; r++) dst[6 * s + r] = x_at(src, bf16, r * k + s);
@@ -404,12 +415,14 @@ static void unpair(const uint16_t *b, int64_t k, float *restrict f) {
                 const int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;                             \
                 if (fp) unpair((const uint16_t *)b, k, fp);                                            \
                 for (int64_t blk = 0; blk < blocks; blk++) {                                           \
-                    const int64_t r0 = blk * 6, off = blk * share, left = panel * (int64_t)sizeof(T) - off; \
+                    const int64_t off = blk * share, left = panel * (int64_t)sizeof(T) - off;          \
                     const Prefetch pf = {(const char *)(b + panel) + off,                              \
                                          p + 1 < panels ? (share < left ? share : left) : 0, lines},   \
                                    none = {NULL, 0, 1};                                                \
-                    const int mr = rows - r0 < 6 ? (int)(rows - r0) : 6;                               \
-                    const float *a = conv + r0 * k;                                                    \
+                    int64_t r0;                                                                        \
+                    int mr;                                                                            \
+                    block_rows(rows, blk, &r0, &mr);                                                   \
+                    const float *a = conv + blk * 6 * k;                                               \
                     T *c = out + r0 * n + p * NR;                                                      \
                     if (fp) {                                                                          \
                         BLOCK_AVX2(0, BF16, fp)                                                        \
@@ -459,9 +472,11 @@ static int gemm_f32_blocked_rows(const float *x, int64_t rows, int64_t k, const 
                         const int64_t off = t * share < bytes ? t * share : bytes;
                         const Prefetch pf = {(const char *)next + off, bytes - off < share ? bytes - off : share,
                                              lines};
-                        const int mr = rows - blk * 6 < 6 ? (int)(rows - blk * 6) : 6;
+                        int64_t r0;
+                        int mr;
+                        block_rows(rows, blk, &r0, &mr);
                         const float *a = conv + blk * 6 * k + k0 * 6, *bk = b + k0 * NR, *bias0 = k0 ? NULL : pb;
-                        float *c = out + blk * 6 * n + p * NR;
+                        float *c = out + r0 * n + p * NR;
                         switch (mr) {
                         case 6: tile(0, 0, 6, 2, a, kc, bk, col, cols, bias0, c, n, pf, k0 > 0); break;
                         case 5: tile(0, 0, 5, 2, a, kc, bk, col, cols, bias0, c, n, pf, k0 > 0); break;

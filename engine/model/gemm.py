@@ -60,6 +60,13 @@ One or two rows keep the whole-K tiles over the full panel width (38.4 and 39.2 
 trees alternating): 90.0 / 83.7 s -> 84.6 / 78.7 s, its matmuls 62.4 / 58.4 -> 56.8 / 53.9 s;
 its prefill alone level (47.4 / 51.1 -> 47.3 / 47.4 s): the gain is in decode.
 
+Rows then came in ceil(rows / 6) blocks as even as they go (32 rows: 6, 6, 5, 5, 5, 5, where
+five blocks of 6 had left one of 2 rows, whose tiles' 4 chains of sums a step leave the FMA
+units half idle; the same sums, bit for bit). The 30 layers' linears and the LM head, best
+of 5, two runs each: 8 rows 27.7 / 28.4 -> 26.8 / 26.5 ms, 32 rows 58.6 / 57.5 -> 54.7 /
+55.3 (16 and 64 level); a decode step at batch 32 in `pdserve bench step`, its matmuls
+58.4 / 56.1 -> 53.0 / 53.4 ms.
+
 There oneDNN has no bfloat16 linear at all (its reorder needs AVX-512), and `F.linear` in
 bfloat16 ran a prefill step's matmuls at ~25 GFLOP/s. The AVX2 kernel converts x to float32
 once; up to 8 rows it splits each bfloat16 pair of the panel into two float32 vectors (a
