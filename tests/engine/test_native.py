@@ -37,6 +37,7 @@ def test_a_large_kv_cache_costs_no_memory_until_written():
 # them, as a prefill's activations are; prints the page faults of those five steps.
 _STEPS = """
 import resource, sys, torch
+torch.set_num_threads(1)
 from engine.native import keep_step_buffers
 if sys.argv[1] == "keep":
     assert keep_step_buffers() and keep_step_buffers()  # once, then a no-op
@@ -59,6 +60,8 @@ def test_freed_step_buffers_are_reused_not_faulted_in_again():
 
     pages_per_step = 16 * (6 << 20) // 4096
     default, kept = faults("default"), faults("keep")
-    # glibc's defaults give the 96 MiB back after each step and fault it in again
-    assert default >= 4 * pages_per_step, default
+    # Kept: under half a step's pages in five steps (seen: 1.5k-7.7k of 24.6k a step).
     assert kept < pages_per_step // 2, (kept, default)
+    # glibc's defaults give some of the 96 MiB back after a step and fault it in again, how
+    # much varies from run to run (seen: 26k-123k pages over the five steps).
+    assert default > kept, (kept, default)
