@@ -31,7 +31,6 @@ def test_a_large_kv_cache_costs_no_memory_until_written():
     assert float(t[3].sum()) == 1 << 20 and not t[4].any()
 
 
-
 # A fresh interpreter (the setting is process-wide, and an Engine of another test may have
 # made it already): five steps that each allocate 16 blocks of 6 MiB, write them and free
 # them, as a prefill's activations are; prints the page faults of those five steps.
