@@ -136,7 +136,7 @@ def test_health_and_pdserve_generate_work_as_documented(keyed, tmp_path):
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 0 and "SERVING" in result.stdout, result.stderr
     ask = [*pdserve, "generate", "--server", keyed.address("router"), "--prompt", "keys",
-           "--max-tokens", "3", "--json"]
+           "--max-tokens", "3", "--temperature", "0", "--ignore-eos", "--json"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     without = subprocess.run(ask, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert without.returncode == 1 and "UNAUTHENTICATED" in without.stderr
