@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test clean proto bench-peers
+.PHONY: install serve test clean proto bench-peers gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 bench-peers: $(VLLM_STAMP)
+
+# The GPU check (benchmarks/gpu.py): kernels, parity with transformers, P/D over VRAM NIXL
+# and the engine's speed, into benchmarks/results/gpu_check.json. It uses the machine's own
+# python3 and packages (a GPU image has torch); no venv, nothing installed.
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m benchmarks.gpu
 
 proto: $(STAMP)
 	$(PY) -m proto.generate

@@ -1,4 +1,8 @@
-"""Appending a sampled token to a sequence: detokenize, apply stop rules, stream text.
+"""Appending a sampled token to a sequence: detokenize, apply stop rules, stream text;
+and handing a request's delta back (`take_delta`).
+
+`append_token` is both halves at once; an engine that overlaps the text with the next
+step's forward calls `append_token_id` when the id arrives and `append_text` a step later.
 
 Invariants:
 - A stop token (an EOS unless `ignore_eos`, or one of `stop_token_ids`) is kept in
@@ -10,11 +14,20 @@ Invariants:
 
 from __future__ import annotations
 
+import time
+
 from .detokenizer import find_stop
-from .sequence import Sequence
+from .outputs import CompletionOutput, RequestOutput
+from .sequence import Request, Sequence
 
 
 def append_token(seq: Sequence, sample, eos_token_ids: set[int], max_model_len: int) -> None:
+    append_text(seq, sample.token_id, append_token_id(seq, sample, eos_token_ids, max_model_len))
+
+
+def append_token_id(seq: Sequence, sample, eos_token_ids: set[int], max_model_len: int) -> bool:
+    """The token-level half: the id, its logprobs, stop tokens and length. Whether the
+    token is a stop token (it then adds no text)."""
     params = seq.request.params
     token = sample.token_id
     seq.token_ids.append(token)
@@ -27,7 +40,13 @@ def append_token(seq: Sequence, sample, eos_token_ids: set[int], max_model_len: 
         seq.finish_reason = "stop"
     elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         seq.finish_reason = "length"
+    return is_stop_token
 
+
+def append_text(seq: Sequence, token: int, is_stop_token: bool) -> None:
+    """The text half, for the token `append_token_id` appended last: detokenize, stop
+    strings (which may end the sequence), what can be streamed."""
+    params = seq.request.params
     delta = "" if is_stop_token else seq.detokenizer.add([token])
     if seq.finish_reason is not None:
         delta += seq.detokenizer.flush()
@@ -48,3 +67,31 @@ def append_token(seq: Sequence, sample, eos_token_ids: set[int], max_model_len: 
     seq.text += emit
     seq.new_text += emit
     seq.pending_text = seq.pending_text[len(emit) :]
+
+
+def take_delta(request: Request) -> RequestOutput:
+    """What `request` made since its last delta (its new tokens and text then count as sent)."""
+    outs = []
+    for seq in request.seqs:
+        outs.append(
+            CompletionOutput(
+                seq.index, list(seq.output_token_ids), seq.text, seq.new_token_ids, seq.new_text,
+                seq.finish_reason, list(seq.logprobs) if seq.logprobs is not None else None,
+            )
+        )
+        seq.new_token_ids = []
+        seq.new_text = ""
+    finished = request.finished
+    if not request.prefilled_at and request.scheduled_at and (
+            finished or any(o.new_token_ids for o in outs)):
+        request.prefilled_at = time.perf_counter()
+    return RequestOutput(request.request_id, outs, finished, len(request.prompt_token_ids),
+                         request.num_cached_tokens, *_timings(request))
+
+
+def _timings(request: Request) -> tuple[float, float]:
+    """(queued_s, prefill_s) of `request` so far."""
+    if not request.scheduled_at:
+        return 0.0, 0.0
+    prefill = request.prefilled_at - request.scheduled_at if request.prefilled_at else 0.0
+    return request.scheduled_at - request.added_at, prefill

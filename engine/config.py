@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.25
 
 
@@ -105,13 +105,25 @@ class EngineConfig:
                                               "chunks and decodes)")
     max_num_seqs: int = _flag(64, "sequences running at once")
     dtype: str = _flag("float32", "weights and KV dtype", choices=DTYPES)
-    attention_backend: str = _flag("torch", "attention kernels: torch (CPU) or triton (GPU)",
+    attention_backend: str = _flag("auto", "attention kernels: torch (CPU), triton (GPU), or auto: "
+                                           "triton on a CUDA device, else torch",
                                    choices=ATTENTION_BACKENDS)
     enable_prefix_cache: bool = _flag(True, "disable the prefix cache", flag="--no-prefix-cache")
     num_threads: int | None = _flag(None, "torch threads for the engine (default: torch's "
                                           "choice); threads are never pinned", type=int)
-    device: str = _flag("cpu", "torch device")
+    device: str = _flag("cpu", "torch device: cpu, cuda or cuda:N (the KV pool lives there too)")
+    cuda_graphs: bool = _flag(True, "replay no CUDA graphs for decode steps (GPU only)",
+                              flag="--no-cuda-graphs")
+    overlap_output: bool = _flag(True, "detokenize each step's tokens after it, not during the next "
+                                       "step's forward (GPU only; streams one step sooner)",
+                                 flag="--no-overlap-output")
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.device.startswith("cuda") else "torch"
 
     def validate(self) -> None:
         def bad(name, value, why):

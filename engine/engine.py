@@ -32,14 +32,14 @@ import time
 
 import torch
 
-from .completion import append_token
+from .completion import append_text, append_token, append_token_id, take_delta
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .model import LlamaModel, ModelRunner
 from .model.weights import load_config, load_state_dict, load_tokenizer
 from .memory import kv_cache_pages
 from .native import keep_step_buffers, lazy_zeros
-from .outputs import CompletionOutput, RequestOutput, Reservation
+from .outputs import RequestOutput, Reservation
 from .page_pool import OutOfPages, PagePool
 from .prefix_cache import PrefixCache, extend_page_keys
 from .sampler import SamplingRow, sample
@@ -77,12 +77,18 @@ class Engine:
         self.pool = PagePool(self.num_pages, self.page_size)
         self.prefix_cache = PrefixCache(self.pool, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(m, self.kv_cache, self.page_size, config.attention_backend, config.device)
+        self.runner = ModelRunner(m, self.kv_cache, self.page_size, config.resolved_attention_backend, config.device,
+                                  config.max_num_seqs, self.max_model_len, config.cuda_graphs)
         self.eos_token_ids = _eos_token_ids(c, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.layer_hook = None  # hook(layer_idx, [(request_id, begin, end), ...]) per layer
         self._arrivals = 0
         self.last_step_scheduled = 0  # sequences the last step ran (0: blocked or idle)
+        # On a GPU a step's text (detokenizing, stop strings, outputs) is done during the
+        # next step's forward, which the host would otherwise only wait for: each step
+        # returns the previous step's tokens. (sequence, token, is stop token) to finish.
+        self.overlap_output = config.overlap_output and self.runner.on_gpu
+        self._text_pending: list[tuple[Sequence, int, bool]] = []
 
     # ---- accounting -------------------------------------------------------------------
     def num_free_pages(self) -> int:
@@ -92,7 +98,7 @@ class Engine:
         return self.pool.num_total_pages()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._text_pending)
 
     # ---- entering requests -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False) -> None:
@@ -214,6 +220,7 @@ class Engine:
         for seq in batch.too_long:
             self._finish(seq, "length")
             touched[seq.request.request_id] = seq.request
+        outputs = []
         if batch:
             seqs, num_new = batch.seqs, batch.num_new_tokens
             now = time.perf_counter()
@@ -224,6 +231,13 @@ class Engine:
             for seq, n in zip(seqs, num_new):
                 seq.num_computed += n
                 self._publish(seq)
+            # While the device runs this step: the text of the last one's tokens.
+            outputs = self._finish_text()
+            if self.runner.on_gpu and any(s.request.prefill_only and s.num_computed == s.num_tokens for s in seqs):
+                # A prefill-only request is reported done only once its KV is in memory: the
+                # role sends it next. (The kernels are asynchronous; a step that samples
+                # already waited for its ids.)
+                torch.cuda.current_stream(self.runner.device).synchronize()
             sampling = [s for s, w in zip(seqs, wants) if w]
             if sampling:
                 self._sample(sampling, logits)
@@ -233,9 +247,12 @@ class Engine:
                     self.scheduler.remove(seq)
                     seq.status = Status.PREFILLED
                     seq.finish_reason = "prefilled"
-                if seq.new_token_ids or seq.is_finished:
+                if seq.new_token_ids and not self.overlap_output or seq.is_finished and not self._text_due(seq):
                     touched[request.request_id] = request
-        return [self.output_of(r) for r in touched.values()]
+        else:
+            outputs = self._finish_text()
+        sent = {o.request_id for o in outputs}
+        return outputs + [self.output_of(r) for rid, r in touched.items() if rid not in sent]
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         rows = []
@@ -243,11 +260,38 @@ class Engine:
             p = s.request.params
             rows.append(SamplingRow(p.temperature, p.top_k, p.top_p, p.min_p, s.generator, p.logprobs))
         for seq, smp in zip(seqs, sample(logits, rows)):
-            append_token(seq, smp, self.eos_token_ids, self.max_model_len)
+            if seq.is_finished:
+                continue  # a stop string in its last token's text ended it: drop this token
+            if self.overlap_output:
+                is_stop = append_token_id(seq, smp, self.eos_token_ids, self.max_model_len)
+                self._text_pending.append((seq, smp.token_id, is_stop))
+            else:
+                append_token(seq, smp, self.eos_token_ids, self.max_model_len)
             if seq.index == 0:
                 self._start_other_samples(seq.request)
             if seq.is_finished:
                 self._finish(seq, seq.finish_reason)
+
+    def _text_due(self, seq: Sequence) -> bool:
+        return self.overlap_output and any(s is seq for s, _, _ in self._text_pending)
+
+    def _finish_text(self) -> list[RequestOutput]:
+        """The text half of the tokens the last step appended (overlapped mode), then the
+        outputs of their requests."""
+        if not self._text_pending:
+            return []
+        pending, self._text_pending = self._text_pending, []
+        touched: dict[str, Request] = {}
+        for seq, token, is_stop in pending:
+            request = seq.request
+            if self.requests.get(request.request_id) is not request:
+                continue  # aborted since
+            was_finished = seq.is_finished
+            append_text(seq, token, is_stop)
+            if seq.is_finished and not was_finished:
+                self._finish(seq, seq.finish_reason)
+            touched[request.request_id] = request
+        return [self.output_of(r) for r in touched.values()]
 
     def _layer_hook_for(self, seqs, num_new):
         hook = self.layer_hook
@@ -288,32 +332,10 @@ class Engine:
 
     def output_of(self, request: Request) -> RequestOutput:
         """The delta of `request` since its last output (it then counts as sent)."""
-        outs = []
-        for seq in request.seqs:
-            outs.append(
-                CompletionOutput(
-                    seq.index, list(seq.output_token_ids), seq.text, seq.new_token_ids, seq.new_text,
-                    seq.finish_reason, list(seq.logprobs) if seq.logprobs is not None else None,
-                )
-            )
-            seq.new_token_ids = []
-            seq.new_text = ""
-        finished = request.finished
-        if finished and not request.prefill_only:
+        out = take_delta(request)
+        if out.finished and not request.prefill_only:
             self.requests.pop(request.request_id, None)
-        if not request.prefilled_at and request.scheduled_at and (
-                finished or any(o.new_token_ids for o in outs)):
-            request.prefilled_at = time.perf_counter()
-        return RequestOutput(request.request_id, outs, finished, len(request.prompt_token_ids),
-                             request.num_cached_tokens, *_timings(request))
-
-
-def _timings(request: Request) -> tuple[float, float]:
-    """(queued_s, prefill_s) of `request` so far."""
-    if not request.scheduled_at:
-        return 0.0, 0.0
-    prefill = request.prefilled_at - request.scheduled_at if request.prefilled_at else 0.0
-    return request.scheduled_at - request.added_at, prefill
+        return out
 
 
 def _eos_token_ids(hf_config, tokenizer) -> set[int]:

@@ -62,9 +62,13 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         i = 0
+        ps = self.page_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = self._fit_running(seq, min(seq.num_tokens - seq.num_computed, budget), i, batch)
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            # Most steps a decode's page has room: no pool call (this loop runs per sequence).
+            if seq.num_computed + num_new > len(seq.pages) * ps:
+                num_new = self._fit_running(seq, num_new, i, batch)
             if num_new == 0:
                 break  # seq itself was preempted or is too long; it was the last one
             batch.seqs.append(seq)

@@ -4,7 +4,7 @@
     pdserve prefill  [--port P]                                     prefill worker
     pdserve decode   [--port P]                                     decode worker
     pdserve serve    [--port P]                                     colocated worker (role both)
-    pdserve up       [--port P]            router + one prefill + one decode on localhost
+    pdserve up       [--port P] [--device D]  router + one prefill + one decode on localhost
     pdserve generate --server HOST:PORT --prompt TEXT [--n N]       stream an answer (pdserve.generate_cli)
     pdserve chat     --server HOST:PORT [--system TEXT]             chat in the terminal
     pdserve bench engine|step|transfer|ttft|serve|router ...        benchmarks
@@ -35,7 +35,8 @@ from pdserve.envflags import apply_env_defaults
 
 BENCHMARKS = {"engine": "benchmarks.engine", "transfer": "benchmarks.transfer",
               "serve": "benchmarks.serve", "router": "benchmarks.router", "step": "benchmarks.step",
-              "chaos": "benchmarks.chaos", "trust": "benchmarks.trust", "ttft": "benchmarks.ttft"}
+              "chaos": "benchmarks.chaos", "trust": "benchmarks.trust", "ttft": "benchmarks.ttft",
+              "gpu": "benchmarks.gpu"}
 WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 

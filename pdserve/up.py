@@ -12,6 +12,11 @@ KV cache: both workers start at once, each sizing its pool against the same free
 only until the window is sent) and two thirds to decode; a sizing flag given to `up`
 (`--kv-cache-mb`, `--num-pages`, `--kv-cache-memory-fraction`) goes to both as given.
 
+Device: both workers run their engine, and keep their KV pool, on `--device` (cpu, cuda or
+cuda:N); by default on "cuda" when this machine has one torch can use, else on the CPU.
+The check runs here, in `up`, before the workers start: on a machine with no NVIDIA driver
+or no CUDA build of torch it reads a few files and imports nothing (`default_device`).
+
 Credentials: `up` makes a fresh random cluster key for its three nodes, so Worker calls
 are authenticated with no set-up; with `--api-key`/`--api-key-file` its router requires
 that key from clients. Keys reach the children only as files readable by this user alone
@@ -21,6 +26,8 @@ children get no key variables from our environment: their flags say it all.
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
 import secrets
 import signal
@@ -28,6 +35,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION
 from pdserve.procs import NodeProcess, free_port, stop_all
@@ -49,6 +57,9 @@ class UpConfig:
     prefill_port: int = option(0, "prefill port; 0 = any free one")
     decode_port: int = option(0, "decode port; 0 = any free one")
     num_threads: int = option(1, "torch threads per worker")
+    device: str | None = option(None, "torch device of both workers' engines and KV pools: cpu, "
+                                      "cuda or cuda:N (default: cuda if torch can use one here, "
+                                      "else cpu)", type=str)
     http_port: int = option(0, "router's OpenAI API and /metrics port; 0 = any free one, "
                                "printed")
     prefill_metrics_port: int | None = option(None, "prefill worker's /metrics port (default: "
@@ -77,14 +88,10 @@ def _secret_file(value: str, keys: list[str]) -> str:
 
 
 def up(config: UpConfig) -> int:
-    extra = [a for a in config.extra if a != "--"]
-    logs = ["--log-format", config.log_format]
     keys: list[str] = []
     api_key = config.api.load()  # a bad key file fails here, before anything starts
     cluster = ["--cluster-key-file", _secret_file(secrets.token_hex(32), keys)]
     api = ["--api-key-file", _secret_file(api_key, keys)] if api_key else []
-    worker = ["--model", config.model, "--host", "127.0.0.1",
-              "--num-threads", str(config.num_threads), *logs, *cluster, *extra]
     procs: list[NodeProcess] = []
     stopping = False
 
@@ -98,15 +105,8 @@ def up(config: UpConfig) -> int:
         prefill_port = config.prefill_port or free_port()
         decode_port = config.decode_port or free_port()
         http_port = config.http_port or free_port()
-        procs.append(_start(["prefill", "--port", str(prefill_port), *worker, *kv_share("prefill", extra),
-                             *_metrics_flag(config.prefill_metrics_port)]))
-        procs.append(_start(["decode", "--port", str(decode_port), *worker, *kv_share("decode", extra),
-                             *_metrics_flag(config.decode_metrics_port)]))
-        procs.append(_start(["router", "--model", config.model, "--host", config.host,
-                             "--port", str(config.port), "--http-port", str(http_port), *logs,
-                             *cluster, *api,
-                             "--prefill", f"127.0.0.1:{prefill_port}",
-                             "--decode", f"127.0.0.1:{decode_port}"]))
+        args = node_args(config, prefill_port, decode_port, http_port, cluster, api)
+        procs += [_start(args[role]) for role in ("prefill", "decode", "router")]
         for proc in procs:
             proc.wait_ready(config.start_timeout_s)
         print(f"pdserve up: router on {config.host}:{procs[2].port} (prefill 127.0.0.1:"
@@ -125,12 +125,55 @@ def up(config: UpConfig) -> int:
             os.unlink(path)
 
 
+def node_args(config: UpConfig, prefill_port: int, decode_port: int, http_port: int,
+              cluster: list[str], api: list[str]) -> dict[str, list[str]]:
+    """The `pdserve` arguments of each child, by role. `cluster`, `api`: the flags naming
+    the key files (every node gets the cluster key, only the router the API key)."""
+    extra = [a for a in config.extra if a != "--"]
+    logs = ["--log-format", config.log_format]
+    worker = ["--model", config.model, "--host", "127.0.0.1",
+              "--num-threads", str(config.num_threads), *device_flag(config.device, extra), *logs,
+              *cluster, *extra]
+    return {
+        "prefill": ["prefill", "--port", str(prefill_port), *worker, *kv_share("prefill", extra),
+                    *_metrics_flag(config.prefill_metrics_port)],
+        "decode": ["decode", "--port", str(decode_port), *worker, *kv_share("decode", extra),
+                   *_metrics_flag(config.decode_metrics_port)],
+        "router": ["router", "--model", config.model, "--host", config.host,
+                   "--port", str(config.port), "--http-port", str(http_port), *logs, *cluster, *api,
+                   "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}"],
+    }
+
+
 def kv_share(role: str, extra: list[str]) -> list[str]:
     """The KV sizing flag of `role`'s worker: its share of the default fraction, unless the
     user sized the pools."""
     if any(a.split("=", 1)[0] in SIZING_FLAGS for a in extra):
         return []
     return ["--kv-cache-memory-fraction", f"{DEFAULT_KV_CACHE_MEMORY_FRACTION * KV_SHARES[role]:.4f}"]
+
+
+def device_flag(device: str | None, extra: list[str]) -> list[str]:
+    """The workers' `--device`: as given, else the default here, unless the flags after `--`
+    name one."""
+    if any(a.split("=", 1)[0] == "--device" for a in extra):
+        return []
+    return ["--device", device or default_device()]
+
+
+def default_device() -> str:
+    """The workers' default device: "cuda" when torch can use a GPU here, else "cpu". torch
+    (a second or more to import) is asked only when an NVIDIA device and a CUDA build of
+    torch are both present."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return "cpu"
+    torch_lib = Path(next(iter(spec.submodule_search_locations))) / "lib"
+    if not glob.glob(str(torch_lib / "libtorch_cuda*.so*")) or not glob.glob("/dev/nvidia[0-9]*"):
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _start(args: list[str]) -> NodeProcess:

@@ -17,6 +17,13 @@ send) wait for it. The completion notification is sent once, after every WRITE o
 window has landed (each NIXL UCX transfer ends with an endpoint flush), and carries the
 lease id as the whole-window write's does.
 
+On a GPU the engine's kernels are asynchronous: when the hook runs, layer L's K/V store is
+only launched. The hook then records a CUDA event on the engine's stream (prefill/device.py),
+and no WRITE names a span before its event has completed: the sender polls the events
+while WRITEs are in flight, else waits for the first one not yet complete. The engine is
+never stopped for it, and the device never synchronized whole. On the CPU the store has
+run when the hook is called, and nothing is recorded.
+
 Invariants (the whole-window path's, per span):
 - Nothing is posted after an abort or a fence, past the request's deadline or past the
   decode node's lease end (`bound`, this node's monotonic clock); a WRITE still in flight
@@ -30,6 +37,7 @@ Invariants (the whole-window path's, per span):
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -37,47 +45,23 @@ from concurrent.futures import Future
 import numpy as np
 
 from kvtransfer.plan import plan_transfer
-
-
-class StreamFailed(RuntimeError):
-    """A layer-wise send ended without its notification (why: the message)."""
-
-
-class LayerStream:
-    """One request's layer-wise send. Fields are guarded by the owning LayerSends' lock."""
-
-    def __init__(self, request_id: str, num_layers: int) -> None:
-        self.request_id = request_id
-        self.spans: list[tuple[int, int, int, np.ndarray]] = []  # (layer, begin, end, src slots) to post
-        self.pending = 0  # bytes in `spans`
-        self.hooked = [[-1, -1] for _ in range(num_layers)]  # per layer: [lo, hi) computed
-        self.slot_key: tuple[int, int] | None = None
-        self.slots: np.ndarray | None = None
-        self.peer: str | None = None  # set by `aim`
-        self.peer_layout = None
-        self.begin = self.end = 0
-        self.dst: np.ndarray | None = None
-        self.bound = 0.0
-        self.no_write = b""
-        self.in_flight: list = []
-        self.finishing: tuple[bytes, np.ndarray] | None = None  # (notification, every src slot)
-        self.error: str | None = None
-        self.future: Future = Future()
-        self.total_bytes = self.num_descriptors = self.writes = 0
-
-    @property
-    def aimed(self) -> bool:
-        return self.peer is not None
+from prefill.device import bind_device, kv_stored, on_gpu
+from prefill.layer_stream import LayerStream, Span, StreamFailed
 
 
 class LayerSends:
     """The layer-wise streams of one prefill node and the thread that posts their WRITEs."""
 
-    def __init__(self, agent, layout, engine, poll_s: float = 0.002, min_write_bytes: int = 2 << 20) -> None:
+    def __init__(self, agent, layout, engine, gates=None, poll_s: float = 0.002,
+                 min_write_bytes: int = 2 << 20) -> None:
         self.agent, self.layout, self.engine = agent, layout, engine  # engine: the sync Engine
         self.poll_s = poll_s  # how often WRITEs in flight are driven on (this node has no NIXL thread)
         self.min_write_bytes = min_write_bytes
         self.layer_slot_bytes = 2 * layout.bytes_per_slot  # one position's K and V of one layer
+        # Test gates (runtime/gates.py): a stream they name stops this process after its
+        # first WRITE, a writer frozen mid-window.
+        self.stops_mid_write = gates.stops_mid_write if gates is not None else None
+        self.device = layout.device if on_gpu(layout.device) else None
         self._streams: dict[str, LayerStream] = {}
         self._cond = threading.Condition()
         self._stop = False
@@ -153,6 +137,7 @@ class LayerSends:
         if not self._streams:
             return
         woke = False
+        written = None
         for request_id, begin, end in ranges:
             stream = self._streams.get(request_id)
             if stream is None or end <= begin:
@@ -166,8 +151,15 @@ class LayerSends:
                         stream.error = stream.error or f"no slots for positions {begin}:{end}: {err!r}"
                     continue
                 stream.slot_key = (begin, end)
+            if written is None and self.device is not None:
+                try:
+                    written = kv_stored(self.device)
+                except Exception as err:  # unsent is safe, unfinished bytes are not
+                    with self._cond:
+                        stream.error = stream.error or f"no CUDA event after layer {layer}: {err!r}"
+                    continue
             with self._cond:
-                stream.spans.append((layer, begin, end, stream.slots))
+                stream.spans.append(Span(layer, begin, end, stream.slots, written))
                 stream.pending += (end - begin) * self.layer_slot_bytes
                 span = stream.hooked[layer]
                 span[0] = begin if span[0] < 0 else min(span[0], begin)
@@ -179,6 +171,7 @@ class LayerSends:
 
     # ---- the sender thread -------------------------------------------------------------
     def _run(self) -> None:
+        bind_device(self.layout.device)  # this thread posts (and drives) the WRITEs
         while True:
             with self._cond:
                 if self._stop and not any(s.in_flight for s in self._streams.values()):
@@ -198,6 +191,20 @@ class LayerSends:
             if any(s.in_flight for s in streams):
                 with self._cond:
                     self._cond.wait(self.poll_s)
+            elif self.device is not None:
+                try:
+                    self._wait_device(streams)
+                except Exception:  # a failed event fails its stream in the next pass
+                    pass
+
+    def _wait_device(self, streams: list[LayerStream]) -> None:
+        """With no WRITE to drive, wait for the first span the device has not written yet:
+        nothing can be posted before it lands (the engine's stream runs them in order)."""
+        with self._cond:
+            pending = next((x.written for s in streams if s.error is None for x in s.spans
+                            if not x.landed), None)
+        if pending is not None:
+            pending.synchronize()  # this event alone: never the whole device
 
     def _has_work(self, s: LayerStream) -> bool:
         return s.error is not None or s.aimed and (s.finishing is not None or bool(self._ready(s.spans, False)[0]))
@@ -210,7 +217,11 @@ class LayerSends:
                 finishing = s.finishing if s.error is None else None
                 spans, s.spans = self._ready(s.spans, finishing is not None) if s.aimed and s.error is None \
                     else ([], s.spans)
-                s.pending = sum((end - begin) * self.layer_slot_bytes for _, begin, end, _ in s.spans)
+                if spans and self.device is not None:  # what the device has not written waits
+                    landed = [x.landed for x in spans]
+                    s.spans = [x for x, ok in zip(spans, landed) if not ok] + s.spans
+                    spans = [x for x, ok in zip(spans, landed) if ok]
+                s.pending = sum((x.end - x.begin) * self.layer_slot_bytes for x in s.spans)
             self._poll(s)
             if spans:
                 self._post_spans(s, spans)
@@ -249,17 +260,17 @@ class LayerSends:
             return spans, []
         size: dict[tuple[int, int], int] = {}
         last = set()
-        for layer, begin, end, _ in spans:
-            size[(begin, end)] = size.get((begin, end), 0) + (end - begin) * self.layer_slot_bytes
-            if layer + 1 == self.layout.num_layers:
-                last.add((begin, end))
+        for x in spans:
+            size[(x.begin, x.end)] = size.get((x.begin, x.end), 0) + (x.end - x.begin) * self.layer_slot_bytes
+            if x.layer + 1 == self.layout.num_layers:
+                last.add((x.begin, x.end))
         go = {k for k, n in size.items() if n >= self.min_write_bytes or k in last}
-        return [x for x in spans if (x[1], x[2]) in go], [x for x in spans if (x[1], x[2]) not in go]
+        return [x for x in spans if (x.begin, x.end) in go], [x for x in spans if (x.begin, x.end) not in go]
 
     def _post_spans(self, s: LayerStream, spans) -> None:
         groups: dict[tuple[int, int], tuple[list[int], np.ndarray]] = {}
-        for layer, begin, end, slots in spans:
-            groups.setdefault((begin, end), ([], slots))[0].append(layer)
+        for x in spans:
+            groups.setdefault((x.begin, x.end), ([], x.slots))[0].append(x.layer)
         for (begin, end), (layers, slots) in groups.items():
             lo, hi = max(begin, s.begin), min(end, s.end)
             if lo < hi:
@@ -286,6 +297,10 @@ class LayerSends:
         s.total_bytes += plan.total_bytes
         s.num_descriptors += plan.num_descriptors
         s.writes += 1
+        if s.writes == 1 and self.stops_mid_write is not None and self.stops_mid_write(s.request_id):
+            # As prefill/sending.py's whole-window write: this thread stops, and with it
+            # the process (SIGSTOP stops every thread), until a test sends SIGCONT.
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
     def _drain(self, s: LayerStream) -> None:
         """A failed or aborted stream: wait out its WRITEs (cancel them past the bound),

@@ -42,7 +42,6 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
 from engine import SamplingParams
 from kvtransfer.metadata import decode_append_metadata, validate_append_metadata
@@ -53,7 +52,8 @@ from prefill.config import PrefillConfig
 from prefill.layerwise import LayerSends, StreamFailed
 from prefill.peers import DecodePeer, DecodePeers
 from prefill.requests import OverlappedSend, PrefillLoad, RemoteSend, SendResult, Window
-from prefill.sending import Sending, delivered_of, landed, resolve, tell_no_write, write_window
+from prefill.sending import (Sending, delivered_of, landed, resolve, tell_no_write, write_window,
+                             writer_threads)
 from proto.tags import no_write_tag, notification_tag
 from runtime.errors import (NodeDraining, NodeOverloaded, PeerUnavailable, Refused,
                             RequestAborted, TimedOut)
@@ -78,14 +78,14 @@ class PrefillRole:
         self.gates = gates    # runtime.gates.Gates in fault tests, else None
         self.in_flight: dict[str, Sending] = {}
         self.draining = False
-        self._writers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-write")
+        self._writers = writer_threads(layout.device)
         self._early_windows: dict[str, tuple[float, object]] = {}
         # Sends that ended, most recent last: a window that comes for one of them is never
         # written, and its decode node hears so at once instead of after lease + grace.
         self._ended: OrderedDict[str, str | None] = OrderedDict()  # -> lease its write landed in
         self.spent = SpentLeases()
         # Layer-wise sends (prefill/layerwise.py) unless every window goes whole.
-        self.layers = None if config.kv_send == "whole" else LayerSends(agent, layout, engine.engine)
+        self.layers = None if config.kv_send == "whole" else LayerSends(agent, layout, engine.engine, gates)
         self.host_id = host_id()
         self.remote_sends_total = 0
         self.last_kv_window_begin = 0

@@ -7,10 +7,12 @@ import functools
 import logging
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvtransfer.agent import TransferError
 
+from prefill.device import bind_device
 from prefill.peers import DecodePeer
 from prefill.requests import Window
 from runtime.errors import PeerUnavailable
@@ -27,7 +29,14 @@ class Sending:
     window: asyncio.Future | None = None  # (Window, DecodePeer), while it may still come
     delivered: tuple[Window, DecodePeer] | None = None
     write: asyncio.Future | None = None  # the write, once it began
-    stream: object = None  # its prefill/layerwise.LayerStream, once aimed at the window
+    stream: object = None  # its prefill/layer_stream.LayerStream, once aimed at the window
+
+
+def writer_threads(device: str) -> ThreadPoolExecutor:
+    """The role's threads for whole-window writes and notices, with the pool's device
+    current (prefill/device.py)."""
+    return ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-write", initializer=bind_device,
+                              initargs=(device,))
 
 
 def resolve(future: asyncio.Future, delivery: object) -> None:

@@ -5,7 +5,7 @@ import warnings
 
 from proto import testing_pb2 as proto_dot_testing__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from ..triton_jit import kernel
+
 triton = None
-tl = None  # triton.language; bound by _load() so the kernels' globals see it
+tl = None  # triton.language; bound on first use (engine/triton_jit.py) so the kernels see it
 
 MAX_HEAD_DIM = 256
 
@@ -117,22 +119,8 @@ def _paged_attention_kernel(
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-_jitted: dict[tuple[str, bool], object] = {}
-
-
 def _load(name: str):
-    """The jitted kernel `name`, jitted anew if TRITON_INTERPRET changed since."""
-    global triton, tl
-    if triton is None:
-        import triton as _triton
-        import triton.language as _tl
-
-        triton, tl = _triton, _tl
-    interpret = triton.knobs.runtime.interpret
-    key = (name, bool(interpret))
-    if key not in _jitted:
-        _jitted[key] = triton.jit(globals()[name])
-    return _jitted[key]
+    return kernel(globals(), name)
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -155,10 +143,15 @@ def store_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
     )
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size: int, scale: float):
+def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size: int, scale: float,
+                    max_query_len: int | None = None):
     """Attention of q [T, H, D] over the paged cache: sequence b's queries are rows
     query_start_loc[b]:query_start_loc[b+1], the last positions of a context of
-    seq_lens[b] tokens (causal over them, full over the cached prefix)."""
+    seq_lens[b] tokens (causal over them, full over the cached prefix).
+
+    `max_query_len`, the most queries of any sequence, when the caller knows it: then
+    nothing here reads a tensor's values, so the call is CUDA-graph capturable and never
+    waits for the device (otherwise it is read from query_start_loc)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[1] != page_size:
@@ -174,7 +167,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     group = num_heads // num_kv_heads
     group_pad = _pow2_at_least(group)
-    max_new = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    max_new = max_query_len or int((query_start_loc[1:] - query_start_loc[:-1]).max())
     # tl.dot needs at least 16 rows; decodes fill them with the group's heads, prefills
     # take bigger query blocks to reuse each K/V tile more.
     rows = 16 if max_new == 1 else 64

@@ -1,5 +1,5 @@
-"""The decoder layer's small operations, each one call: residual add + RMS norm, rotary
-embedding + KV store, SiLU-and-multiply.
+"""The decoder layer's small operations (the interface of `layer_ops.TorchOps`) as C
+kernels, and `FusedOps.for_model`, which picks the implementation for a model's device.
 
 Why: SmolLM2-135M has 30 thin layers (hidden 576), so at decode batch sizes the layer's
 fixed costs, not its matmuls, decide speed. In plain torch one layer runs ~30 operations
@@ -7,30 +7,26 @@ besides its four matmuls (norms of five ops each, rotary slices and a cat, index
 arithmetic and two index_put for the KV store, SiLU, the multiply, residual adds), each
 with its dispatch and a temporary. `FusedOps` runs them as four calls of fused.c.
 
-`TorchOps` is the same interface in plain torch: any device and dtype, and what runs when
-the C kernels cannot (no compiler, PDSERVE_NO_C_KERNELS, not CPU, float16). Both follow
-transformers' numerics (float32 norms, rounding to the model dtype where transformers
-stores a tensor); the C path's sums of squares and exp may differ in the last bits.
-
-Interface (x, residual, out: [T, n]; qkv [T, (H + 2 Hkv) D]):
-- `add_rms_norm(x, residual, weight) -> (normed, residual)`: residual + x (x alone when
-  residual is None) normalised; the sum is the new residual (the C path writes it in place).
-- `rope_store(qkv, positions, q_norm, k_norm, k_cache, v_cache, slots) -> q [T, H, D]`:
-  rotary embedding of q and k (after the optional per-head norms), k and v written to
-  their slots.
-- `silu_mul(gate_up) -> [T, I]`.
+Which runs (`for_model`):
+- CPU, float32 or bfloat16: `FusedOps` (the C path writes the new residual in place; its
+  sums of squares and exp may differ from torch's in the last bits).
+- CUDA, bfloat16 or float16: `triton_fused.TritonOps`, one Triton kernel per operation,
+  capturable in CUDA graphs. Not float32: there torch's own ops are the exactness oracle
+  against transformers. PDSERVE_NO_TRITON_OPS=1 keeps torch's.
+- Otherwise (no compiler, PDSERVE_NO_C_KERNELS, float16 on CPU, other devices):
+  `TorchOps`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .. import native
-from .rope import RotaryTables, apply_rope
+from .layer_ops import TorchOps
 
 _SOURCE = Path(__file__).with_name("fused.c")
 _FLAGS = [*native.BASE_FLAGS, "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
@@ -44,39 +40,6 @@ for _s in _SUFFIX.values():
     _SIGNATURES[f"silu_mul_{_s}"] = [_ptr, _ptr, _i64, _i64, _int]
 
 
-class TorchOps:
-    def __init__(self, rope: RotaryTables, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
-        self.rope = rope
-        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-
-    def add_rms_norm(self, x, residual, weight):
-        residual = x if residual is None else residual + x
-        return self.rms_norm(residual, weight), residual
-
-    def rope_store(self, qkv, positions, q_norm, k_norm, k_cache, v_cache, slots, store_kv):
-        T = qkv.shape[0]
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q_size, kv_size = H * D, Hkv * D
-        cos, sin = self.rope.lookup(positions)
-        v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
-        if q_norm is not None:
-            q = apply_rope(self.rms_norm(qkv[:, :q_size].view(T, H, D), q_norm), cos, sin)
-            k = apply_rope(self.rms_norm(qkv[:, q_size : q_size + kv_size].view(T, Hkv, D), k_norm), cos, sin)
-        else:
-            # q and k heads side by side: one rope (elementwise, so the same numbers) for both.
-            qk = apply_rope(qkv[:, : q_size + kv_size].view(T, H + Hkv, D), cos, sin)
-            q, k = qk[:, :H], qk[:, H:]
-        store_kv(k_cache, v_cache, k, v, slots)
-        return q
-
-    def silu_mul(self, gate_up):
-        inter = gate_up.shape[1] // 2
-        return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-
-
 class FusedOps(TorchOps):
     """The C kernels of fused.c; `for_model` says whether they can run."""
 
@@ -87,7 +50,13 @@ class FusedOps(TorchOps):
 
     @staticmethod
     def for_model(dtype: torch.dtype, device: torch.device, rope, num_heads, num_kv_heads, head_dim, eps) -> TorchOps:
-        """FusedOps where the kernels run (CPU, float32 or bfloat16, built), else TorchOps."""
+        """FusedOps where the C kernels run (CPU, float32 or bfloat16, built), TritonOps on
+        CUDA in bfloat16 or float16, else TorchOps. Touches no device: it only chooses."""
+        if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim % 2 == 0
+                and head_dim <= 256 and not os.environ.get("PDSERVE_NO_TRITON_OPS")):
+            from .triton_fused import TritonOps  # imports no triton until a kernel first runs
+
+            return TritonOps(rope, num_heads, num_kv_heads, head_dim, eps)
         if device.type == "cpu" and dtype in _SUFFIX and head_dim % 2 == 0 and head_dim <= 1024:
             lib = native.load(_SOURCE, _FLAGS, _SIGNATURES)
             if lib is not None:

@@ -5,18 +5,25 @@ Rows are laid out decodes first (sorted by context length, so the torch path gro
 into tightly padded batches), then prefill chunks; the caller never sees this order: logits
 come back in the order of the sequences it passed. Only rows that will be sampled go
 through the LM head, and past the last layer's K/V write only they are computed.
+
+On a GPU the logits stay on the device (the sampler copies only the chosen ids back), the
+step's index tensors cross in one pinned copy, and a step of decodes alone replays a
+CUDA graph (`decode_graphs`) when the Triton backend runs.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..attention import torch_ops
+from .decode_graphs import DecodeGraphs, pinned_inputs
 from .llama import LlamaModel, StepAttention
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, page_size: int, attention_backend: str = "torch", device="cpu"):
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, page_size: int, attention_backend: str = "torch",
+                 device="cpu", max_batch: int = 0, max_model_len: int = 0, cuda_graphs: bool = True):
         self.model = model
         self.kv_cache = kv_cache
         self.page_size = page_size
@@ -28,12 +35,18 @@ class ModelRunner:
             self.ops = triton_ops
         else:
             self.ops = torch_ops
+        self.on_gpu = self.device.type == "cuda"
+        self.graphs = None
+        if self.on_gpu and cuda_graphs and attention_backend == "triton" and max_batch > 0:
+            self.graphs = DecodeGraphs(model, kv_cache, page_size, max_batch, max_model_len)
 
     @torch.inference_mode()
     def run(self, seqs, num_new: list[int], wants_logits: list[bool], layer_hook=None) -> torch.Tensor:
         """Compute KV for positions [num_computed, num_computed + num_new) of each sequence
         (pages must already cover them); logits [S, V] of the last new position of each
         sequence with wants_logits, in the order given."""
+        if self.on_gpu and self.backend == "triton":
+            return self._run_gpu(seqs, num_new, wants_logits, layer_hook)
         ps = self.page_size
         order = sorted(range(len(seqs)), key=lambda j: (num_new[j] != 1, seqs[j].num_computed + num_new[j]))
         input_ids, positions, slots = [], [], []
@@ -68,7 +81,64 @@ class ModelRunner:
         if not kept:
             return torch.empty(0, self.model.vocab_size)
         picked = hidden if step.keep is not None else hidden.index_select(0, rows)
-        return self.model.logits(picked).to("cpu")
+        return self.model.logits(picked)
+
+    def _run_gpu(self, seqs, num_new, wants_logits, layer_hook) -> torch.Tensor:
+        decodes_only = layer_hook is None and all(n == 1 for n in num_new) and all(wants_logits)
+        if self.graphs is not None and decodes_only and len(seqs) <= self.graphs.max_batch:
+            return self.graphs.run(seqs)
+        ps, total = self.page_size, sum(num_new)
+        ids, positions, slots = (np.empty(total, dtype=np.int64) for _ in range(3))
+        query_lens, seq_lens, page_lists, last_row = [], [], [], []
+        at = 0
+        for seq, n in zip(seqs, num_new):
+            begin, end = seq.num_computed, seq.num_computed + n
+            pos = np.arange(begin, end)
+            pages = np.asarray(seq.pages[:-(-end // ps)], dtype=np.int64)
+            ids[at:at + n] = seq.token_ids[begin:end]
+            positions[at:at + n] = pos
+            slots[at:at + n] = pages[pos // ps] * ps + pos % ps
+            query_lens.append(n)
+            seq_lens.append(end)
+            page_lists.append(pages)
+            at += n
+            last_row.append(at - 1)
+        kept = [j for j in range(len(seqs)) if wants_logits[j]]
+        rows = np.asarray([last_row[j] for j in kept], dtype=np.int64)
+        attention = self._attention_inputs(query_lens, seq_lens, page_lists)
+        kept_attention = self._attention_inputs(
+            [1] * len(kept), [seq_lens[j] for j in kept], [page_lists[j] for j in kept]) if kept else []
+        ids_t, pos_t, slot_t, rows_t, *dev = pinned_inputs(
+            [ids, positions, slots, rows, *attention, *kept_attention], self.device)
+        step = StepAttention(slot_t, self.ops.store_kv, self._device_attend(dev[:3], max(query_lens)))
+        if layer_hook is not None:
+            step.layer_hook = layer_hook
+        if len(kept) < total:
+            step.keep = rows_t
+            if kept:
+                step.attend_kept = self._device_attend(dev[3:], 1)
+        hidden = self.model.forward(ids_t, pos_t, self.kv_cache, step)
+        if not kept:
+            return torch.empty(0, self.model.vocab_size, device=self.device)
+        return self.model.logits(hidden if step.keep is not None else hidden.index_select(0, rows_t))
+
+    def _attention_inputs(self, query_lens, seq_lens, page_lists) -> list[np.ndarray]:
+        """Block tables, query start offsets and context lengths, as host arrays."""
+        ps = self.page_size
+        width = max(-(-n // ps) for n in seq_lens)
+        tables = np.zeros((len(seq_lens), width), dtype=np.int64)
+        for b, (pages, n) in enumerate(zip(page_lists, seq_lens)):
+            used = -(-n // ps)
+            tables[b, :used] = pages[:used]
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=starts[1:])
+        return [tables, starts, np.asarray(seq_lens, dtype=np.int64)]
+
+    def _device_attend(self, tensors, max_query_len: int):
+        tables, starts, lens = tensors
+        ps = self.page_size
+        return lambda q, k_cache, v_cache, scale: self.ops.paged_attention(
+            q, k_cache, v_cache, tables, starts, lens, ps, scale, max_query_len=max_query_len)
 
     def _attend_fn(self, query_lens, seq_lens, page_lists):
         ps = self.page_size

@@ -12,7 +12,7 @@ from pathlib import Path
 from engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION
 from pdserve.client import AsyncClient
 from pdserve.procs import NodeProcess
-from pdserve.up import kv_share
+from pdserve.up import UpConfig, kv_share, node_args
 from tests.cluster.nodes import run
 
 IDLE_WINDOW_S = 3.0
@@ -71,6 +71,43 @@ def test_up_leaves_a_kv_size_the_user_gave_to_both_workers():
     assert kv_share("decode", []) == ["--kv-cache-memory-fraction", "0.1667"]
 
 
+def _device_args(monkeypatch, found: str, **config) -> dict[str, list[str]]:
+    """Each child's command line, with `found` as the device this machine would default to."""
+    import pdserve.up
+
+    monkeypatch.setattr(pdserve.up, "default_device", lambda: found)
+    args = node_args(UpConfig(model="m", **config), 1001, 1002, 1003, ["--cluster-key-file", "k"], [])
+    return {role: [a for a in argv if a.startswith("--device") or a.startswith("cuda")
+                   or a == "cpu"] for role, argv in args.items()}
+
+
+def test_up_gives_both_workers_the_device_asked_for_and_the_router_none(monkeypatch):
+    assert _device_args(monkeypatch, "cuda", device="cpu") == \
+        {"prefill": ["--device", "cpu"], "decode": ["--device", "cpu"], "router": []}
+    assert _device_args(monkeypatch, "cpu", device="cuda:1")["decode"] == ["--device", "cuda:1"]
+
+
+def test_up_defaults_the_workers_to_the_device_found_here(monkeypatch):
+    assert _device_args(monkeypatch, "cuda")["prefill"] == ["--device", "cuda"]
+    assert _device_args(monkeypatch, "cpu")["decode"] == ["--device", "cpu"]
+    # a --device among the flags after `--` is the workers' own: up adds none
+    assert _device_args(monkeypatch, "cuda", extra=["--", "--device=cuda:2"])["prefill"] == ["--device=cuda:2"]
+
+
+def test_up_finds_the_device_torch_would_use_without_importing_it_on_a_machine_with_no_gpu():
+    import subprocess
+    import sys
+
+    probe = "import sys; from pdserve.up import default_device; print(default_device(), 'torch' in sys.modules)"
+    found, imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                     check=True, cwd=Path(__file__).resolve().parents[2]).stdout.split()
+    import torch
+
+    assert found == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not Path("/dev/nvidia0").exists():
+        assert imported == "False", "up imported torch to learn there is no GPU"
+
+
 
 def test_up_keys_its_nodes_with_a_fresh_private_cluster_key_removed_at_exit(tiny_model, tmp_path):
     import grpc
@@ -80,8 +117,8 @@ def test_up_keys_its_nodes_with_a_fresh_private_cluster_key_removed_at_exit(tiny
     from runtime.server import channel
 
     (tmp_path / "api.key").write_text("sk-up-test\n")
-    node = NodeProcess(["up", "--model", tiny_model, "--port", "0", "--api-key-file",
-                        str(tmp_path / "api.key")], log=tmp_path / "up.log")
+    node = NodeProcess(["up", "--model", tiny_model, "--port", "0", "--device", "cpu",
+                        "--api-key-file", str(tmp_path / "api.key")], log=tmp_path / "up.log")
     try:
         node.wait_ready()
         commands = [Path(f"/proc/{pid}/cmdline").read_text().split("\0")
@@ -101,6 +138,7 @@ def test_up_keys_its_nodes_with_a_fresh_private_cluster_key_removed_at_exit(tiny
         secret_files = [*key_files, api_files["router"]]
         assert all(Path(p).stat().st_mode & 0o777 == 0o600 for p in secret_files)
         assert not any("sk-up-test" in a for args in nodes.values() for a in args)
+        assert [value(role, "--device") for role in ("prefill", "decode", "router")] == ["cpu", "cpu", None]
 
         async def go():
             async with AsyncClient(node.address, api_key="sk-up-test") as client:

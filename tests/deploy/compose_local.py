@@ -98,11 +98,15 @@ def dockerfile_instruction(name: str) -> str:
 
 
 def image_environment(until: int | None = None) -> dict[str, str]:
-    """The `PDSERVE_*` variables the image's ENV instructions set (those before step
+    """The `PDSERVE_*` variables the CPU image's ENV instructions set (those before step
     `until` of dockerfile_steps(), or all)."""
     env = {}
+    stage = ""
     for instruction, text in dockerfile_steps()[:until]:
-        if instruction == "ENV":
+        if instruction == "FROM":
+            stage = text.split()[-1]
+        # The image built here is the CPU variant: the CUDA base stage's ENV is not in it.
+        if instruction == "ENV" and stage != "base-cuda":
             pairs = [word.split("=", 1) for word in shlex.split(text)]
             assert all(len(p) == 2 for p in pairs), f"ENV without KEY=VALUE: {text}"
             env.update((k, v) for k, v in pairs if k.startswith("PDSERVE_"))

@@ -10,11 +10,14 @@ phase is reached without waiting for time: tests/prefill/world.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
 import torch
 
+import prefill.layerwise
+import prefill.sending
 from prefill.requests import OverlappedSend, RemoteSend
 from proto.tags import notification_tag
 from runtime.errors import PeerUnavailable, RequestAborted
@@ -186,5 +189,71 @@ def test_every_send_of_a_role_streams_its_layers_once(nodes):
             assert tags(nodes.d_agent) == [("layers-agent", notification_tag(key, LEASE))]
             await nodes.unreserve(key)
         assert await engine.run(lambda e: e.layer_hook) == role.layers.hook
+
+    asyncio.run(go())
+
+
+class FakeCudaEvent:
+    """A CUDA event the test completes by hand: `query` and `synchronize` as torch's."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.waited = threading.Event()  # someone blocked in synchronize()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.waited.set()
+        self.done.wait(WAIT_S)
+
+
+def test_on_a_gpu_a_layer_is_written_only_once_its_cuda_event_has_completed(nodes, monkeypatch):
+    """The pool's layout says cuda: the hook records an event per layer and step (here a
+    stand-in), and the sender posts no span whose event is not complete: the first chunk
+    goes out once its layers' events are done, the rest waits for theirs."""
+    events: list[FakeCudaEvent] = []
+
+    def stored(device):
+        assert threading.current_thread().name != "kv-layers", "not on the engine's thread"
+        events.append(FakeCudaEvent())
+        return events[-1]
+
+    monkeypatch.setattr(prefill.layerwise, "kv_stored", stored)
+    for module in (prefill.layerwise, prefill.sending):  # no CUDA here: the threads bind nothing
+        monkeypatch.setattr(module, "bind_device", lambda device: None)
+
+    async def go():
+        await fill_pools(nodes)
+        (watch, agent, layout), engine = chunked(nodes, "layers-agent")
+        gpu_layout = dataclasses.replace(layout, device="cuda:0")
+        role = nodes.role(node=(watch, agent, gpu_layout), kv_send="layerwise")
+        expected = await generate_tokens(nodes.engine(), "local", PROMPT)
+        res = await nodes.reserve("g")
+        assert res.prefix_matched_length == 0
+        before = await kv_of(nodes.decode)
+        watch.resume["g"] = asyncio.Event()  # hold the role at the prefill's end: pages pinned
+        send = asyncio.ensure_future(role.remote_send(RemoteSend("g", PROMPT, END, nodes.window(res))))
+        await within(watch.event("g").wait())  # every chunk computed, no event complete
+        layers = gpu_layout.num_layers
+        assert len(events) == layers * 4  # one per layer of each of the four chunks
+        assert await asyncio.to_thread(events[0].waited.wait, WAIT_S), "the sender did not wait on the device"
+        assert agent.writes == [], "a layer was written before its K/V store ran"
+        for event in events[:layers]:  # the first chunk's layers are stored
+            event.done.set()
+        assert await asyncio.to_thread(wait_writes, agent)
+        assert agent.writes[0].num_bytes == CHUNK * gpu_layout.bytes_per_token  # that chunk alone
+        assert await asyncio.to_thread(events[layers].waited.wait, WAIT_S)
+        assert len(agent.writes) == 1
+        for event in events[layers:]:
+            event.done.set()
+        src = await engine.run(lambda e: e.slots_of("g"))
+        sent = at_slots(await kv_of(engine), src[:END], P_PAGE)
+        watch.resume["g"].set()
+        result = await within(send)
+        assert result.num_bytes == sum(w.num_bytes for w in agent.writes) == sent.numel() * sent.element_size()
+        assert torch.equal(await kv_of(nodes.decode), with_slots(before, res.slots, D_PAGE, sent))
+        assert tags(nodes.d_agent) == [("layers-agent", notification_tag("g", LEASE))]
+        assert await started_tokens(nodes.decode, "g") == expected
 
     asyncio.run(go())

@@ -26,3 +26,28 @@ def test_generated_modules_import_as_package_proto():
     assert pdserve_pb2.DESCRIPTOR.package == "pdserve.v1"
     assert hasattr(pdserve_pb2_grpc, "WorkerStub")
     assert hasattr(pdserve_pb2_grpc, "GenerationStub")
+
+
+def test_declared_lower_bounds_are_what_the_stubs_check():
+    """The stubs refuse to import under an older grpcio or protobuf than generated them:
+    pyproject's lower bounds must not promise less (a GPU image with grpcio 1.84 once
+    failed on stubs from 1.85)."""
+    import re
+    import tomllib
+
+    from proto import pdserve_pb2, pdserve_pb2_grpc
+
+    deps = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    bounds = dict(re.fullmatch(r"([a-z-]+)>=([\d.]+)", d).groups() for d in deps if ">=" in d)
+    grpc_needs = pdserve_pb2_grpc.GRPC_GENERATED_VERSION
+    proto_needs = re.search(r"# Protobuf Python Version: ([\d.]+)",
+                            (PROTO_DIR / "pdserve_pb2.py").read_text()).group(1)
+
+    def at_least(bound: str, needed: str) -> bool:
+        def parts(v):
+            return tuple(map(int, (v + ".0.0").split(".")[:3]))
+        return parts(bound) >= parts(needed)
+
+    assert at_least(bounds["grpcio"], grpc_needs), (bounds["grpcio"], grpc_needs)
+    assert at_least(bounds["protobuf"], proto_needs), (bounds["protobuf"], proto_needs)
+    assert pdserve_pb2.DESCRIPTOR.package == "pdserve.v1"

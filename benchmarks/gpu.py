@@ -1,0 +1,180 @@
+"""`pdserve bench gpu` (`make gpu-check`): the whole GPU check in one run, sized for one
+H200 and a few minutes, model creation included. It writes one JSON file.
+
+Stages, each in its own child process with a time limit, so one failing or hanging
+stage still leaves the others' figures:
+- engine: a random "1B-class" Llama in bfloat16 (16 layers, hidden 2048, 32/8 heads,
+  intermediate 8192, vocab 49152). Decode steps at batch 1, 64 and 256 (prompts of 128
+  tokens; each step timed whole with `Engine.step()`: scheduling, inputs, the forward,
+  sampling and detokenizing), each beside the memory-bandwidth limit of that step (the
+  bf16 weights plus the batch's KV read once, at the datasheet's 4.8 TB/s and at the
+  device-to-device copy rate measured here); the graph replay alone, timed with CUDA
+  events; then 64 prompts of 512 tokens, 256 new tokens each, against transformers'
+  `generate` on the same prompts in the same run (the baseline, `--hf-new-tokens` new
+  tokens each, since its tokens per second hardly move with the length).
+- parity: SmolLM2's geometry (30 layers, hidden 576, 9/3 heads) with random weights in
+  float32; six prompts of 7 to 1030 tokens, 32 greedy tokens each, against transformers'
+  greedy `generate` on the same device, with the Triton backend (and its CUDA graphs)
+  and the torch backend.
+- kernels: the tests that need CUDA (Triton kernels compiled for the GPU, graphs against
+  eager steps), by pytest.
+- cluster: router + prefill + decode processes with their KV pools in GPU memory,
+  moving KV over NIXL (benchmarks/gpu_cluster.py): exactness, time to first token,
+  faults.
+`--device cpu --quick` runs the same code on tiny models on a CPU (the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks import gpu_engine
+from benchmarks.gpu_models import FIRST_ID, SMOLLM2_GEOMETRY, TINY, checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def stage_parity(device: str, workdir: Path, quick: bool) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM, SamplingParams
+
+    model_dir = checkpoint(workdir, "tiny" if quick else "smollm2-geometry", TINY if quick else SMOLLM2_GEOMETRY)
+    rng = random.Random(1)
+    lengths = (7, 33, 100) if quick else (7, 64, 200, 511, 777, 1030)
+    new = 6 if quick else 32
+    vocab = (TINY if quick else SMOLLM2_GEOMETRY)["vocab_size"]
+    prompts = [[rng.randrange(FIRST_ID, vocab) for _ in range(n)] for n in lengths]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    want = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                              min_new_tokens=new, pad_token_id=0)
+            want.append(gen[0, len(p):].tolist())
+    del hf
+    out = {"model": model_dir, "prompt_lens": list(lengths), "new_tokens": new, "backends": {}}
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for backend in ("triton", "torch"):
+        if quick and backend == "triton" and device == "cpu":
+            continue  # the interpreter is too slow for 30 layers; tests/engine covers it
+        llm = LLM(model_dir, dtype="float32", device=device, attention_backend=backend, enable_prefix_cache=False)
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        engine = llm.engine
+        out["backends"][backend] = {
+            "identical": sum(g == w for g, w in zip(got, want)), "of": len(prompts),
+            "graphs": engine.runner.graphs is not None,
+            "pool_full_after": engine.num_free_pages() == engine.num_total_pages(),
+            "first_mismatch": next(({"prompt_len": len(p), "got": g, "want": w}
+                                    for p, g, w in zip(prompts, got, want) if g != w), None)}
+        del llm, engine
+    out["ok"] = all(b["identical"] == b["of"] and b["pool_full_after"] for b in out["backends"].values())
+    return out
+
+
+def stage_kernels(device: str, workdir: Path, quick: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.pop("TRITON_INTERPRET", None)
+    files = ["tests/engine/test_gpu_kernels.py", "tests/engine/test_triton_fused.py"]
+    files = [f for f in files if (ROOT / f).exists()]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda or gpu", *files]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    return {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "summary": tail[-1] if tail else "",
+            "tail": tail, "ok": proc.returncode == 0}
+
+
+def stage_cluster(device: str, workdir: Path, quick: bool) -> dict:
+    from benchmarks import gpu_cluster
+
+    big = None if quick else checkpoint(workdir, "llama-1b", gpu_engine.ONE_B)
+    return gpu_cluster.run(device, workdir, workdir / "logs", quick=quick, ttft_model=big)
+
+
+STAGES = {"engine": gpu_engine.stage_engine, "parity": stage_parity, "kernels": stage_kernels, "cluster": stage_cluster}
+LIMITS_S = {"engine": 150, "parity": 90, "kernels": 150, "cluster": 180}
+
+
+def _child(name: str, args, conn) -> None:
+    try:
+        fn = STAGES[name]
+        extra = (args.hf_new_tokens,) if name == "engine" else ()
+        conn.send({"ok": True, **fn(args.device, Path(args.workdir), args.quick, *extra)})
+    except BaseException as err:  # the parent records it and goes on with the next stage
+        conn.send({"ok": False, "error": repr(err), "traceback": traceback.format_exc()[-4000:]})
+
+
+def run_stage(name: str, args) -> dict:
+    ctx = mp.get_context("spawn")  # CUDA does not survive fork
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(name, args, child))
+    start = time.perf_counter()
+    proc.start()
+    limit = args.stage_limit_s or LIMITS_S[name]
+    result = parent.recv() if parent.poll(limit) else {"ok": False, "error": f"timed out after {limit} s"}
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+    result.setdefault("ok", False)
+    result["wall_s"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu with --quick (default cuda)")
+    p.add_argument("--quick", action="store_true", help="tiny models and sizes: a smoke test of this script")
+    p.add_argument("--stages", default="engine,parity,kernels,cluster", help="comma-separated subset, in order")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_check.json"), help="JSON file")
+    p.add_argument("--workdir", default="/tmp/pdserve-gpu-check", help="checkpoints and logs")
+    p.add_argument("--hf-new-tokens", type=int, default=64,
+                   help="new tokens per prompt of the transformers baseline (default 64)")
+    p.add_argument("--stage-limit-s", type=float, default=None, help="time limit of each stage")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    report = {"command": "pdserve bench gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "stages": {}}
+    for name in args.stages.split(","):
+        print(f"[gpu-check] {name} ...", file=sys.stderr, flush=True)
+        report["stages"][name] = run_stage(name, args)
+        print(f"[gpu-check] {name}: ok={report['stages'][name]['ok']} in {report['stages'][name]['wall_s']} s",
+              file=sys.stderr, flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    report["ok"] = all(s["ok"] for s in report["stages"].values())
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(summary(report), indent=1))
+    return 0 if report["ok"] else 1
+
+
+def summary(report: dict) -> dict:
+    """The figures worth a glance; the file has the rest."""
+    out = {name: s.get("ok") for name, s in report["stages"].items()}
+    eng = report["stages"].get("engine", {})
+    for r in eng.get("decode_steps", []):
+        out[f"step_b{r['batch']}_ms"] = (r["median_ms"], r.get("graph_replay_ms"), r.get("limit_ms_datasheet"))
+    if "throughput" in eng:
+        out["tok_s"] = (eng["throughput"]["tokens_per_s"], eng.get("transformers", {}).get("tokens_per_s"))
+    for name, s in report["stages"].items():
+        if not s.get("ok"):
+            out[f"{name}_error"] = (s.get("error") or s.get("summary") or "")[:300]
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

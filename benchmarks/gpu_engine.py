@@ -1,0 +1,185 @@
+"""The engine stage of `pdserve bench gpu` (benchmarks/gpu.py says what it measures):
+decode steps beside the memory-bandwidth limit, and throughput against transformers'
+`generate` measured in the same run."""
+
+from __future__ import annotations
+
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.gpu_models import FIRST_ID, ONE_B, TINY, checkpoint
+
+DATASHEET_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float | None:
+    """Device-to-device copy rate (bytes read + written per second) of a 2 GiB buffer."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return None
+    x = torch.empty(1 << 30, dtype=torch.int16, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    end.synchronize()
+    rate = 10 * 2 * x.numel() * 2 / (start.elapsed_time(end) / 1e3)
+    del x, y
+    torch.cuda.empty_cache()
+    return rate
+
+
+def weight_bytes(engine) -> int:
+    """Bytes a decode step reads of the weights: every linear layer, the norms, the LM head."""
+    m = engine.model
+    size = engine.kv_cache.element_size()  # the model's dtype
+    total = (m.lm_head.in_features * m.lm_head.out_features + m.norm.numel()) * size
+    for layer in m.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            total += lin.in_features * lin.out_features * size
+        total += (layer.input_norm.numel() + layer.post_norm.numel()) * size
+    return total
+
+
+def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng: random.Random, device: str) -> dict:
+    """Median wall time of `steps` decode steps of `batch` sequences, all decoding."""
+    from engine import SamplingParams
+
+    vocab = engine.vocab_size
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    ids = [f"step{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, [rng.randrange(FIRST_ID, vocab) for _ in range(prompt_len)], params)
+    while any(not s.output_token_ids for r in engine.requests.values() for s in r.seqs):
+        engine.step()
+    times, scheduled = [], []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        engine.step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        scheduled.append(engine.last_step_scheduled)
+    for rid in ids:
+        engine.abort(rid)
+    m = engine.model
+    kv_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * engine.kv_cache.element_size()
+    context = prompt_len + 1 + steps / 2  # mean context of the measured steps
+    step_bytes = weight_bytes(engine) + batch * context * kv_per_token
+    return {"batch": batch, "prompt_len": prompt_len, "steps": steps,
+            "all_steps_full": all(n == batch for n in scheduled),
+            "median_ms": round(1e3 * statistics.median(times), 3),
+            "p90_ms": round(1e3 * sorted(times)[int(0.9 * (len(times) - 1))], 3),
+            "bytes_read_per_step": int(step_bytes)}
+
+
+class GraphTimer:
+    """GPU time of each decode step's input copy and graph replay, by CUDA events around
+    `DecodeGraphs.run` (the host's share of a step is its wall time less this)."""
+
+    def __init__(self, engine):
+        import torch
+
+        self.graphs = engine.runner.graphs
+        self.pairs: list = []
+        run = self.graphs.run
+
+        def timed(seqs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = run(seqs)
+            end.record()
+            self.pairs.append((start, end))
+            return out
+
+        self.graphs.run = timed
+
+    def take_median_ms(self) -> float | None:
+        times = [s.elapsed_time(e) for s, e in self.pairs]
+        self.pairs = []
+        return round(statistics.median(times), 3) if times else None
+
+
+def stage_engine(device: str, workdir: Path, quick: bool, hf_new_tokens: int) -> dict:
+    import torch
+
+    from engine import LLM, SamplingParams
+
+    model_dir = checkpoint(workdir, "tiny" if quick else "llama-1b", TINY if quick else ONE_B)
+    dtype = "float32" if quick and device == "cpu" else "bfloat16"
+    batches, prompt_len, steps = ((1, 4, 8), 16, 4) if quick else ((1, 64, 256), 128, 64)
+    n_prompts, in_len, out_len = (8, 32, 8) if quick else (64, 512, 256)
+    rate = copy_bandwidth(device)
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor()
+    datasheet = next((v for k, v in DATASHEET_BYTES_PER_S.items() if k in name), None)
+    start = time.perf_counter()
+    llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=max(batches), enable_prefix_cache=False)
+    engine = llm.engine
+    out = {"device_name": name, "dtype": dtype, "model": model_dir, "geometry": TINY if quick else ONE_B,
+           "engine_start_s": round(time.perf_counter() - start, 2), "copy_bytes_per_s": rate,
+           "datasheet_bytes_per_s": datasheet, "decode_steps": []}
+    rng = random.Random(0)
+    decode_steps(engine, batches[0], prompt_len, 2, rng, device)  # warm-up
+    timer = GraphTimer(engine) if engine.runner.graphs is not None else None
+    for b in batches:
+        print(f"[gpu-check] engine: decode steps at batch {b}", file=sys.stderr, flush=True)
+        if timer:
+            timer.take_median_ms()
+        r = decode_steps(engine, b, prompt_len, steps, rng, device)
+        r["graph_replay_ms"] = timer.take_median_ms() if timer else None
+        for label, bw in (("limit_ms_datasheet", datasheet), ("limit_ms_measured_copy", rate)):
+            r[label] = round(1e3 * r["bytes_read_per_step"] / bw, 3) if bw else None
+        out["decode_steps"].append(r)
+    prompts = [[rng.randrange(FIRST_ID, engine.vocab_size) for _ in range(in_len)] for _ in range(n_prompts)]
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    print(f"[gpu-check] engine: throughput, {n_prompts} x {in_len} -> {out_len}", file=sys.stderr, flush=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    _sync(device)
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(r.outputs[0].token_ids) for r in results)
+    out["throughput"] = {"prompts": n_prompts, "prompt_len": in_len, "new_tokens": out_len, "seconds": round(elapsed, 3),
+                         "generated_tokens": generated, "tokens_per_s": round(generated / elapsed, 1)}
+    del llm, engine
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    out["transformers"] = transformers_baseline(model_dir, dtype, device, prompts, hf_new_tokens if not quick else 4)
+    out["throughput"]["over_transformers"] = round(
+        out["throughput"]["tokens_per_s"] / out["transformers"]["tokens_per_s"], 2)
+    return out
+
+
+def transformers_baseline(model_dir: str, dtype: str, device: str, prompts, new_tokens: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:2], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        _sync(device)
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        _sync(device)
+    elapsed = time.perf_counter() - start
+    return {"prompts": len(prompts), "new_tokens": new_tokens, "seconds": round(elapsed, 3),
+            "tokens_per_s": round(len(prompts) * new_tokens / elapsed, 1)}

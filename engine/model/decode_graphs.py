@@ -1,0 +1,171 @@
+"""Decode steps replayed as CUDA graphs, one graph per batch-size bucket.
+
+Why: a decode step of a 16-layer model is ~150 kernels of a few microseconds each; launched
+one by one from Python the host, not the GPU, sets the pace. Captured once, a step is
+one replay (as vLLM and nano-vllm do).
+
+How: every graph reads its inputs from one device buffer at fixed addresses and writes its
+logits into a tensor of its own. A step fills a pinned host buffer with the batch's
+token ids, positions, slots, context lengths and block tables, copies it to the device in
+one transfer and replays the graph of the smallest bucket that holds the batch. Rows past
+the batch are padding: slot -1 (the KV store skips it), context length 1, page 0.
+
+Invariants:
+- Nothing a graph runs reads a tensor's values on the host (attention is given
+  `max_query_len=1`), so capture never synchronises and a replay never waits.
+- Graphs are captured at construction, on the engine's thread, before any other thread
+  uses the device (`capture_error_mode="thread_local"` all the same), and share one
+  memory pool: they replay one at a time.
+- The host buffer is rewritten only after the previous step's logits were read (the
+  sampler copies the chosen ids to the host every step), so no copy is in flight then.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..attention import triton_ops
+from .llama import LlamaModel, StepAttention
+
+# Batch sizes with a graph: small ones exactly, then every 16 (a batch of 17 runs the
+# graph of 32, so at most 15 padding rows).
+_SMALL = (1, 2, 4, 8)
+_STRIDE = 16
+_FIELDS = 4  # token id, position, slot, context length; then the block table row
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    sizes = [b for b in _SMALL if b < max_batch]
+    sizes += list(range(_STRIDE, max_batch, _STRIDE))
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, page_size: int, max_batch: int,
+                 max_model_len: int, capture: bool = True):
+        """`capture=False` runs the same static-buffer forward eagerly, without graphs: the
+        tests check the buffers' layout and padding that way on a CPU."""
+        self.model, self.kv_cache, self.page_size = model, kv_cache, page_size
+        self.device = kv_cache.device
+        self.width = -(-max_model_len // page_size)  # block table entries per row
+        self.sizes = bucket_sizes(max_batch)
+        self.max_batch = max_batch
+        n = max_batch * (_FIELDS + self.width)
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.host_np = self.host.numpy()
+        self.inputs = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._rows: list = []  # per row of the host buffer: (pages list, entries) it holds
+        self._rows_bucket = 0
+        self.captured = capture
+        if capture:
+            self._capture()
+
+    def _views(self, b: int):
+        """(ids, positions, slots, seq_lens, block_tables) of the bucket of size b."""
+        x = self.inputs
+        ids, pos, slots, lens = (x[i * b:(i + 1) * b] for i in range(_FIELDS))
+        return ids, pos, slots, lens, x[_FIELDS * b:(_FIELDS + self.width) * b].view(b, self.width)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        ids, pos, slots, lens, tables = self._views(b)
+        ps, qsl = self.page_size, self.query_start[:b + 1]
+
+        def attend(q, k_cache, v_cache, scale):
+            return triton_ops.paged_attention(q, k_cache, v_cache, tables, qsl, lens, ps, scale, max_query_len=1)
+
+        step = StepAttention(slots, triton_ops.store_kv, attend)
+        return self.model.logits(self.model.forward(ids, pos, self.kv_cache, step))
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.sizes):  # largest first: the pool is sized once
+            self._rows_bucket = 0  # the padding below overwrites table rows
+            self._fill_padding(0, b)
+            self._copy(b)
+            self._forward(b)  # compiles the Triton kernels outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                logits = self._forward(b)
+            self.graphs[b] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest captured batch size >= n (None: no graph holds n rows)."""
+        for b in self.sizes:
+            if b >= n:
+                return b
+        return None
+
+    def _fill_padding(self, start: int, b: int) -> None:
+        h = self.host_np
+        h[start:b] = 0  # token id
+        h[b + start:2 * b] = 0  # position
+        h[2 * b + start:3 * b] = -1  # slot: nothing stored
+        h[3 * b + start:4 * b] = 1  # context: one position, page 0 offset 0
+        h[4 * b + start * self.width:4 * b + b * self.width:self.width] = 0
+
+    def _copy(self, b: int) -> None:
+        n = b * (_FIELDS + self.width)
+        self.inputs[:n].copy_(self.host[:n], non_blocking=True)
+
+    def run(self, seqs) -> torch.Tensor:
+        """Logits [len(seqs), V] (float32, on the device) of one decode step: each sequence's
+        position num_computed, whose page is already allocated."""
+        n = len(seqs)
+        b = self.bucket(n)
+        h, ps, w = self.host_np, self.page_size, self.width
+        if b != self._rows_bucket:
+            self._rows, self._rows_bucket = [None] * b, b
+        rows, base = self._rows, _FIELDS * b
+        ids, positions, slots = [], [], []
+        for i, seq in enumerate(seqs):
+            p = seq.num_computed
+            pages = seq.pages
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(pages[p // ps] * ps + p % ps)
+            used = p // ps + 1
+            # A row's table changes only when its sequence gains a page (every page_size
+            # steps) or another sequence takes the row: rewrite it only then. Pages lists
+            # are only ever extended; a preempted sequence gets a new list.
+            row = rows[i]
+            if row is None or row[0] is not pages or row[1] != used:
+                h[base + i * w:base + i * w + used] = pages[:used]
+                rows[i] = (pages, used)
+        h[0:n] = ids
+        h[b:b + n] = positions
+        h[2 * b:2 * b + n] = slots
+        h[3 * b:3 * b + n] = positions
+        h[3 * b:3 * b + n] += 1  # context length: the position's own token included
+        if n < b:
+            self._fill_padding(n, b)
+            rows[n:b] = [None] * (b - n)
+        self._copy(b)
+        if not self.captured:
+            return self._forward(b)[:n]
+        graph, logits = self.graphs[b]
+        graph.replay()
+        return logits[:n]
+
+
+def pinned_inputs(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 device tensors of `arrays`, moved in one copy through pinned memory (one
+    transfer instead of one synchronous copy from pageable memory per array)."""
+    sizes = [a.size for a in arrays]
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    at = 0
+    for a, n in zip(arrays, sizes):
+        flat[at:at + n] = a.reshape(-1)
+        at += n
+    dev = host.to(device, non_blocking=True)
+    out, at = [], 0
+    for a, n in zip(arrays, sizes):
+        out.append(dev[at:at + n].view(a.shape))
+        at += n
+    return out

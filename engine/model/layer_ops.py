@@ -1,0 +1,56 @@
+"""The decoder layer's small operations, each one call, in plain torch (`TorchOps`): the
+interface that the C kernels (`fused.FusedOps`, CPU) and the Triton kernels
+(`triton_fused.TritonOps`, CUDA) implement; `FusedOps.for_model` picks one.
+
+TorchOps runs on any device and dtype and follows transformers' numerics: float32 norms,
+rounding to the model dtype wherever transformers stores a tensor. It is the reference
+the other two are tested against.
+
+Interface (x, residual: [T, n]; qkv [T, (H + 2 Hkv) D]):
+- `add_rms_norm(x, residual, weight) -> (normed, residual)`: residual + x (x alone when
+  residual is None) normalised; the sum is the new residual.
+- `rope_store(qkv, positions, q_norm, k_norm, k_cache, v_cache, slots, store_kv) -> q [T, H, D]`:
+  rotary embedding of q and k (after the optional per-head norms), k and v written to
+  their slots.
+- `silu_mul(gate_up) -> [T, I]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .rope import RotaryTables, apply_rope
+
+
+class TorchOps:
+    def __init__(self, rope: RotaryTables, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+        self.rope = rope
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+    def add_rms_norm(self, x, residual, weight):
+        residual = x if residual is None else residual + x
+        return self.rms_norm(residual, weight), residual
+
+    def rope_store(self, qkv, positions, q_norm, k_norm, k_cache, v_cache, slots, store_kv):
+        T = qkv.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = H * D, Hkv * D
+        cos, sin = self.rope.lookup(positions)
+        v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
+        if q_norm is not None:
+            q = apply_rope(self.rms_norm(qkv[:, :q_size].view(T, H, D), q_norm), cos, sin)
+            k = apply_rope(self.rms_norm(qkv[:, q_size : q_size + kv_size].view(T, Hkv, D), k_norm), cos, sin)
+        else:
+            # q and k heads side by side: one rope (elementwise, so the same numbers) for both.
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(T, H + Hkv, D), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+        store_kv(k_cache, v_cache, k, v, slots)
+        return q
+
+    def silu_mul(self, gate_up):
+        inter = gate_up.shape[1] // 2
+        return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])

@@ -1,0 +1,61 @@
+"""One request's layer-wise send (prefill/layerwise.py) as the sender sees it: the spans of
+KV the engine has computed and not yet written, where the window goes, what is in flight.
+
+A span is one layer's positions [begin, end) of one engine step. On a GPU it carries the
+CUDA event recorded after that layer's K/V store was launched (prefill/device.py), and its
+bytes may be written only once the event has completed (`Span.landed`); on the CPU the
+store has run when the span is recorded.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import NamedTuple
+
+import numpy as np
+
+
+class StreamFailed(RuntimeError):
+    """A layer-wise send ended without its notification (why: the message)."""
+
+
+class Span(NamedTuple):
+    """Positions [begin, end) of one layer, computed in one step, at `slots` of this pool."""
+
+    layer: int
+    begin: int
+    end: int
+    slots: np.ndarray
+    written: object = None  # GPU: the CUDA event after the layer's K/V store; CPU: None
+
+    @property
+    def landed(self) -> bool:
+        """Whether the span's bytes are in memory (its K/V store has run on the device)."""
+        return self.written is None or self.written.query()
+
+
+class LayerStream:
+    """One request's layer-wise send. Fields are guarded by the owning LayerSends' lock."""
+
+    def __init__(self, request_id: str, num_layers: int) -> None:
+        self.request_id = request_id
+        self.spans: list[Span] = []  # to post
+        self.pending = 0  # bytes in `spans`
+        self.hooked = [[-1, -1] for _ in range(num_layers)]  # per layer: [lo, hi) computed
+        self.slot_key: tuple[int, int] | None = None
+        self.slots: np.ndarray | None = None
+        self.peer: str | None = None  # set by `aim`
+        self.peer_layout = None
+        self.begin = self.end = 0
+        self.dst: np.ndarray | None = None
+        self.bound = 0.0
+        self.no_write = b""
+        self.in_flight: list = []
+        self.finishing: tuple[bytes, np.ndarray] | None = None  # (notification, every src slot)
+        self.error: str | None = None
+        self.future: Future = Future()
+        self.total_bytes = self.num_descriptors = self.writes = 0
+
+    @property
+    def aimed(self) -> bool:
+        return self.peer is not None

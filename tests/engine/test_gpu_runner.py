@@ -1,0 +1,76 @@
+"""The GPU step path (`ModelRunner._run_gpu`: one pinned copy of the step's indices, no
+host read of device values, logits left on the device; `DecodeGraphs`: static buffers,
+bucketed batch sizes, padding rows) generates transformers' greedy tokens. Run here on
+the CPU through Triton's interpreter, with the graphs' forward replayed eagerly over the
+same buffers; `benchmarks/gpu.py` runs the real thing on a GPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is jitted
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.model.decode_graphs import DecodeGraphs, bucket_sizes  # noqa: E402
+from engine.model.fused import TorchOps  # noqa: E402
+
+
+def gpu_path_llm(model_dir, max_num_seqs: int, **kwargs) -> LLM:
+    """An engine on the CPU that takes the GPU's step path, graphs run eagerly."""
+    llm = LLM(model_dir, attention_backend="triton", max_num_seqs=max_num_seqs, **kwargs)
+    engine = llm.engine
+    runner = engine.runner
+    m = runner.model
+    # On a GPU the layer's small ops are torch's or Triton's, whose KV store skips the
+    # padding rows' slot -1; the CPU's C kernels take no padding.
+    m.ops = TorchOps(m.rope, m.num_heads, m.num_kv_heads, m.head_dim, m.eps)
+    runner.on_gpu = True
+    engine.overlap_output = True  # as on a GPU
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.page_size, max_num_seqs,
+                                 engine.max_model_len, capture=False)
+    return llm
+
+
+def test_bucket_sizes_cover_every_batch_up_to_the_largest():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_step_path_generates_transformers_greedy_tokens(checkpoint_dirs, hf_greedy, family):
+    model = checkpoint_dirs(family)
+    # 3 sequences run the graph of 4 (one padding row); page size 3 and a 16-token budget
+    # chunk the prefills, so mixed steps, kept rows and cached prefixes all occur.
+    llm = gpu_path_llm(model, max_num_seqs=6, page_size=3, max_num_batched_tokens=16)
+    prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], [13, 40, 7] * 9]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(family, tuple(prompt), 6), prompt
+    engine = llm.engine
+    assert engine.num_free_pages() == engine.num_total_pages()
+
+
+def test_graph_buffers_pad_rows_that_store_nothing(checkpoint_dirs):
+    llm = gpu_path_llm(checkpoint_dirs("llama"), max_num_seqs=8, page_size=4)
+    engine = llm.engine
+    before = engine.kv_cache.clone()
+    graphs = engine.runner.graphs
+    # One real sequence of 5 tokens at position 4 in a bucket of 1, then the same in a
+    # bucket of 2 (its second row padding): the padding row writes no KV anywhere.
+    engine.add_request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=2, temperature=0.0))
+    engine.step()  # the prefill
+    seq = engine.requests["r"].seqs[0]
+    one = graphs.run([seq]).clone()
+    after_one = engine.kv_cache.clone()
+    graphs.sizes = [2]
+    two = graphs.run([seq])
+    assert two.shape == one.shape and torch.allclose(two, one, atol=1e-5)
+    changed = (engine.kv_cache != after_one).flatten(1).any(1).nonzero().flatten().tolist()
+    assert changed == [], changed  # rewrote the same slot with the same values only
+    assert not torch.equal(after_one, before)
+    engine.abort("r")
