@@ -45,6 +45,7 @@ from benchmarks.engine_table import print_table
 # Ids below are special tokens: 0-5 in engine.checkpoint's tokenizers, 0-16 in SmolLM2's.
 FIRST_PROMPT_TOKEN = 17
 HF_BATCH_SIZE = 32
+STEPS = 64  # decode steps timed per batch size (--step-batches)
 
 
 @dataclass
@@ -152,8 +153,8 @@ def run_transformers(model, workload: Workload, pad_id: int, progress) -> tuple[
         wanted = workload.output_lens[i : i + workload.hf_batch_size]
         width = max(len(p) for p in prompts)
         # Left padding, so every prompt's last token sits in the same column.
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
         longest = max(wanted)
         with torch.inference_mode():
             out = model.generate(
@@ -185,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a few short prompts: a smoke test, not a measurement (pair it with "
                              "--model bench-random-tiny for the fastest run)")
     parser.add_argument("--page-size", type=int, default=16, help="pdserve page size (default 16)")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device of both engines: cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--step-batches", default=None, metavar="B,B,...",
+                        help="also time decode steps at these batch sizes (prompts of 128 tokens), "
+                             "each beside the memory-bandwidth limit (default on a GPU: 1,64,256)")
     parser.add_argument("--peer", choices=["vllm"], default=None,
                         help="compare against this engine instead of transformers, run alone in a "
                              "child process with its own interpreter (see --peer-python)")
@@ -237,14 +243,19 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     # Prefix caching is off against a peer, as it is in the peer (random prompts never
     # share a prefix anyway; this keeps the lookups out of the comparison too).
+    step_batches = [int(b) for b in (args.step_batches or ("1,64,256" if args.device != "cpu" else "")).split(",")
+                    if b]
+    if step_batches:  # room for the largest batch's 128-token prompts and their steps too
+        kv_bytes = max(kv_bytes, kv_cache_bytes(config, args.dtype, [Workload(
+            "steps", [[0] * 128] * max(step_batches), [STEPS + 8] * max(step_batches), 1)], args.page_size))
     llm = LLM(model.dir, page_size=args.page_size, dtype=args.dtype, kv_cache_memory_bytes=kv_bytes,
-              enable_prefix_cache=not args.peer)
+              enable_prefix_cache=not args.peer, device=args.device, max_num_seqs=max([64, *step_batches]))
     engine_startup_s = time.perf_counter() - start
     run_engine(llm, warmup)
     hf = None
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     if with_transformers:
-        hf = AutoModelForCausalLM.from_pretrained(model.dir, dtype=getattr(torch, args.dtype)).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model.dir, dtype=getattr(torch, args.dtype)).to(args.device).eval()
         run_transformers(hf, warmup, pad_id, _NoProgress())
 
     results = measure(workloads, llm, hf, pad_id, peer)
@@ -253,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                   "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
                   "num_layers": config.num_hidden_layers},
         "dtype": args.dtype,
+        "device": args.device,
         "threads": torch.get_num_threads(),
         "quick": args.quick,
         "prefill_only": args.prefill_only,
@@ -260,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         "prefix_cache": not args.peer,
         "workloads": [{k: v for k, v in asdict(r).items() if v is not None} for r in results],
     }
+    if step_batches:
+        from benchmarks.gpu_engine import step_report
+
+        report.update(step_report(llm.engine, step_batches, 128, STEPS, args.device))
     if peer is not None:
         report["peer"] = {"name": peer.peer, "version": peer.version, "python": str(peer_python),
                           "startup_s": round(peer.startup_s, 3), "prefix_caching": False,

@@ -116,6 +116,31 @@ class GraphTimer:
         return round(statistics.median(times), 3) if times else None
 
 
+def step_report(engine, batches, prompt_len: int, steps: int, device: str) -> dict:
+    """Decode steps at each batch size, each beside the memory-bandwidth limit of its bytes
+    (at the datasheet's rate for this device, and at the copy rate measured here)."""
+    import torch
+
+    rate = copy_bandwidth(device)
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor()
+    datasheet = next((v for k, v in DATASHEET_BYTES_PER_S.items() if k in name), None)
+    rng = random.Random(0)
+    decode_steps(engine, batches[0], prompt_len, 2, rng, device)  # warm-up
+    timer = GraphTimer(engine) if engine.runner.graphs is not None else None
+    rows = []
+    for b in batches:
+        print(f"[bench] decode steps at batch {b}", file=sys.stderr, flush=True)
+        if timer:
+            timer.take_median_ms()
+        r = decode_steps(engine, b, prompt_len, steps, rng, device)
+        r["graph_replay_ms"] = timer.take_median_ms() if timer else None
+        for label, bw in (("limit_ms_datasheet", datasheet), ("limit_ms_measured_copy", rate)):
+            r[label] = round(1e3 * r["bytes_read_per_step"] / bw, 3) if bw else None
+        rows.append(r)
+    return {"device_name": name, "copy_bytes_per_s": rate, "datasheet_bytes_per_s": datasheet,
+            "decode_steps": rows}
+
+
 def stage_engine(device: str, workdir: Path, quick: bool, hf_new_tokens: int) -> dict:
     import torch
 
@@ -125,27 +150,13 @@ def stage_engine(device: str, workdir: Path, quick: bool, hf_new_tokens: int) ->
     dtype = "float32" if quick and device == "cpu" else "bfloat16"
     batches, prompt_len, steps = ((1, 4, 8), 16, 4) if quick else ((1, 64, 256), 128, 64)
     n_prompts, in_len, out_len = (8, 32, 8) if quick else (64, 512, 256)
-    rate = copy_bandwidth(device)
-    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor()
-    datasheet = next((v for k, v in DATASHEET_BYTES_PER_S.items() if k in name), None)
     start = time.perf_counter()
     llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=max(batches), enable_prefix_cache=False)
     engine = llm.engine
-    out = {"device_name": name, "dtype": dtype, "model": model_dir, "geometry": TINY if quick else ONE_B,
-           "engine_start_s": round(time.perf_counter() - start, 2), "copy_bytes_per_s": rate,
-           "datasheet_bytes_per_s": datasheet, "decode_steps": []}
-    rng = random.Random(0)
-    decode_steps(engine, batches[0], prompt_len, 2, rng, device)  # warm-up
-    timer = GraphTimer(engine) if engine.runner.graphs is not None else None
-    for b in batches:
-        print(f"[gpu-check] engine: decode steps at batch {b}", file=sys.stderr, flush=True)
-        if timer:
-            timer.take_median_ms()
-        r = decode_steps(engine, b, prompt_len, steps, rng, device)
-        r["graph_replay_ms"] = timer.take_median_ms() if timer else None
-        for label, bw in (("limit_ms_datasheet", datasheet), ("limit_ms_measured_copy", rate)):
-            r[label] = round(1e3 * r["bytes_read_per_step"] / bw, 3) if bw else None
-        out["decode_steps"].append(r)
+    out = {"dtype": dtype, "model": model_dir, "geometry": TINY if quick else ONE_B,
+           "engine_start_s": round(time.perf_counter() - start, 2),
+           **step_report(engine, batches, prompt_len, steps, device)}
+    rng = random.Random(1)
     prompts = [[rng.randrange(FIRST_ID, engine.vocab_size) for _ in range(in_len)] for _ in range(n_prompts)]
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     print(f"[gpu-check] engine: throughput, {n_prompts} x {in_len} -> {out_len}", file=sys.stderr, flush=True)

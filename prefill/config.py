@@ -25,3 +25,7 @@ class PrefillConfig:
                 "fewest descriptors: wins on shared memory, where the write is ~1%% of a "
                 "prefill); `auto`: whole to a decode node on this host, layerwise to one "
                 "elsewhere or unknown", choices=("auto", "whole", "layerwise"))
+    layer_write_mb: float = option(
+        2.0, "layer-wise sends: post a WRITE once a step's computed layers hold this many MiB "
+             "(more layers per WRITE are fewer, larger descriptors: the page-major pool keeps "
+             "a page's consecutive layers adjacent; less starts the transfer sooner)")

@@ -84,8 +84,8 @@ class PrefillRole:
         # written, and its decode node hears so at once instead of after lease + grace.
         self._ended: OrderedDict[str, str | None] = OrderedDict()  # -> lease its write landed in
         self.spent = SpentLeases()
-        # Layer-wise sends (prefill/layerwise.py) unless every window goes whole.
-        self.layers = None if config.kv_send == "whole" else LayerSends(agent, layout, engine.engine, gates)
+        self.layers = None if config.kv_send == "whole" else LayerSends(  # prefill/layerwise.py
+            agent, layout, engine.engine, gates, min_write_bytes=int(config.layer_write_mb * 2**20))
         self.host_id = host_id()
         self.remote_sends_total = 0
         self.last_kv_window_begin = 0

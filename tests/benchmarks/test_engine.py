@@ -56,6 +56,20 @@ def test_prefill_only_keeps_the_prompts_and_asks_one_token_of_each(tmp_path, mon
     assert "long-mixed-prefill" in capsys.readouterr().out
 
 
+def test_step_batches_time_full_decode_steps_beside_the_bytes_they_read(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    argv = ["--quick", "--json", "--model", "bench-random-tiny", "--workload", "uniform", "--step-batches", "1,3"]
+    assert bench.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device"] == "cpu" and report["datasheet_bytes_per_s"] is None
+    one, three = report["decode_steps"]
+    assert (one["batch"], three["batch"]) == (1, 3)
+    # every timed step ran the whole batch, and three contexts read more KV than one
+    assert one["all_steps_full"] and three["all_steps_full"]
+    assert three["bytes_read_per_step"] > one["bytes_read_per_step"] > 0
+    assert one["median_ms"] > 0 and one["limit_ms_datasheet"] is None
+
+
 def test_workloads_fit_the_real_models_vocabulary_and_context():
     for quick in (False, True):
         for w in bench.make_workloads(["mixed", "uniform"], 49152, quick):
