@@ -38,32 +38,21 @@ import traceback
 from pathlib import Path
 
 from benchmarks import gpu_engine
-from benchmarks.gpu_models import FIRST_ID, SMOLLM2_GEOMETRY, TINY, checkpoint
+from benchmarks.gpu_models import FIRST_ID, ONE_B, SMOLLM2_GEOMETRY, TINY, checkpoint, transformers_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def stage_parity(device: str, workdir: Path, quick: bool) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from engine import LLM, SamplingParams
 
-    model_dir = checkpoint(workdir, "tiny" if quick else "smollm2-geometry", TINY if quick else SMOLLM2_GEOMETRY)
+    model_dir = checkpoint(workdir / ("tiny" if quick else "smollm2-geometry"), TINY if quick else SMOLLM2_GEOMETRY)
     rng = random.Random(1)
     lengths = (7, 33, 100) if quick else (7, 64, 200, 511, 777, 1030)
     new = 6 if quick else 32
     vocab = (TINY if quick else SMOLLM2_GEOMETRY)["vocab_size"]
     prompts = [[rng.randrange(FIRST_ID, vocab) for _ in range(n)] for n in lengths]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    want = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device=device)
-            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
-                              min_new_tokens=new, pad_token_id=0)
-            want.append(gen[0, len(p):].tolist())
-    del hf
+    want = transformers_greedy(model_dir, device, prompts, new)
     out = {"model": model_dir, "prompt_lens": list(lengths), "new_tokens": new, "backends": {}}
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     for backend in ("triton", "torch"):
@@ -98,7 +87,7 @@ def stage_kernels(device: str, workdir: Path, quick: bool) -> dict:
 def stage_cluster(device: str, workdir: Path, quick: bool) -> dict:
     from benchmarks import gpu_cluster
 
-    big = None if quick else checkpoint(workdir, "llama-1b", gpu_engine.ONE_B)
+    big = None if quick else checkpoint(workdir / "llama-1b", ONE_B)
     return gpu_cluster.run(device, workdir, workdir / "logs", quick=quick, ttft_model=big)
 
 

@@ -59,7 +59,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import sys
 import time
 import traceback
@@ -67,13 +66,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.gpu_cluster_stages import GATED, exact, faults, random_ids, ttft
+from benchmarks.gpu_models import ONE_B, checkpoint, transformers_greedy
 from benchmarks.local_cluster import Cluster, stop
 
 EXACT = dict(vocab_size=2048, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
              num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048)
-ONE_B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-             initializer_range=0.02)
 SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
              initializer_range=0.02)
@@ -97,41 +94,6 @@ QUICK = Sizes(SMALL, ttft_tokens=512, ttft_repeats=3, budget_s=600,
               limits_s={"exact": 240, "ttft": 240, "faults": 180})
 FULL = Sizes(ONE_B, ttft_tokens=4096, ttft_repeats=10, budget_s=160,
              limits_s={"exact": 90, "ttft": 60, "faults": 45}, threads=4)
-
-
-# ---- checkpoints and the reference --------------------------------------------------------
-def checkpoint(path: Path, geometry: dict) -> str:
-    """A random Llama of `geometry` (seed 0) at `path`, written once (into a temporary
-    directory renamed into place, so a run killed while writing leaves no half model)."""
-    if not (path / "config.json").exists():
-        from engine.checkpoint import write_checkpoint
-
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        write_checkpoint(tmp, family="llama", seed=0, **geometry)
-        try:
-            tmp.rename(path)
-        except OSError:  # another run wrote it first: the same bytes (seed 0)
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(path)
-
-
-def transformers_greedy(model_dir: str, device: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, exactly `n` tokens, on `device`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device=device)
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=n, min_new_tokens=n)
-            out.append(gen[0, len(prompt):].tolist())
-    del model
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return out
 
 
 # ---- the run ------------------------------------------------------------------------------

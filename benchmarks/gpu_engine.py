@@ -146,7 +146,7 @@ def stage_engine(device: str, workdir: Path, quick: bool, hf_new_tokens: int) ->
 
     from engine import LLM, SamplingParams
 
-    model_dir = checkpoint(workdir, "tiny" if quick else "llama-1b", TINY if quick else ONE_B)
+    model_dir = checkpoint(workdir / ("tiny" if quick else "llama-1b"), TINY if quick else ONE_B)
     dtype = "float32" if quick and device == "cpu" else "bfloat16"
     batches, prompt_len, steps = ((1, 4, 8), 16, 4) if quick else ((1, 64, 256), 128, 64)
     n_prompts, in_len, out_len = (8, 32, 8) if quick else (64, 512, 256)

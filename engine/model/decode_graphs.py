@@ -22,7 +22,6 @@ Invariants:
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..attention import triton_ops
@@ -151,21 +150,3 @@ class DecodeGraphs:
         graph, logits = self.graphs[b]
         graph.replay()
         return logits[:n]
-
-
-def pinned_inputs(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int64 device tensors of `arrays`, moved in one copy through pinned memory (one
-    transfer instead of one synchronous copy from pageable memory per array)."""
-    sizes = [a.size for a in arrays]
-    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
-    flat = host.numpy()
-    at = 0
-    for a, n in zip(arrays, sizes):
-        flat[at:at + n] = a.reshape(-1)
-        at += n
-    dev = host.to(device, non_blocking=True)
-    out, at = [], 0
-    for a, n in zip(arrays, sizes):
-        out.append(dev[at:at + n].view(a.shape))
-        at += n
-    return out

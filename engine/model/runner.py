@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..attention import torch_ops
-from .decode_graphs import DecodeGraphs, pinned_inputs
+from .decode_graphs import DecodeGraphs
 from .llama import LlamaModel, StepAttention
 
 
@@ -145,16 +145,23 @@ class ModelRunner:
         if self.backend == "torch":
             plan = torch_ops.plan_attention(query_lens, seq_lens, page_lists, ps, self.device, self.kv_cache.dtype)
             return lambda q, k_cache, v_cache, scale: torch_ops.attend(q, k_cache, v_cache, plan, scale)
-        max_pages = max(-(-n // ps) for n in seq_lens)
-        block_tables = torch.zeros(len(seq_lens), max_pages, dtype=torch.int32)
-        for b, (pl, n) in enumerate(zip(page_lists, seq_lens)):
-            used = -(-n // ps)
-            block_tables[b, :used] = torch.tensor(pl[:used], dtype=torch.int32)
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        dev = self.device
-        bt = block_tables.to(dev)
-        qsl = torch.tensor(starts, dtype=torch.int32, device=dev)
-        sl = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-        return lambda q, k_cache, v_cache, scale: self.ops.paged_attention(q, k_cache, v_cache, bt, qsl, sl, ps, scale)
+        tensors = [torch.from_numpy(a).to(self.device) for a in self._attention_inputs(query_lens, seq_lens, page_lists)]
+        return self._device_attend(tensors, max(query_lens))
+
+
+def pinned_inputs(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 device tensors of `arrays`, moved in one copy through pinned memory (one
+    transfer instead of one synchronous copy from pageable memory per array)."""
+    sizes = [a.size for a in arrays]
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    at = 0
+    for a, n in zip(arrays, sizes):
+        flat[at:at + n] = a.reshape(-1)
+        at += n
+    dev = host.to(device, non_blocking=True)
+    out, at = [], 0
+    for a, n in zip(arrays, sizes):
+        out.append(dev[at:at + n].view(a.shape))
+        at += n
+    return out
