@@ -5,14 +5,14 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test clean proto bench-peers gpu-check
+.PHONY: install serve test lint clean proto bench-peers gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel of torch first: anything installed before it would pull a CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[server,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -20,9 +20,16 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/pdserve up
 
-test: $(STAMP)
-	$(VENV)/bin/lint-imports
+test: lint
 	$(PY) -m pytest -q tests
+
+# The layers are checked on the installed tree: the build maps proto/, engine/, ... into
+# `pdserve.`, which the editable install's import hook does but import-linter cannot see.
+LINT_TREE := build/lint
+lint: $(STAMP)
+	rm -rf $(LINT_TREE)
+	$(PIP) install -q --no-deps --no-build-isolation --target $(LINT_TREE) . 2>/dev/null
+	cd $(LINT_TREE) && $(CURDIR)/$(VENV)/bin/lint-imports --config $(CURDIR)/pyproject.toml
 
 # The engines `pdserve bench engine --peer` compares against, each in its own venv (vLLM pins
 # its own torch and transformers). Not part of `make test`.
@@ -44,12 +51,15 @@ bench-peers: $(VLLM_STAMP)
 
 # The GPU check (benchmarks/gpu.py): kernels, parity with transformers, P/D over VRAM NIXL
 # and the engine's speed, into benchmarks/results/gpu_check.json. It uses the machine's own
-# python3 and packages (a GPU image has torch); no venv, nothing installed.
+# python3 and packages (a GPU image has torch): pdserve alone goes into build/gpu, no venv.
+GPU_TREE := build/gpu
 gpu-check:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m benchmarks.gpu
+	rm -rf $(GPU_TREE)
+	$(PYTHON) -m pip install -q --no-deps --no-index --no-build-isolation --target $(GPU_TREE) .
+	PYTHONPATH=$(CURDIR)/$(GPU_TREE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pdserve.benchmarks.gpu
 
 proto: $(STAMP)
-	$(PY) -m proto.generate
+	$(PY) -m pdserve.proto.generate
 
 clean:
 	rm -rf $(VENV) build *.egg-info

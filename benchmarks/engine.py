@@ -39,8 +39,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks import peer as peers
-from benchmarks.engine_table import print_table
+from pdserve.benchmarks import peer as peers
+from pdserve.benchmarks.engine_table import print_table
 
 # Ids below are special tokens: 0-5 in engine.checkpoint's tokenizers, 0-16 in SmolLM2's.
 FIRST_PROMPT_TOKEN = 17
@@ -134,7 +134,7 @@ def kv_cache_bytes(config, dtype: str, workloads: list[Workload], page_size: int
 
 
 def run_engine(llm, workload: Workload) -> tuple[float, list[list[int]]]:
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
     start = time.perf_counter()
@@ -167,7 +167,7 @@ def run_transformers(model, workload: Workload, pad_id: int, progress) -> tuple[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks.model_choice import add_model_flag
+    from pdserve.benchmarks.model_choice import add_model_flag
 
     parser = argparse.ArgumentParser(
         prog="pdserve bench engine",
@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from benchmarks.model_choice import resolve_or_exit
-    from engine import LLM
+    from pdserve.benchmarks.model_choice import resolve_or_exit
+    from pdserve.engine import LLM
 
     model = resolve_or_exit(args.model, "pdserve bench engine")
     config = AutoConfig.from_pretrained(model.dir)
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": [{k: v for k, v in asdict(r).items() if v is not None} for r in results],
     }
     if step_batches:
-        from benchmarks.gpu_engine import step_report
+        from pdserve.benchmarks.gpu_engine import step_report
 
         report.update(step_report(llm.engine, step_batches, 128, STEPS, args.device))
     if peer is not None:

@@ -37,14 +37,15 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import gpu_engine
-from benchmarks.gpu_models import FIRST_ID, ONE_B, SMOLLM2_GEOMETRY, TINY, checkpoint, transformers_greedy
+from pdserve.benchmarks import gpu_engine
+from pdserve.benchmarks.gpu_models import FIRST_ID, ONE_B, SMOLLM2_GEOMETRY, TINY, checkpoint, transformers_greedy
 
-ROOT = Path(__file__).resolve().parent.parent
+# `make gpu-check` runs from the repository: its tests/ and benchmarks/results/ are found there.
+ROOT = Path.cwd()
 
 
 def stage_parity(device: str, workdir: Path, quick: bool) -> dict:
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     model_dir = checkpoint(workdir / ("tiny" if quick else "smollm2-geometry"), TINY if quick else SMOLLM2_GEOMETRY)
     rng = random.Random(1)
@@ -73,11 +74,14 @@ def stage_parity(device: str, workdir: Path, quick: bool) -> dict:
 
 
 def stage_kernels(device: str, workdir: Path, quick: bool) -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     files = ["tests/engine/test_gpu_kernels.py", "tests/engine/test_triton_fused.py"]
     files = [f for f in files if (ROOT / f).exists()]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda or gpu", *files]
+    # -P and append mode: the installed pdserve on PYTHONPATH (build/gpu), not the source
+    # tree's pdserve/ folder, which lacks the subpackages that only the build maps into it.
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=append",
+           "-k", "cuda or gpu", *files]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
     return {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "summary": tail[-1] if tail else "",
@@ -85,7 +89,7 @@ def stage_kernels(device: str, workdir: Path, quick: bool) -> dict:
 
 
 def stage_cluster(device: str, workdir: Path, quick: bool) -> dict:
-    from benchmarks import gpu_cluster
+    from pdserve.benchmarks import gpu_cluster
 
     big = None if quick else checkpoint(workdir / "llama-1b", ONE_B)
     return gpu_cluster.run(device, workdir, workdir / "logs", quick=quick, ttft_model=big)

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.gpu_cluster`: prefill and decode as real processes with their KV
+"""`python -m pdserve.benchmarks.gpu_cluster`: prefill and decode as real processes with their KV
 pools on one device (`--device cuda` on a GPU: the pools are CUDA tensors registered with
 NIXL as VRAM, and UCX moves the KV between the two processes), checked end to end.
 
@@ -65,9 +65,9 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.gpu_cluster_stages import GATED, exact, faults, random_ids, ttft
-from benchmarks.gpu_models import ONE_B, checkpoint, transformers_greedy
-from benchmarks.local_cluster import Cluster, stop
+from pdserve.benchmarks.gpu_cluster_stages import GATED, exact, faults, random_ids, ttft
+from pdserve.benchmarks.gpu_models import ONE_B, checkpoint, transformers_greedy
+from pdserve.benchmarks.local_cluster import Cluster, stop
 
 EXACT = dict(vocab_size=2048, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
              num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048)
@@ -217,7 +217,7 @@ def _ttft_shape(model_dir: str, sizes: Sizes) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_cluster", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.gpu_cluster", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cpu, cuda or cuda:N (default cuda)")
     p.add_argument("--size", choices=("quick", "full"), default=None,
                    help="quick: small models and prompts (default on the CPU); full: the GPU sizes")

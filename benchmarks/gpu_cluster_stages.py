@@ -9,7 +9,7 @@ import random
 import signal
 import statistics
 
-from benchmarks.local_cluster import (Cluster, bytes_per_token, frozen, is_full, load, open_gate, until,
+from pdserve.benchmarks.local_cluster import (Cluster, bytes_per_token, frozen, is_full, load, open_gate, until,
                                      wait_full)
 
 FIRST_ID = 17  # prompts are random ids above the tokenizer's special tokens
@@ -89,7 +89,7 @@ async def _local_one(address: str, prompt: list[int]) -> dict:
 
 
 async def ttft(cluster: Cluster, n: int, repeats: int, vocab: int) -> dict:
-    from benchmarks.ttft import _one
+    from pdserve.benchmarks.ttft import _one
 
     router, rng = cluster.address("router"), random.Random(1)
     await _one(router, random_ids(n, vocab, rng))  # warm-up: connections, kernels, first steps

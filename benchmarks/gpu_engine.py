@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.gpu_models import FIRST_ID, ONE_B, TINY, checkpoint
+from pdserve.benchmarks.gpu_models import FIRST_ID, ONE_B, TINY, checkpoint
 
 DATASHEET_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 
@@ -59,7 +59,7 @@ def weight_bytes(engine) -> int:
 
 def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng: random.Random, device: str) -> dict:
     """Median wall time of `steps` decode steps of `batch` sequences, all decoding."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     vocab = engine.vocab_size
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
@@ -144,7 +144,7 @@ def step_report(engine, batches, prompt_len: int, steps: int, device: str) -> di
 def stage_engine(device: str, workdir: Path, quick: bool, hf_new_tokens: int) -> dict:
     import torch
 
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     model_dir = checkpoint(workdir / ("tiny" if quick else "llama-1b"), TINY if quick else ONE_B)
     dtype = "float32" if quick and device == "cpu" else "bfloat16"

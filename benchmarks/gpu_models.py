@@ -24,7 +24,7 @@ def checkpoint(path: Path, geometry: dict) -> str:
     """A random Llama of `geometry` (seed 0) at `path`, written once (into a temporary
     directory renamed into place, so a run killed while writing leaves no half model)."""
     if not (path / "config.json").exists():
-        from engine.checkpoint import write_checkpoint
+        from pdserve.engine.checkpoint import write_checkpoint
 
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         write_checkpoint(tmp, family="llama", seed=0, **geometry)

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvtransfer.layout import PAGE_MAJOR, KVLayout, pool_shape
+from pdserve.kvtransfer.layout import PAGE_MAJOR, KVLayout, pool_shape
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def _serve(conn: Any, name: str, spec: PoolSpec, fill_seed: int | None, huge_pag
     import torch
 
     torch.set_num_threads(1)
-    from kvtransfer.agent import TransferAgent
+    from pdserve.kvtransfer.agent import TransferAgent
 
     pool = make_pool(spec, fill_seed, huge_pages)
     agent = TransferAgent(name, pool, **agent_kwargs)

@@ -277,7 +277,7 @@ class Link:
 
     def forward(self, host: Host, port: int) -> int:
         """A port on 127.0.0.1 here that relays each connection to `host.address:port`."""
-        from benchmarks.relay import Relay
+        from pdserve.benchmarks.relay import Relay
 
         if host not in self.hosts:
             raise LinkError(f"{host} is not a host of this link")

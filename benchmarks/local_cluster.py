@@ -73,8 +73,8 @@ def stop(clusters: list[Cluster]) -> None:
 
 # ---- what the nodes report --------------------------------------------------------------
 async def load(address: str):
-    from proto import pdserve_pb2, pdserve_pb2_grpc
-    from runtime.server import channel
+    from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+    from pdserve.runtime.server import channel
 
     async with channel(address) as ch:
         return await pdserve_pb2_grpc.WorkerStub(ch).GetLoad(pdserve_pb2.LoadRequest(), timeout=5)
@@ -103,7 +103,7 @@ async def wait_full(addresses: list[str], timeout_s: float) -> list[dict]:
 
 
 def bytes_per_token(report) -> int:
-    from kvtransfer.layout import DTYPE_SIZES
+    from pdserve.kvtransfer.layout import DTYPE_SIZES
 
     layout = report.identity.layout
     return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * DTYPE_SIZES[layout.dtype]
@@ -128,8 +128,8 @@ async def until(condition, what: str, timeout_s: float):
 
 async def open_gate(address: str, phase: str, request_id: str) -> None:
     """Let `request_id` pass test gate `phase` of the node at `address` (runtime/gates.py)."""
-    from proto import testing_pb2, testing_pb2_grpc
-    from runtime.server import channel
+    from pdserve.proto import testing_pb2, testing_pb2_grpc
+    from pdserve.runtime.server import channel
 
     async with channel(address) as ch:
         await testing_pb2_grpc.GatesStub(ch).Open(testing_pb2.Gate(phase=phase, request_id=request_id),

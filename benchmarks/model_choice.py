@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.catalogue import CATALOGUE, DEFAULT_MODEL, UnknownModel, cache_root, served_name
+from pdserve.models.catalogue import CATALOGUE, DEFAULT_MODEL, UnknownModel, cache_root, served_name
 
 RANDOM_MODELS = {
     "bench-random-100m": dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816,
@@ -59,7 +59,7 @@ def resolve(model: str) -> MeasuredModel:
     naming every known name otherwise."""
     if model in RANDOM_MODELS:
         return MeasuredModel(model, str(ensure_random(model)))
-    from pdserve.models import resolve_model
+    from pdserve.models_cli import resolve_model
 
     try:
         path = resolve_model(model)
@@ -71,7 +71,7 @@ def resolve(model: str) -> MeasuredModel:
 
 def resolve_or_exit(model: str, prog: str) -> MeasuredModel:
     """`resolve` for a command line: the reason and exit status 2 on failure."""
-    from models.convert import ModelUnavailable
+    from pdserve.models.convert import ModelUnavailable
 
     try:
         return resolve(model)
@@ -83,7 +83,7 @@ def resolve_or_exit(model: str, prog: str) -> MeasuredModel:
 def ensure_random(name: str) -> Path:
     """Random-weight model `name`, written once into the cache (into a temporary directory
     renamed into place, so a concurrent first run never sees half of it)."""
-    from engine.checkpoint import write_checkpoint
+    from pdserve.engine.checkpoint import write_checkpoint
 
     target = cache_root() / f"{name}-{RANDOM_VERSION}"
     if (target / "config.json").exists():
@@ -101,7 +101,7 @@ def ensure_random(name: str) -> Path:
 def node_dtype(node_args: list[str]) -> str:
     """The dtype workers started with `node_args` run in: their `--dtype`, else
     `$PDSERVE_DTYPE` (`pdserve.envflags`), else the engine's default."""
-    from engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--dtype", default=os.environ.get("PDSERVE_DTYPE")

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import grpc
 
-from kvtransfer.window import resolve_kv_window_end
+from pdserve.kvtransfer.window import resolve_kv_window_end
 from pdserve.procs import NodeProcess, stop_all
-from proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 
 class FastWorker(pdserve_pb2_grpc.WorkerServicer):
@@ -91,7 +91,7 @@ async def serve_fast_worker(port: int) -> None:
 
 # ---- processes --------------------------------------------------------------------------
 def _tiny_model(root: str) -> str:
-    from engine.checkpoint import write_checkpoint
+    from pdserve.engine.checkpoint import write_checkpoint
 
     write_checkpoint(root, family="llama", seed=0, vocab_size=512, hidden_size=64,
                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -199,7 +199,7 @@ def run(args) -> dict:
                 result.update(asyncio.run(measure_overhead(node, router, args.rounds,
                                                            args.prompt_len)))
             if not args.skip_rate:
-                fast = start("fast-worker", ["--fake-worker"], module="benchmarks.router")
+                fast = start("fast-worker", ["--fake-worker"], module="pdserve.benchmarks.router")
                 router = start("router-rate", ["router", "--model", model, "--host", "127.0.0.1",
                                                "--port", "0", "--prefill", fast, "--decode", fast,
                                                "--log-level", "WARNING"])

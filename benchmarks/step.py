@@ -64,7 +64,7 @@ def instrument(engine, timers: Timers) -> None:
 
 
 def measure(engine, prompts: list[list[int]], max_tokens: int, decode_steps: int) -> dict:
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     timers = Timers()
     instrument(engine, timers)
@@ -100,7 +100,7 @@ def measure(engine, prompts: list[list[int]], max_tokens: int, decode_steps: int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks.model_choice import add_model_flag
+    from pdserve.benchmarks.model_choice import add_model_flag
 
     parser = argparse.ArgumentParser(prog="pdserve bench step", description=__doc__.split("\n\n")[0])
     add_model_flag(parser)
@@ -116,13 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from benchmarks.engine import FIRST_PROMPT_TOKEN
-    from benchmarks.model_choice import resolve_or_exit
-    from engine import LLM
+    from pdserve.benchmarks.engine import FIRST_PROMPT_TOKEN
+    from pdserve.benchmarks.model_choice import resolve_or_exit
+    from pdserve.engine import LLM
 
     from transformers import AutoConfig
 
-    from benchmarks.engine import Workload, kv_cache_bytes
+    from pdserve.benchmarks.engine import Workload, kv_cache_bytes
 
     model = resolve_or_exit(args.model, "pdserve bench step")
     config = AutoConfig.from_pretrained(model.dir)

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtransfer.layout import LAYOUT_KINDS, PAGE_MAJOR, KVLayout
-from kvtransfer.plan import TransferPlan, plan_transfer
+from pdserve.kvtransfer.layout import LAYOUT_KINDS, PAGE_MAJOR, KVLayout
+from pdserve.kvtransfer.plan import TransferPlan, plan_transfer
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -74,7 +74,7 @@ def _fill_pattern(pool: Any) -> None:
 
 
 def _link_arg(text: str) -> tuple[str, float]:
-    from benchmarks.link import parse_link
+    from pdserve.benchmarks.link import parse_link
 
     try:
         return parse_link(text)
@@ -155,8 +155,8 @@ class _Session:
 
     def __init__(self, a: argparse.Namespace, max_tokens: int) -> None:
 
-        from kvtransfer.agent import TransferAgent
-        from benchmarks.kv_receiver import PoolSpec, ReceiverProcess, allocate
+        from pdserve.kvtransfer.agent import TransferAgent
+        from pdserve.benchmarks.kv_receiver import PoolSpec, ReceiverProcess, allocate
 
         self.a = a
         rng = np.random.default_rng(a.seed)
@@ -257,7 +257,7 @@ class _Session:
 
     def verify(self, plan: TransferPlan, src_slots: list[int], dst_slots: list[int]) -> bool:
         """Rewrite the window, then compare per-slot checksums of a sample of positions."""
-        from benchmarks.kv_receiver import slot_checksums
+        from pdserve.benchmarks.kv_receiver import slot_checksums
 
         self.seq += 1
         tag = f"verify-{self.seq}".encode()
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = _parse(argv)
     if a.link is not None and a.receiver_netns is None:  # this process makes the link
-        from benchmarks.transfer_link import run_over_link
+        from pdserve.benchmarks.transfer_link import run_over_link
 
         return run_over_link(a, argv)
     import torch

@@ -34,10 +34,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.link import Link, LinkError, rate_bits
+from pdserve.benchmarks.link import Link, LinkError, rate_bits
 from pdserve import launch
 
-ROOT = Path(__file__).resolve().parents[1]
 TABLE = ("bytes", "descriptors", "link_gbit", "link_delay_ms", "raw_nixl_gbit", "kv_gbit", "link_fraction",
          "raw_link_fraction", "efficiency", "link_bytes_a_to_b", "verified")
 
@@ -74,10 +73,9 @@ def _sender(link: Link, argv: list[str]) -> dict[str, Any]:
     """Run the benchmark as the sender in host a, its receiver in host b; its JSON result."""
     sender, receiver = link.hosts
     env = dict(os.environ, **sender.ucx_env())
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    argv = [sys.executable, "-m", "benchmarks.transfer", *argv, "--json", "--receiver-netns", receiver.ns]
+    argv = [sys.executable, "-m", "pdserve.benchmarks.transfer", *argv, "--json", "--receiver-netns", receiver.ns]
     proc = subprocess.run(launch.command(argv, parent_death=signal.SIGTERM, netns=sender.ns),
-                          cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+                          env=env, stdout=subprocess.PIPE, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
         raise RuntimeError(f"the sender in {sender.ns} exited with {proc.returncode} and no result")

@@ -25,8 +25,8 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.model_choice import add_model_flag, resolve_or_exit
-from benchmarks.transfer import fragmented_pages
+from pdserve.benchmarks.model_choice import add_model_flag, resolve_or_exit
+from pdserve.benchmarks.transfer import fragmented_pages
 
 PROG = "pdserve bench trust"
 

@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.link import Link, parse_link, rate_bits
+from pdserve.benchmarks.link import Link, parse_link, rate_bits
 from pdserve.client import AsyncClient
 from pdserve.procs import NodeProcess, stop_all
 

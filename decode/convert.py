@@ -10,8 +10,8 @@ import math
 import time
 from collections.abc import AsyncIterator
 
-from engine import SamplingParams
-from proto import pdserve_pb2
+from pdserve.engine import SamplingParams
+from pdserve.proto import pdserve_pb2
 
 
 def sampling_from_pb(pb: pdserve_pb2.SamplingParams) -> SamplingParams:

@@ -17,9 +17,9 @@ import enum
 
 import grpc
 
-from decode.leases import Lease
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from runtime.server import channel
+from pdserve.decode.leases import Lease
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.runtime.server import channel
 
 
 class Proof(enum.Enum):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from runtime.errors import NodeError
+from pdserve.runtime.errors import NodeError
 
 
 class LeaseError(NodeError):

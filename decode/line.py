@@ -23,8 +23,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from engine import OutOfPages
-from runtime.errors import NodeOverloaded
+from pdserve.engine import OutOfPages
+from pdserve.runtime.errors import NodeOverloaded
 
 T = TypeVar("T")
 

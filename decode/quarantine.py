@@ -26,10 +26,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from decode.fence import Proof
-from decode.inbox import Interrupted, NotificationInbox
-from decode.leases import Lease
-from proto.tags import no_write_tag, notification_tag
+from pdserve.decode.fence import Proof
+from pdserve.decode.inbox import Interrupted, NotificationInbox
+from pdserve.decode.leases import Lease
+from pdserve.proto.tags import no_write_tag, notification_tag
 
 log = logging.getLogger("pdserve.decode")
 ASK_TIMEOUT_S = 1.0

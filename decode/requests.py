@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decode.leases import Lease
-from engine import SamplingParams
+from pdserve.decode.leases import Lease
+from pdserve.engine import SamplingParams
 
 
 @dataclass

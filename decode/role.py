@@ -32,20 +32,20 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from decode.config import DecodeConfig
-from decode.fence import ask_writer
-from decode.inbox import Interrupted, NotificationInbox
-from decode.leases import Lease, LeaseTable
-from decode.line import PageLine
-from decode.quarantine import Quarantine, tags
-from decode.requests import (DecodeLoad, LocalPrefill, Prepared, PrepareReceive,  # noqa: F401
+from pdserve.decode.config import DecodeConfig
+from pdserve.decode.fence import ask_writer
+from pdserve.decode.inbox import Interrupted, NotificationInbox
+from pdserve.decode.leases import Lease, LeaseTable
+from pdserve.decode.line import PageLine
+from pdserve.decode.quarantine import Quarantine, tags
+from pdserve.decode.requests import (DecodeLoad, LocalPrefill, Prepared, PrepareReceive,  # noqa: F401
                              StartGeneration)  # (StartGeneration, LocalPrefill: re-exported)
-from engine import SamplingParams
-from kvtransfer.metadata import encode_append_metadata
-from kvtransfer.window import resolve_kv_window_end
-from proto.tags import notification_tag
-from runtime import cluster_key, metrics
-from runtime.errors import NodeDraining, NodeOverloaded, Refused, RequestAborted, TimedOut
+from pdserve.engine import SamplingParams
+from pdserve.kvtransfer.metadata import encode_append_metadata
+from pdserve.kvtransfer.window import resolve_kv_window_end
+from pdserve.proto.tags import notification_tag
+from pdserve.runtime import cluster_key, metrics
+from pdserve.runtime.errors import NodeDraining, NodeOverloaded, Refused, RequestAborted, TimedOut
 
 log = logging.getLogger("pdserve.decode")
 

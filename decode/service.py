@@ -14,14 +14,14 @@ import contextlib
 import time
 from collections import OrderedDict
 
-from decode.convert import sampling_from_pb, stream_responses
-from decode.role import DecodeRole, LocalPrefill, PrepareReceive, StartGeneration
-from proto import pdserve_pb2
-from runtime import metrics
-from runtime.checks import check_request_id
-from runtime.auth import caller_of
-from runtime.errors import abort_with
-from runtime.observe import StreamObserver, outcome_of, record_failure
+from pdserve.decode.convert import sampling_from_pb, stream_responses
+from pdserve.decode.role import DecodeRole, LocalPrefill, PrepareReceive, StartGeneration
+from pdserve.proto import pdserve_pb2
+from pdserve.runtime import metrics
+from pdserve.runtime.checks import check_request_id
+from pdserve.runtime.auth import caller_of
+from pdserve.runtime.errors import abort_with
+from pdserve.runtime.observe import StreamObserver, outcome_of, record_failure
 
 # PrepareReceive facts wait here for the request's StartGeneration log line; bounded,
 # because a reservation may never be started (lease expiry, abort).

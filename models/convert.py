@@ -29,7 +29,7 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from models.catalogue import CARD_FILE, KnownModel, WheelSource, cached, lookup, models_dir
+from pdserve.models.catalogue import CARD_FILE, KnownModel, WheelSource, cached, lookup, models_dir
 
 
 class ModelUnavailable(RuntimeError):

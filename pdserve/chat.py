@@ -98,9 +98,9 @@ async def _open(server: str, api_key: str | None):
 
 def add_chat_parser(sub) -> None:
     """`pdserve chat` under the subcommands `sub`."""
-    from runtime.auth import APIKeyConfig
-    from runtime.options import add_options
-    from runtime.tls import TLSConfig
+    from pdserve.runtime.auth import APIKeyConfig
+    from pdserve.runtime.options import add_options
+    from pdserve.runtime.tls import TLSConfig
 
     p = sub.add_parser("chat", help="chat with a router or colocated node in the terminal",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -33,15 +33,15 @@ import sys
 
 from pdserve.envflags import apply_env_defaults
 
-BENCHMARKS = {"engine": "benchmarks.engine", "transfer": "benchmarks.transfer",
-              "serve": "benchmarks.serve", "router": "benchmarks.router", "step": "benchmarks.step",
-              "chaos": "benchmarks.chaos", "trust": "benchmarks.trust", "ttft": "benchmarks.ttft",
-              "gpu": "benchmarks.gpu"}
+BENCHMARKS = {"engine": "pdserve.benchmarks.engine", "transfer": "pdserve.benchmarks.transfer",
+              "serve": "pdserve.benchmarks.serve", "router": "pdserve.benchmarks.router", "step": "pdserve.benchmarks.step",
+              "chaos": "pdserve.benchmarks.chaos", "trust": "pdserve.benchmarks.trust", "ttft": "pdserve.benchmarks.ttft",
+              "gpu": "pdserve.benchmarks.gpu"}
 WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 
 def _model(args) -> str:
-    from pdserve.models import model_or_exit
+    from pdserve.models_cli import model_or_exit
 
     return model_or_exit(args.model)
 
@@ -51,13 +51,13 @@ def _add_node_flags(p: argparse.ArgumentParser, port: int | None = None,
     """What every server takes: its model, where it listens (`port`: this command's default,
     else ServerConfig's), logs, TLS and the cluster key; with `api_key` (it serves
     Generation), the API key its clients must send."""
-    from pdserve.models import add_model_flag
-    from runtime.auth import APIKeyConfig
-    from runtime.cluster_key import ClusterKeyConfig
-    from runtime.logs import LogConfig
-    from runtime.options import add_options
-    from runtime.server import ServerConfig
-    from runtime.tls import TLSConfig
+    from pdserve.models_cli import add_model_flag
+    from pdserve.runtime.auth import APIKeyConfig
+    from pdserve.runtime.cluster_key import ClusterKeyConfig
+    from pdserve.runtime.logs import LogConfig
+    from pdserve.runtime.options import add_options
+    from pdserve.runtime.server import ServerConfig
+    from pdserve.runtime.tls import TLSConfig
 
     add_model_flag(p)
     add_options(p, ServerConfig, defaults={} if port is None else {"port": port})
@@ -74,7 +74,7 @@ def _start_node(args, role: str):
     """Set up what every server process needs before it serves: TLS, logging, and its keys
     (`role`: the caller role its channels present, router or worker)."""
     from pdserve.credentials import configure_server_keys, configure_tls
-    from runtime.logs import setup_logging
+    from pdserve.runtime.logs import setup_logging
 
     configure_tls(args)
     setup_logging(args.log_format, args.log_level)
@@ -82,10 +82,10 @@ def _start_node(args, role: str):
 
 
 def cmd_router(args) -> int:
-    from router.app import run_router
-    from router.config import RouterConfig
-    from runtime.options import from_args
-    from runtime.server import ServerConfig, run
+    from pdserve.router.app import run_router
+    from pdserve.router.config import RouterConfig
+    from pdserve.runtime.options import from_args
+    from pdserve.runtime.server import ServerConfig, run
 
     config = from_args(RouterConfig, args, model=_model(args),
                        server=from_args(ServerConfig, args))
@@ -106,13 +106,13 @@ class _RouterParser(argparse.ArgumentParser):
 
 
 def cmd_worker(args) -> int:
-    from decode.config import DecodeConfig
-    from engine import EngineConfig
+    from pdserve.decode.config import DecodeConfig
+    from pdserve.engine import EngineConfig
     from pdserve.worker import WorkerConfig, run_worker
-    from prefill.config import PrefillConfig
-    from runtime.membership import MembershipConfig
-    from runtime.options import from_args
-    from runtime.server import ServerConfig, run
+    from pdserve.prefill.config import PrefillConfig
+    from pdserve.runtime.membership import MembershipConfig
+    from pdserve.runtime.options import from_args
+    from pdserve.runtime.server import ServerConfig, run
 
     engine = from_args(EngineConfig, args, model_dir=_model(args),
                        kv_cache_memory_bytes=args.kv_cache_mb and args.kv_cache_mb * 1024 * 1024)
@@ -128,8 +128,8 @@ def cmd_worker(args) -> int:
 
 def cmd_up(args) -> int:
     from pdserve.up import UpConfig, up
-    from runtime.auth import APIKeyConfig
-    from runtime.options import from_args
+    from pdserve.runtime.auth import APIKeyConfig
+    from pdserve.runtime.options import from_args
 
     config = from_args(UpConfig, args, model=_model(args), extra=args.worker_args,
                        api=from_args(APIKeyConfig, args))
@@ -147,19 +147,19 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from decode.config import DecodeConfig
+    from pdserve.decode.config import DecodeConfig
     from pdserve.chat import add_chat_parser
     from pdserve.generate_cli import add_generate_parser
     from pdserve.health_cli import add_health_parser
-    from pdserve.models import add_model_flag, add_models_parser
+    from pdserve.models_cli import add_model_flag, add_models_parser
     from pdserve.up import UpConfig
     from pdserve.worker import DEFAULT_PORTS
-    from prefill.config import PrefillConfig
-    from router.config import RouterConfig
-    from runtime.auth import APIKeyConfig
-    from runtime.membership import MembershipConfig
-    from runtime.options import add_options
-    from runtime.tls import TLSConfig
+    from pdserve.prefill.config import PrefillConfig
+    from pdserve.router.config import RouterConfig
+    from pdserve.runtime.auth import APIKeyConfig
+    from pdserve.runtime.membership import MembershipConfig
+    from pdserve.runtime.options import add_options
+    from pdserve.runtime.tls import TLSConfig
 
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    from engine.config import EngineConfig
-    from runtime.options import add_options
+    from pdserve.engine.config import EngineConfig
+    from pdserve.runtime.options import add_options
 
     g = p.add_argument_group("engine")
     add_options(g, EngineConfig)

@@ -38,9 +38,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.results import (Choice, Completion, Delta, Gather, Model, PdserveError, Route,
                              TokenLogprob, TopLogprob, Usage, delta_of)
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from runtime.bearer import bearer_metadata
-from runtime.server import GRPC_OPTIONS, channel
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.runtime.bearer import bearer_metadata
+from pdserve.runtime.server import GRPC_OPTIONS, channel
 
 __all__ = ["AsyncClient", "Client", "TLS", "Completion", "Choice", "Delta", "Usage", "Route",
            "Model", "TokenLogprob", "TopLogprob", "PdserveError"]

@@ -12,15 +12,15 @@ from __future__ import annotations
 import time
 import uuid
 
-from decode.convert import sampling_from_pb, stream_responses
-from decode.role import DecodeRole, LocalPrefill
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from router.tokenizer import PromptTokenizer
-from router.validation import prompt_ids, sampling_of
-from runtime import metrics
-from runtime.checks import check_request_id
-from runtime.errors import abort_with
-from runtime.observe import StreamObserver, outcome_of
+from pdserve.decode.convert import sampling_from_pb, stream_responses
+from pdserve.decode.role import DecodeRole, LocalPrefill
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.router.validation import prompt_ids, sampling_of
+from pdserve.runtime import metrics
+from pdserve.runtime.checks import check_request_id
+from pdserve.runtime.errors import abort_with
+from pdserve.runtime.observe import StreamObserver, outcome_of
 
 
 class ColocatedService(pdserve_pb2_grpc.GenerationServicer):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 
-from runtime import auth, cluster_key, tls
-from runtime.options import from_args
+from pdserve.runtime import auth, cluster_key, tls
+from pdserve.runtime.options import from_args
 
 OPEN_CLUSTER = "open cluster: Worker calls are not authenticated; set --cluster-key-file"
 

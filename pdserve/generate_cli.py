@@ -18,9 +18,9 @@ SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"
 
 
 def add_generate_parser(sub) -> None:
-    from runtime.auth import APIKeyConfig
-    from runtime.options import add_options
-    from runtime.tls import TLSConfig
+    from pdserve.runtime.auth import APIKeyConfig
+    from pdserve.runtime.options import add_options
+    from pdserve.runtime.tls import TLSConfig
 
     p = sub.add_parser("generate", help="send one prompt to a router or colocated node")
     p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT (default: %(default)s)")

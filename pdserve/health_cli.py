@@ -23,8 +23,8 @@ import sys
 
 def add_health_parser(sub) -> None:
     """The `health` subcommand, on `pdserve`'s subparsers."""
-    from runtime.options import add_options
-    from runtime.tls import TLSConfig
+    from pdserve.runtime.options import add_options
+    from pdserve.runtime.tls import TLSConfig
 
     p = sub.add_parser("health", help="exit 0 if a node's gRPC health service says SERVING "
                                       "(container health checks)")
@@ -45,7 +45,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from pdserve.credentials import configure_tls
-    from runtime import tls
+    from pdserve.runtime import tls
 
     configure_tls(args)
     server = args.server or f"127.0.0.1:{os.environ.get('PDSERVE_PORT', '50051')}"

@@ -31,7 +31,6 @@ from pathlib import Path
 from pdserve import launch
 
 LISTENING = re.compile(r"pdserve (\w+)(?: listening on|: router on) (\S+):(\d+)")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -87,14 +86,13 @@ class NodeProcess:
         self.netns = netns
         env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1",
                    TOKENIZERS_PARALLELISM="false")
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         if threads is not None:
             env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self._log = open(self.log_path, "w") if self.log_path is not None else None
         command = program or [sys.executable, "-m", module]  # `program`: another binary
         # Set up by pdserve.launch in the child, not by a preexec_fn: see there why.
         argv = launch.command([*command, *self.args], parent_death=death_signal, netns=netns, cores=cores)
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log,
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, bufsize=1, start_new_session=session)
 
     def wait_ready(self, timeout_s: float = 120.0) -> str:

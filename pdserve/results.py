@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import grpc
 
-from proto import pdserve_pb2
+from pdserve.proto import pdserve_pb2
 
 
 @dataclass

@@ -37,11 +37,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION
+from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION
 from pdserve.procs import NodeProcess, free_port, stop_all
-from runtime.auth import APIKeyConfig
-from runtime.logs import LOG_FORMATS
-from runtime.options import option
+from pdserve.runtime.auth import APIKeyConfig
+from pdserve.runtime.logs import LOG_FORMATS
+from pdserve.runtime.options import option
 
 SIZING_FLAGS = ("--kv-cache-mb", "--num-pages", "--kv-cache-memory-fraction")
 KV_SHARES = {"prefill": 1 / 3, "decode": 2 / 3}  # of the default fraction, see the docstring

@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode.config import DecodeConfig
-from engine import EngineConfig
-from prefill.config import PrefillConfig
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from runtime import metrics
-from runtime.identity import host_id
-from runtime.membership import MembershipConfig
-from runtime.server import ServerConfig
+from pdserve.decode.config import DecodeConfig
+from pdserve.engine import EngineConfig
+from pdserve.prefill.config import PrefillConfig
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.runtime import metrics
+from pdserve.runtime.identity import host_id
+from pdserve.runtime.membership import MembershipConfig
+from pdserve.runtime.server import ServerConfig
 
 WORKER = pdserve_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 GENERATION = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -159,17 +159,17 @@ async def run_worker(config: WorkerConfig) -> None:
     """Build and serve a `prefill`, `decode` or `both` node until SIGTERM/SIGINT or a Drain
     RPC; with a metrics port, also Prometheus /metrics over HTTP on it; with `--etcd`,
     registered in etcd while it serves."""
-    from decode.role import DecodeRole
-    from decode.service import DecodeService
-    from engine.async_engine import AsyncEngine
-    from kvtransfer.agent import TransferAgent
-    from kvtransfer.layout import KVLayout
-    from models.catalogue import served_name
-    from prefill.role import PrefillRole
-    from prefill.service import PrefillService
-    from runtime.gates import Gates, GatesService
-    from runtime.identity import NodeIdentity, model_hash
-    from runtime.server import new_server, serve, wait_idle
+    from pdserve.decode.role import DecodeRole
+    from pdserve.decode.service import DecodeService
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.kvtransfer.agent import TransferAgent
+    from pdserve.kvtransfer.layout import KVLayout
+    from pdserve.models.catalogue import served_name
+    from pdserve.prefill.role import PrefillRole
+    from pdserve.prefill.service import PrefillService
+    from pdserve.runtime.gates import Gates, GatesService
+    from pdserve.runtime.identity import NodeIdentity, model_hash
+    from pdserve.runtime.server import new_server, serve, wait_idle
 
     role = config.role
     engine = AsyncEngine(config.engine)
@@ -213,8 +213,8 @@ async def run_worker(config: WorkerConfig) -> None:
             ColocatedService(decode, config.engine.model_dir), server)
         names.append(GENERATION)
     if gates is not None:
-        from proto import testing_pb2_grpc
-        from runtime.gates import SERVICE as GATES
+        from pdserve.proto import testing_pb2_grpc
+        from pdserve.runtime.gates import SERVICE as GATES
 
         testing_pb2_grpc.add_GatesServicer_to_server(GatesService(gates), server)
         names.append(GATES)
@@ -224,7 +224,7 @@ async def run_worker(config: WorkerConfig) -> None:
     async def register(port: int) -> None:
         nonlocal registration
         if config.membership.etcd:
-            from runtime.membership import WorkerRecord, advertised_address
+            from pdserve.runtime.membership import WorkerRecord, advertised_address
 
             address = config.membership.advertise_address or \
                 advertised_address(config.server.host, port)
@@ -256,7 +256,7 @@ async def run_worker(config: WorkerConfig) -> None:
 async def _start_metrics(node: Node, config: WorkerConfig):
     if config.metrics_port is None:
         return None
-    from runtime.http import metrics_app, start_http
+    from pdserve.runtime.http import metrics_app, start_http
 
     metrics.NODE.info({"role": node.role, "model": node.identity.model})
     return await start_http(metrics_app(lambda: sample_gauges(node)), config.server.host,

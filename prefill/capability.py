@@ -17,8 +17,8 @@ from collections import OrderedDict
 
 import grpc
 
-from runtime import cluster_key
-from runtime.errors import NodeError
+from pdserve.runtime import cluster_key
+from pdserve.runtime.errors import NodeError
 
 MAX_SPENT = 65536
 

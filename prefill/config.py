@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.options import option
+from pdserve.runtime.options import option
 
 
 @dataclass

@@ -44,9 +44,9 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from kvtransfer.plan import plan_transfer
-from prefill.device import bind_device, kv_stored, on_gpu
-from prefill.layer_stream import LayerStream, Span, StreamFailed
+from pdserve.kvtransfer.plan import plan_transfer
+from pdserve.prefill.device import bind_device, kv_stored, on_gpu
+from pdserve.prefill.layer_stream import LayerStream, Span, StreamFailed
 
 
 class LayerSends:

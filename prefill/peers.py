@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvtransfer.layout import KVLayout
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from runtime.errors import PeerUnavailable, Refused
-from runtime.server import channel
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.runtime.errors import PeerUnavailable, Refused
+from pdserve.runtime.server import channel
 
 
 class IncompatiblePeer(Refused):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefill.peers import PeerRef
+from pdserve.prefill.peers import PeerRef
 
 
 @dataclass

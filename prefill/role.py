@@ -43,21 +43,21 @@ import logging
 import time
 from collections import OrderedDict
 
-from engine import SamplingParams
-from kvtransfer.metadata import decode_append_metadata, validate_append_metadata
-from kvtransfer.plan import plan_transfer
-from kvtransfer.window import resolve_kv_window
-from prefill.capability import SpentLeases, check_capability
-from prefill.config import PrefillConfig
-from prefill.layerwise import LayerSends, StreamFailed
-from prefill.peers import DecodePeer, DecodePeers
-from prefill.requests import OverlappedSend, PrefillLoad, RemoteSend, SendResult, Window
-from prefill.sending import (Sending, delivered_of, landed, resolve, tell_no_write, write_window,
+from pdserve.engine import SamplingParams
+from pdserve.kvtransfer.metadata import decode_append_metadata, validate_append_metadata
+from pdserve.kvtransfer.plan import plan_transfer
+from pdserve.kvtransfer.window import resolve_kv_window
+from pdserve.prefill.capability import SpentLeases, check_capability
+from pdserve.prefill.config import PrefillConfig
+from pdserve.prefill.layerwise import LayerSends, StreamFailed
+from pdserve.prefill.peers import DecodePeer, DecodePeers
+from pdserve.prefill.requests import OverlappedSend, PrefillLoad, RemoteSend, SendResult, Window
+from pdserve.prefill.sending import (Sending, delivered_of, landed, resolve, tell_no_write, write_window,
                              writer_threads)
-from proto.tags import no_write_tag, notification_tag
-from runtime.errors import (NodeDraining, NodeOverloaded, PeerUnavailable, Refused,
+from pdserve.proto.tags import no_write_tag, notification_tag
+from pdserve.runtime.errors import (NodeDraining, NodeOverloaded, PeerUnavailable, Refused,
                             RequestAborted, TimedOut)
-from runtime.identity import host_id
+from pdserve.runtime.identity import host_id
 
 log = logging.getLogger("pdserve.prefill")
 _MAX_ENDED = 4096  # sends remembered after their end (a window may still come for them)

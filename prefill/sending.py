@@ -10,12 +10,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvtransfer.agent import TransferError
+from pdserve.kvtransfer.agent import TransferError
 
-from prefill.device import bind_device
-from prefill.peers import DecodePeer
-from prefill.requests import Window
-from runtime.errors import PeerUnavailable
+from pdserve.prefill.device import bind_device
+from pdserve.prefill.peers import DecodePeer
+from pdserve.prefill.requests import Window
+from pdserve.runtime.errors import PeerUnavailable
 
 log = logging.getLogger("pdserve.prefill")
 

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import time
 
-from prefill.peers import PeerInfo, PeerRef
-from prefill.requests import OverlappedSend, RemoteSend, Window
-from prefill.role import PrefillRole
-from proto import pdserve_pb2
-from runtime import metrics
-from runtime.checks import check_request_id
-from runtime.errors import abort_with
-from runtime.logs import log_request
-from runtime.observe import record_failure
+from pdserve.prefill.peers import PeerInfo, PeerRef
+from pdserve.prefill.requests import OverlappedSend, RemoteSend, Window
+from pdserve.prefill.role import PrefillRole
+from pdserve.proto import pdserve_pb2
+from pdserve.runtime import metrics
+from pdserve.runtime.checks import check_request_id
+from pdserve.runtime.errors import abort_with
+from pdserve.runtime.logs import log_request
+from pdserve.runtime.observe import record_failure
 
 WINDOW_FIELDS = ("lease_id", "decode_agent_name", "decode_address")
 

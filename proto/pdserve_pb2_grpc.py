@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import pdserve_pb2 as proto_dot_pdserve__pb2
+from pdserve.proto import pdserve_pb2 as pdserve_dot_proto_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/pdserve_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/proto/pdserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.Generation/Generate',
-                request_serializer=proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Generation/Abort',
-                request_serializer=proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.AbortResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pdserve.v1.Generation/GetModelInfo',
-                request_serializer=proto_dot_pdserve__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.ModelInfo.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -77,18 +77,18 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_pdserve__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=proto_dot_pdserve__pb2.AbortRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.AbortResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=proto_dot_pdserve__pb2.ModelInfoRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.ModelInfoRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -116,8 +116,8 @@ class Generation:
             request,
             target,
             '/pdserve.v1.Generation/Generate',
-            proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-            proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -143,8 +143,8 @@ class Generation:
             request,
             target,
             '/pdserve.v1.Generation/Abort',
-            proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
-            proto_dot_pdserve__pb2.AbortResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -170,8 +170,8 @@ class Generation:
             request,
             target,
             '/pdserve.v1.Generation/GetModelInfo',
-            proto_dot_pdserve__pb2.ModelInfoRequest.SerializeToString,
-            proto_dot_pdserve__pb2.ModelInfo.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.ModelInfoRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -194,48 +194,48 @@ class WorkerStub:
         """
         self.PrepareReceive = channel.unary_unary(
                 '/pdserve.v1.Worker/PrepareReceive',
-                request_serializer=proto_dot_pdserve__pb2.PrepareReceiveRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.PrepareReceiveResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.PrepareReceiveRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PrepareReceiveResponse.FromString,
                 _registered_method=True)
         self.RemoteSend = channel.unary_unary(
                 '/pdserve.v1.Worker/RemoteSend',
-                request_serializer=proto_dot_pdserve__pb2.RemoteSendRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.RemoteSendResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.RemoteSendRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.RemoteSendResponse.FromString,
                 _registered_method=True)
         self.StartGeneration = channel.unary_stream(
                 '/pdserve.v1.Worker/StartGeneration',
-                request_serializer=proto_dot_pdserve__pb2.StartGenerationRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.StartGenerationRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Worker/Abort',
-                request_serializer=proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.AbortResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetTransferInfo = channel.unary_unary(
                 '/pdserve.v1.Worker/GetTransferInfo',
-                request_serializer=proto_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.TransferInfo.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.TransferInfo.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/pdserve.v1.Worker/GetLoad',
-                request_serializer=proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.LoadReport.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.LoadReport.FromString,
                 _registered_method=True)
         self.DeliverWindow = channel.unary_unary(
                 '/pdserve.v1.Worker/DeliverWindow',
-                request_serializer=proto_dot_pdserve__pb2.RemoteSendWindow.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.DeliverWindowResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.RemoteSendWindow.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.DeliverWindowResponse.FromString,
                 _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/pdserve.v1.Worker/Drain',
-                request_serializer=proto_dot_pdserve__pb2.DrainRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.DrainResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.DrainResponse.FromString,
                 _registered_method=True)
         self.FenceWrites = channel.unary_unary(
                 '/pdserve.v1.Worker/FenceWrites',
-                request_serializer=proto_dot_pdserve__pb2.FenceRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.FenceResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.FenceRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.FenceResponse.FromString,
                 _registered_method=True)
 
 
@@ -302,48 +302,48 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'PrepareReceive': grpc.unary_unary_rpc_method_handler(
                     servicer.PrepareReceive,
-                    request_deserializer=proto_dot_pdserve__pb2.PrepareReceiveRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.PrepareReceiveResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PrepareReceiveRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.PrepareReceiveResponse.SerializeToString,
             ),
             'RemoteSend': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoteSend,
-                    request_deserializer=proto_dot_pdserve__pb2.RemoteSendRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.RemoteSendResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.RemoteSendRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.RemoteSendResponse.SerializeToString,
             ),
             'StartGeneration': grpc.unary_stream_rpc_method_handler(
                     servicer.StartGeneration,
-                    request_deserializer=proto_dot_pdserve__pb2.StartGenerationRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.StartGenerationRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=proto_dot_pdserve__pb2.AbortRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.AbortResponse.SerializeToString,
             ),
             'GetTransferInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTransferInfo,
-                    request_deserializer=proto_dot_pdserve__pb2.TransferInfoRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.TransferInfo.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.TransferInfoRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.TransferInfo.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=proto_dot_pdserve__pb2.LoadRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.LoadReport.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.LoadRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.LoadReport.SerializeToString,
             ),
             'DeliverWindow': grpc.unary_unary_rpc_method_handler(
                     servicer.DeliverWindow,
-                    request_deserializer=proto_dot_pdserve__pb2.RemoteSendWindow.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.DeliverWindowResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.RemoteSendWindow.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.DeliverWindowResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
-                    request_deserializer=proto_dot_pdserve__pb2.DrainRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.DrainResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.DrainRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.DrainResponse.SerializeToString,
             ),
             'FenceWrites': grpc.unary_unary_rpc_method_handler(
                     servicer.FenceWrites,
-                    request_deserializer=proto_dot_pdserve__pb2.FenceRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.FenceResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.FenceRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.FenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -371,8 +371,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/PrepareReceive',
-            proto_dot_pdserve__pb2.PrepareReceiveRequest.SerializeToString,
-            proto_dot_pdserve__pb2.PrepareReceiveResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.PrepareReceiveRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.PrepareReceiveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -398,8 +398,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/RemoteSend',
-            proto_dot_pdserve__pb2.RemoteSendRequest.SerializeToString,
-            proto_dot_pdserve__pb2.RemoteSendResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.RemoteSendRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.RemoteSendResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -425,8 +425,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/StartGeneration',
-            proto_dot_pdserve__pb2.StartGenerationRequest.SerializeToString,
-            proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.StartGenerationRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -452,8 +452,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/Abort',
-            proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
-            proto_dot_pdserve__pb2.AbortResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -479,8 +479,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/GetTransferInfo',
-            proto_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
-            proto_dot_pdserve__pb2.TransferInfo.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.TransferInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -506,8 +506,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/GetLoad',
-            proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
-            proto_dot_pdserve__pb2.LoadReport.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -533,8 +533,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/DeliverWindow',
-            proto_dot_pdserve__pb2.RemoteSendWindow.SerializeToString,
-            proto_dot_pdserve__pb2.DeliverWindowResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.RemoteSendWindow.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.DeliverWindowResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -560,8 +560,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/Drain',
-            proto_dot_pdserve__pb2.DrainRequest.SerializeToString,
-            proto_dot_pdserve__pb2.DrainResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.DrainRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -587,8 +587,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/FenceWrites',
-            proto_dot_pdserve__pb2.FenceRequest.SerializeToString,
-            proto_dot_pdserve__pb2.FenceResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.FenceRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.FenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

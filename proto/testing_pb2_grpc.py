@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import testing_pb2 as proto_dot_testing__pb2
+from pdserve.proto import testing_pb2 as pdserve_dot_proto_dot_testing__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/testing_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/proto/testing_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class GatesStub:
         """
         self.Reached = channel.unary_unary(
                 '/pdserve.testing.v1.Gates/Reached',
-                request_serializer=proto_dot_testing__pb2.Gate.SerializeToString,
-                response_deserializer=proto_dot_testing__pb2.GateReply.FromString,
+                request_serializer=pdserve_dot_proto_dot_testing__pb2.Gate.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_testing__pb2.GateReply.FromString,
                 _registered_method=True)
         self.Open = channel.unary_unary(
                 '/pdserve.testing.v1.Gates/Open',
-                request_serializer=proto_dot_testing__pb2.Gate.SerializeToString,
-                response_deserializer=proto_dot_testing__pb2.GateReply.FromString,
+                request_serializer=pdserve_dot_proto_dot_testing__pb2.Gate.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_testing__pb2.GateReply.FromString,
                 _registered_method=True)
 
 
@@ -68,13 +68,13 @@ def add_GatesServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reached': grpc.unary_unary_rpc_method_handler(
                     servicer.Reached,
-                    request_deserializer=proto_dot_testing__pb2.Gate.FromString,
-                    response_serializer=proto_dot_testing__pb2.GateReply.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_testing__pb2.Gate.FromString,
+                    response_serializer=pdserve_dot_proto_dot_testing__pb2.GateReply.SerializeToString,
             ),
             'Open': grpc.unary_unary_rpc_method_handler(
                     servicer.Open,
-                    request_deserializer=proto_dot_testing__pb2.Gate.FromString,
-                    response_serializer=proto_dot_testing__pb2.GateReply.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_testing__pb2.Gate.FromString,
+                    response_serializer=pdserve_dot_proto_dot_testing__pb2.GateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -102,8 +102,8 @@ class Gates:
             request,
             target,
             '/pdserve.testing.v1.Gates/Reached',
-            proto_dot_testing__pb2.Gate.SerializeToString,
-            proto_dot_testing__pb2.GateReply.FromString,
+            pdserve_dot_proto_dot_testing__pb2.Gate.SerializeToString,
+            pdserve_dot_proto_dot_testing__pb2.GateReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -129,8 +129,8 @@ class Gates:
             request,
             target,
             '/pdserve.testing.v1.Gates/Open',
-            proto_dot_testing__pb2.Gate.SerializeToString,
-            proto_dot_testing__pb2.GateReply.FromString,
+            pdserve_dot_proto_dot_testing__pb2.Gate.SerializeToString,
+            pdserve_dot_proto_dot_testing__pb2.GateReply.FromString,
             options,
             channel_credentials,
             insecure,

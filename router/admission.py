@@ -16,9 +16,9 @@ from contextlib import asynccontextmanager
 
 import grpc
 
-from router.config import RouterConfig
-from router.state import DispatchError, RequestState
-from runtime import metrics
+from pdserve.router.config import RouterConfig
+from pdserve.router.state import DispatchError, RequestState
+from pdserve.runtime import metrics
 
 
 class Admission:

@@ -8,17 +8,17 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from runtime.server import new_server, serve
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from router.config import RouterConfig
-from router.discovery import DnsDiscovery
-from router.dispatch import Dispatcher
-from router.load import LoadMonitor
-from router.openai_http import start_router_http
-from router.policies import make_policy
-from router.registry import WorkerRegistry
-from router.service import GenerationService
-from router.tokenizer import PromptTokenizer
+from pdserve.runtime.server import new_server, serve
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import DnsDiscovery
+from pdserve.router.dispatch import Dispatcher
+from pdserve.router.load import LoadMonitor
+from pdserve.router.openai_http import start_router_http
+from pdserve.router.policies import make_policy
+from pdserve.router.registry import WorkerRegistry
+from pdserve.router.service import GenerationService
+from pdserve.router.tokenizer import PromptTokenizer
 
 log = logging.getLogger("pdserve.router")
 GENERATION = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -36,7 +36,7 @@ async def run_router(config: RouterConfig) -> None:
     tasks = [asyncio.create_task(discovery.run())] if discovery.needed else []
     etcd = None
     if config.etcd:
-        from router.etcd_discovery import EtcdDiscovery
+        from pdserve.router.etcd_discovery import EtcdDiscovery
 
         etcd = EtcdDiscovery(registry, config.etcd, config.etcd_prefix)
         try:  # the pools as etcd has them before the first request; else the watch retries

@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from proto import pdserve_pb2
-from router.config import RouterConfig
-from router.registry import Endpoint, WorkerRegistry
-from router.state import DispatchError, EarlySend, RequestState, Reserved
+from pdserve.proto import pdserve_pb2
+from pdserve.router.config import RouterConfig
+from pdserve.router.registry import Endpoint, WorkerRegistry
+from pdserve.router.state import DispatchError, EarlySend, RequestState, Reserved
 
 log = logging.getLogger("pdserve.router")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.options import option
-from runtime.server import ServerConfig
+from pdserve.runtime.options import option
+from pdserve.runtime.server import ServerConfig
 
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
 

@@ -22,7 +22,7 @@ import logging
 import socket
 from collections.abc import Sequence
 
-from router.registry import WorkerRegistry
+from pdserve.router.registry import WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
 

@@ -26,15 +26,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from proto import pdserve_pb2
-from router import selective
-from router.admission import Admission
-from router.calls import NodeCalls
-from router.config import RouterConfig
-from router.registry import Endpoint, NoEndpointError, WorkerRegistry
-from router.state import DispatchError, EarlySend, RequestState, Reserved
-from runtime import metrics
-from runtime.server import wait_idle
+from pdserve.proto import pdserve_pb2
+from pdserve.router import selective
+from pdserve.router.admission import Admission
+from pdserve.router.calls import NodeCalls
+from pdserve.router.config import RouterConfig
+from pdserve.router.registry import Endpoint, NoEndpointError, WorkerRegistry
+from pdserve.router.state import DispatchError, EarlySend, RequestState, Reserved
+from pdserve.runtime import metrics
+from pdserve.runtime.server import wait_idle
 
 log = logging.getLogger("pdserve.router")
 # Failures after which another decode node may do: the node is gone, or it is full.

@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from runtime.membership import DEFAULT_PREFIX, WorkerRecord, new_client
-from router.registry import WorkerRegistry
+from pdserve.runtime.membership import DEFAULT_PREFIX, WorkerRecord, new_client
+from pdserve.router.registry import WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
 

@@ -21,8 +21,8 @@ import time
 
 import grpc
 
-from proto import pdserve_pb2
-from router.registry import Endpoint, WorkerRegistry
+from pdserve.proto import pdserve_pb2
+from pdserve.router.registry import Endpoint, WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
 

@@ -29,14 +29,14 @@ import uuid
 import grpc
 from aiohttp import web
 
-from proto import pdserve_pb2
-from router import validation
-from router.openai_protocol import (
+from pdserve.proto import pdserve_pb2
+from pdserve.router import validation
+from pdserve.router.openai_protocol import (
     ChoiceLogprobs, OpenAIError, chat_prompt, chunk, completion_prompt, invalid, now,
     sampling_from_body, usage_body)
-from runtime import auth, metrics
-from runtime.errors import RETRY_AFTER_S, NodeError
-from runtime.observe import StreamObserver
+from pdserve.runtime import auth, metrics
+from pdserve.runtime.errors import RETRY_AFTER_S, NodeError
+from pdserve.runtime.observe import StreamObserver
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers hold no key
@@ -277,7 +277,7 @@ async def start_router_http(config, dispatcher, tokenizer, registry):
     """The router's HTTP server on `config.http_port`, or None when it has none."""
     if config.http_port is None:
         return None
-    from runtime.http import start_http
+    from pdserve.runtime.http import start_http
 
     metrics.NODE.info({"role": "router", "model": tokenizer.card.model})
     frontend = OpenAIFrontend(dispatcher, tokenizer, tokenizer.card.model, registry,

@@ -19,7 +19,7 @@ import time
 
 import grpc
 
-from proto import pdserve_pb2
+from pdserve.proto import pdserve_pb2
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,

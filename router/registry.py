@@ -39,12 +39,12 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime.errors import NodeError
-from runtime.identity import NodeIdentity
-from runtime.server import channel
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from router.policies import Policy
-from router.prefix_index import PrefixIndex
+from pdserve.runtime.errors import NodeError
+from pdserve.runtime.identity import NodeIdentity
+from pdserve.runtime.server import channel
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.policies import Policy
+from pdserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger("pdserve.router")
 

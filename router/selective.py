@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvtransfer.window import KVWindowError, resolve_kv_window_end
+from pdserve.kvtransfer.window import KVWindowError, resolve_kv_window_end
 
 AUTO = "auto"
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import uuid
 
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from router import validation
-from router.dispatch import Dispatcher
-from router.tokenizer import PromptTokenizer
-from runtime.errors import abort_with
-from runtime.observe import StreamObserver
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router import validation
+from pdserve.router.dispatch import Dispatcher
+from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.runtime.errors import abort_with
+from pdserve.runtime.observe import StreamObserver
 
 
 class GenerationService(pdserve_pb2_grpc.GenerationServicer):

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from proto import pdserve_pb2
-from runtime.errors import NodeError
+from pdserve.proto import pdserve_pb2
+from pdserve.runtime.errors import NodeError
 
 
 class DispatchError(NodeError):

@@ -15,9 +15,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.catalogue import served_name
-from router import chat
-from router.validation import max_prompt_chars
+from pdserve.models.catalogue import served_name
+from pdserve.router import chat
+from pdserve.router.validation import max_prompt_chars
 
 
 @dataclass

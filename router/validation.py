@@ -15,8 +15,8 @@ template's end of turn (`chat_sampling`).
 
 from __future__ import annotations
 
-from kvtransfer.window import resolve_kv_window_end
-from runtime.checks import check_request_id
+from pdserve.kvtransfer.window import resolve_kv_window_end
+from pdserve.runtime.checks import check_request_id
 
 # A prompt text this many times the context (in characters) cannot fit: no tokenizer
 # averages that many characters per token.

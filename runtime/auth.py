@@ -27,9 +27,9 @@ from pathlib import Path
 
 import grpc
 
-from runtime import cluster_key, tls
-from runtime.bearer import bearer_of, presenting
-from runtime.options import option
+from pdserve.runtime import cluster_key, tls
+from pdserve.runtime.bearer import bearer_of, presenting
+from pdserve.runtime.options import option
 
 ROUTER, WORKER = "router", "worker"
 CALLER_ROLES = (ROUTER, WORKER)

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.options import option
+from pdserve.runtime.options import option
 
 ENV = "PDSERVE_CLUSTER_KEY"
 MIN_KEY_BYTES = 16

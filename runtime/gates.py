@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 
-from proto import testing_pb2, testing_pb2_grpc
+from pdserve.proto import testing_pb2, testing_pb2_grpc
 
 SERVICE = testing_pb2.DESCRIPTOR.services_by_name["Gates"].full_name
 

@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from runtime import metrics
+from pdserve.runtime import metrics
 
-log = logging.getLogger("runtime.http")
+log = logging.getLogger("pdserve.runtime.http")
 
 
 async def start_http(app: web.Application, host: str, port: int, what: str) -> web.AppRunner:

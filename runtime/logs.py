@@ -14,7 +14,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from runtime.options import option
+from pdserve.runtime.options import option
 
 REQUEST_LOGGER = logging.getLogger("pdserve.request")
 LOG_FORMATS = ("text", "json")

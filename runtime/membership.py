@@ -18,10 +18,10 @@ import logging
 import socket
 from dataclasses import dataclass
 
-from runtime.identity import NodeIdentity
-from runtime.options import option
+from pdserve.runtime.identity import NodeIdentity
+from pdserve.runtime.options import option
 
-log = logging.getLogger("runtime.membership")
+log = logging.getLogger("pdserve.runtime.membership")
 
 DEFAULT_PREFIX = "/pdserve/workers"
 

@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from runtime import metrics
-from runtime.errors import status_of
-from runtime.logs import log_request
+from pdserve.runtime import metrics
+from pdserve.runtime.errors import status_of
+from pdserve.runtime.logs import log_request
 
 
 def outcome_of(err: BaseException | None) -> str:

@@ -25,8 +25,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from runtime import auth, tls
-from runtime.options import option
+from pdserve.runtime import auth, tls
+from pdserve.runtime.options import option
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from runtime.options import option
+from pdserve.runtime.options import option
 
 
 @dataclass(frozen=True)

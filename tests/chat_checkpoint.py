@@ -29,7 +29,7 @@ def write_chatml_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> int:
     of `vocab_size`, plus END_OF_TURN in the last id, under CHATML_TEMPLATE; END_OF_TURN's id."""
     from transformers import PreTrainedTokenizerFast
 
-    from engine.checkpoint import write_tokenizer
+    from pdserve.engine.checkpoint import write_tokenizer
 
     write_tokenizer(out_dir, vocab_size=vocab_size - 1)
     tok = PreTrainedTokenizerFast.from_pretrained(str(out_dir))
@@ -48,7 +48,7 @@ def write_tokenizer_only(out_dir: str | Path, chat_template: str | None) -> Path
 
     from transformers import PreTrainedTokenizerFast
 
-    from engine.checkpoint import write_tokenizer
+    from pdserve.engine.checkpoint import write_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

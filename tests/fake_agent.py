@@ -29,8 +29,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvtransfer.agent import TransferError
-from kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.agent import TransferError
+from pdserve.kvtransfer.plan import TransferPlan
 
 _META_PREFIX = b"fake-agent|"
 

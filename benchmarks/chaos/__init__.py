@@ -8,5 +8,5 @@ Poisson load while faults strike, judged against a colocated oracle.
 - `traffic`: greedy requests with deadlines: oracle, capacity, the open loop.
 - `pools`: pages leaked once the faults stop (Worker.GetLoad).
 - `report`: the verdict and its must-be-0 checks.
-- `cli`: the command line (`python -m benchmarks.chaos`).
+- `cli`: the command line (`python -m pdserve.benchmarks.chaos`).
 """

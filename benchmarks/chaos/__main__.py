@@ -1,4 +1,4 @@
-"""`python -m benchmarks.chaos` is `pdserve bench chaos`."""
+"""`python -m pdserve.benchmarks.chaos` is `pdserve bench chaos`."""
 
 import os
 import sys
@@ -9,6 +9,6 @@ import sys
 # Nothing here needs gRPC across a fork, so they are off; read when gRPC starts.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
-from benchmarks.chaos.cli import main  # noqa: E402  (after the environment is set)
+from pdserve.benchmarks.chaos.cli import main  # noqa: E402  (after the environment is set)
 
 sys.exit(main())

@@ -20,11 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.chaos import firewall, plan, pools, report, traffic
-from benchmarks.chaos.cluster import ChaosCluster
-from benchmarks.chaos.faults import FaultInjector, FaultTimes
-from benchmarks.model_choice import add_model_flag, node_dtype, resolve_or_exit
-from benchmarks.serve.workload import parse_range
+from pdserve.benchmarks.chaos import firewall, plan, pools, report, traffic
+from pdserve.benchmarks.chaos.cluster import ChaosCluster
+from pdserve.benchmarks.chaos.faults import FaultInjector, FaultTimes
+from pdserve.benchmarks.model_choice import add_model_flag, node_dtype, resolve_or_exit
+from pdserve.benchmarks.serve.workload import parse_range
 from pdserve.client import AsyncClient
 from pdserve.launch import set_parent_death_signal
 from pdserve.procs import NodeProcess

@@ -23,9 +23,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from benchmarks.chaos import firewall
-from benchmarks.chaos.cluster import ChaosCluster
-from benchmarks.chaos.plan import PlannedFault
+from pdserve.benchmarks.chaos import firewall
+from pdserve.benchmarks.chaos.cluster import ChaosCluster
+from pdserve.benchmarks.chaos.plan import PlannedFault
 
 
 @dataclass(frozen=True)

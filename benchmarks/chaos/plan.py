@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from benchmarks.serve.workload import synthetic
+from pdserve.benchmarks.serve.workload import synthetic
 
 FAULT_KINDS = ("kill", "stop", "router", "link")
 WORKERS = ("p1", "p2", "d1", "d2")

@@ -17,8 +17,8 @@ import time
 
 import grpc
 
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from runtime.server import channel
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.runtime.server import channel
 
 
 def _reading(report: pdserve_pb2.LoadReport) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from benchmarks.chaos.traffic import Outcome
+from pdserve.benchmarks.chaos.traffic import Outcome
 
 DEADLINE_SLACK_S = 1.0
 SETTLE_S = 5.0  # after a fault heals, errors this soon after are still its doing

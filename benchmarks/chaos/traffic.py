@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from benchmarks.chaos.plan import Prompt
+from pdserve.benchmarks.chaos.plan import Prompt
 from pdserve.client import AsyncClient
 
 

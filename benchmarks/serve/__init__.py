@@ -7,5 +7,5 @@
 - `cluster` and `compare`: 1P1D against colocated nodes on the same pinned cores.
 - `plot` and `report`: the figure and the tables.
 - `runs`: what every run shares (backend, workload, result rows, output).
-- `cli`: the command line (`python -m benchmarks.serve`).
+- `cli`: the command line (`python -m pdserve.benchmarks.serve`).
 """

@@ -1,7 +1,7 @@
-"""`python -m benchmarks.serve` is `pdserve bench serve`."""
+"""`python -m pdserve.benchmarks.serve` is `pdserve bench serve`."""
 
 import sys
 
-from benchmarks.serve.cli import main
+from pdserve.benchmarks.serve.cli import main
 
 sys.exit(main())

@@ -13,8 +13,8 @@ import json
 import time
 from dataclasses import dataclass
 
-from benchmarks.serve.metrics import RequestResult
-from benchmarks.serve.workload import BenchRequest
+from pdserve.benchmarks.serve.metrics import RequestResult
+from pdserve.benchmarks.serve.workload import BenchRequest
 
 
 @dataclass

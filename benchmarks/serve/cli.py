@@ -13,9 +13,9 @@ import argparse
 import math
 import sys
 
-from benchmarks.model_choice import KNOWN, add_model_flag
-from benchmarks.serve import workload as wl
-from benchmarks.serve.runs import emit, make_backend, make_workload, run_row, workload_info
+from pdserve.benchmarks.model_choice import KNOWN, add_model_flag
+from pdserve.benchmarks.serve import workload as wl
+from pdserve.benchmarks.serve.runs import emit, make_backend, make_workload, run_row, workload_info
 
 EXAMPLES = """examples:
   pdserve bench serve --server 127.0.0.1:50051 --num-prompts 50 --request-rate 0.5
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def bench(args) -> dict:
-    from benchmarks.serve.load import sweep
+    from pdserve.benchmarks.serve.load import sweep
 
     backend = make_backend(args)
     try:
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args.rates = args.rates or [args.request_rate]
     try:
         if args.compare:
-            from benchmarks.serve.compare import main_compare
+            from pdserve.benchmarks.serve.compare import main_compare
 
             return main_compare(args)
         return _bench_and_report(args)
@@ -163,13 +163,13 @@ def main(argv: list[str] | None = None) -> int:
 def _bench_and_report(args) -> int:
     import uvloop
 
-    from benchmarks.serve.report import sweep_table
+    from pdserve.benchmarks.serve.report import sweep_table
 
     result = uvloop.run(bench(args))
     rows = result["runs"]
     emit(result, args, [sweep_table(rows, f"{args.backend} {result['target']} ({result['model']})")])
     if args.plot:
-        from benchmarks.serve.plot import plot_sweep
+        from pdserve.benchmarks.serve.plot import plot_sweep
 
         plot_sweep(rows, args.plot)
     return 1 if any(r["completed"] == 0 for r in rows) else 0

@@ -25,7 +25,7 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from benchmarks.serve.metrics import RequestResult, distribution, goodput
+from pdserve.benchmarks.serve.metrics import RequestResult, distribution, goodput
 
 NAMES = ("1p1d", "colocated")
 PEER = "vllm"
@@ -96,14 +96,14 @@ def run_system(name: str, args, model: str, cores, log_dir: Path):
     """Start `name`, sweep the rates against it, stop it. Returns (rows, per-run results)."""
     import uvloop
 
-    from benchmarks.serve.backends import GrpcBackend
-    from benchmarks.serve.cluster import start_cluster
-    from benchmarks.serve.load import sweep
-    from benchmarks.serve.runs import make_workload, run_row
+    from pdserve.benchmarks.serve.backends import GrpcBackend
+    from pdserve.benchmarks.serve.cluster import start_cluster
+    from pdserve.benchmarks.serve.load import sweep
+    from pdserve.benchmarks.serve.runs import make_workload, run_row
 
     if name == PEER:
-        from benchmarks.serve.backends import OpenAIBackend
-        from benchmarks.serve.peer_server import SERVED_NAME, start_vllm_server
+        from pdserve.benchmarks.serve.backends import OpenAIBackend
+        from pdserve.benchmarks.serve.peer_server import SERVED_NAME, start_vllm_server
 
         server = start_vllm_server(args.peer_python, model, args.peer_dtype, cores, log_dir,
                                    args.peer_kv_cache_gib, args.peer_max_model_len)
@@ -139,9 +139,9 @@ def headline(table: list[dict], rate: float | None) -> dict | None:
 
 
 def main_compare(args) -> int:
-    from benchmarks.model_choice import node_dtype, resolve_or_exit
-    from benchmarks.serve.report import compare_table, sweep_table
-    from benchmarks.serve.runs import emit, workload_info
+    from pdserve.benchmarks.model_choice import node_dtype, resolve_or_exit
+    from pdserve.benchmarks.serve.report import compare_table, sweep_table
+    from pdserve.benchmarks.serve.runs import emit, workload_info
 
     if args.backend != "grpc":
         raise SystemExit("pdserve bench serve --compare starts pdserve clusters; it speaks gRPC only")
@@ -182,7 +182,7 @@ def main_compare(args) -> int:
     emit(out, args, [compare_table(table, NAMES),
                      *(sweep_table([r[n] for r in table], n) for n in names)])
     if args.plot:
-        from benchmarks.serve.plot import plot_compare
+        from pdserve.benchmarks.serve.plot import plot_compare
 
         plot_compare(table, NAMES, objs, args.plot)
     return 1 if any(r[n]["completed"] == 0 for r in table for n in names) else 0
@@ -194,8 +194,8 @@ def _peer_settings(args, model_dir: str) -> None:
     system) and a context length."""
     import json
 
-    from benchmarks.model_choice import node_dtype
-    from benchmarks.peer import peer_python
+    from pdserve.benchmarks.model_choice import node_dtype
+    from pdserve.benchmarks.peer import peer_python
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     args.peer_python = peer_python(args.peer_python)

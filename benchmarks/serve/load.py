@@ -13,8 +13,8 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-from benchmarks.serve.metrics import RequestResult, run_duration
-from benchmarks.serve.workload import BenchRequest, arrival_offsets
+from pdserve.benchmarks.serve.metrics import RequestResult, run_duration
+from pdserve.benchmarks.serve.workload import BenchRequest, arrival_offsets
 
 
 @dataclass

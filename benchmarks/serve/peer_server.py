@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.peer import GiB, cpu_list, peer_env
+from pdserve.benchmarks.peer import GiB, cpu_list, peer_env
 from pdserve.procs import free_port
 
 SERVED_NAME = "peer"

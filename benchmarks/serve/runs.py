@@ -7,11 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.serve import workload as wl
+from pdserve.benchmarks.serve import workload as wl
 
 
 def make_backend(args):
-    from benchmarks.serve.backends import GrpcBackend, OpenAIBackend
+    from pdserve.benchmarks.serve.backends import GrpcBackend, OpenAIBackend
 
     if args.backend == "openai":
         if not args.url:
@@ -23,7 +23,7 @@ def make_backend(args):
 def _served_dir(model: str) -> str | None:
     """The local directory of a served model: the directory itself, or a catalogue name's
     converted directory in this machine's cache (None if it has none)."""
-    from models.catalogue import cached
+    from pdserve.models.catalogue import cached
 
     if not model:
         return None
@@ -39,7 +39,7 @@ def _count_tokens(args, limits):
         print("pdserve bench serve: no tokenizer (give --tokenizer); estimating 4 characters "
               "per token", file=sys.stderr)
         return lambda text: max(1, len(text) // 4)
-    from router.tokenizer import PromptTokenizer
+    from pdserve.router.tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer(path)
     return lambda text: len(tokenizer.encode(text))
@@ -74,7 +74,7 @@ def workload_info(args) -> dict:
 
 
 def run_row(run, args, ttft_slo_ms=None, tpot_slo_ms=None) -> dict:
-    from benchmarks.serve.metrics import goodput, summarize
+    from pdserve.benchmarks.serve.metrics import goodput, summarize
 
     row = {**run.settings(), **summarize(run.results)}
     if ttft_slo_ms is not None or tpot_slo_ms is not None:
@@ -94,6 +94,6 @@ def emit(result: dict, args, tables) -> None:
     if args.json:
         print(text)
     else:
-        from benchmarks.serve.report import show
+        from pdserve.benchmarks.serve.report import show
 
         show(*tables)

@@ -11,14 +11,13 @@ import json
 import subprocess
 import sys
 
-from pdserve.procs import ROOT
 
 
 def test_two_minute_soak_keeps_every_answer_deadline_and_page(tiny_model, tmp_path):
-    command = [sys.executable, "-m", "benchmarks.chaos", "--model", tiny_model,
+    command = [sys.executable, "-m", "pdserve.benchmarks.chaos", "--model", tiny_model,
                "--minutes", "2", "--fault-every-s", "10,20", "--capacity-s", "6",
                "--log-dir", str(tmp_path), "--json"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=540)
     assert done.stdout.strip(), f"no report (exit {done.returncode}):\n{done.stderr[-3000:]}"
     (tmp_path / "chaos.json").write_text(done.stdout)  # next to the nodes' logs
     result = json.loads(done.stdout)

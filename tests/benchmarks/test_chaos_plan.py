@@ -7,11 +7,11 @@ import subprocess
 
 import pytest
 
-from benchmarks.chaos import firewall, report
-from benchmarks.chaos.plan import (FAULT_KINDS, WORKERS, fault_plan, parse_every,
+from pdserve.benchmarks.chaos import firewall, report
+from pdserve.benchmarks.chaos.plan import (FAULT_KINDS, WORKERS, fault_plan, parse_every,
                                    poisson_arrivals, prompt_set)
-from benchmarks.chaos.traffic import Outcome, picks
-from benchmarks.serve.workload import LOW_TOKEN_ID
+from pdserve.benchmarks.chaos.traffic import Outcome, picks
+from pdserve.benchmarks.serve.workload import LOW_TOKEN_ID
 
 
 def test_poisson_arrivals_are_seeded_within_the_duration_at_the_rate():

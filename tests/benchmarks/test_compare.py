@@ -2,8 +2,8 @@
 
 import pytest
 
-from benchmarks.serve.compare import compare_rows, objectives, ratio
-from benchmarks.serve.metrics import RequestResult, summarize
+from pdserve.benchmarks.serve.compare import compare_rows, objectives, ratio
+from pdserve.benchmarks.serve.metrics import RequestResult, summarize
 
 
 def req(ttft: float, tpot: float, tokens: int = 3) -> RequestResult:
@@ -71,7 +71,7 @@ def test_a_ratio_over_nothing_is_null():
 def test_headline_copies_the_ratios_of_the_named_rate_and_rejects_an_unswept_one():
     import pytest
 
-    from benchmarks.serve.compare import headline
+    from pdserve.benchmarks.serve.compare import headline
 
     table = [{"request_rate": r, "tpot_p90_ratio": r / 10, "goodput_ratio_strict": r,
               "goodput_ratio_loose": 2 * r, "1p1d": {}, "colocated": {}} for r in (0.5, 1.0)]
@@ -86,9 +86,9 @@ def test_compare_records_the_model_name_directory_and_workers_dtype(tmp_path, mo
                                                                     capsys):
     import json
 
-    from benchmarks.serve import compare
-    from benchmarks.serve.cli import main
-    from models.catalogue import CARD_FILE
+    from pdserve.benchmarks.serve import compare
+    from pdserve.benchmarks.serve.cli import main
+    from pdserve.models.catalogue import CARD_FILE
 
     (tmp_path / CARD_FILE).write_text(json.dumps({"name": "smollm2-135m-instruct"}))
     served = []

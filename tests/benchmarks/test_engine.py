@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import engine as bench
-from benchmarks import peer as peers
+from pdserve.benchmarks import engine as bench
+from pdserve.benchmarks import peer as peers
 
 
 def test_quick_bench_reports_both_throughputs_and_speedup(tmp_path, monkeypatch, capsys):

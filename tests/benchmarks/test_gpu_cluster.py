@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from benchmarks.gpu_cluster import run
+from pdserve.benchmarks.gpu_cluster import run
 
 
 def test_quick_run_on_the_cpu_passes_every_stage_and_leaves_no_node(tmp_path):

@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from benchmarks.link import PREFIX, Host, Link, LinkError, cleanup_stale, parse_link, rate_bits
+from pdserve.benchmarks.link import PREFIX, Host, Link, LinkError, cleanup_stale, parse_link, rate_bits
 from pdserve import netns
 from pdserve.procs import NodeProcess, dial_address
 from tests.cluster.nodes import wait_until
@@ -266,7 +266,7 @@ def test_a_node_in_a_namespace_sees_only_its_host_and_streams_through_forward(li
 
 
 def test_bench_transfer_crosses_the_link(linkable, capsys):
-    from benchmarks.transfer import main
+    from pdserve.benchmarks.transfer import main
 
     rc = main(["--link", "1gbit", "--tokens", "256", "--repeats", "1", "--layers", "2", "--kv-heads", "2",
                "--head-dim", "64", "--json"])

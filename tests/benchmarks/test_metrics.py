@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.serve.metrics import RequestResult, distribution, goodput, meets, summarize
+from pdserve.benchmarks.serve.metrics import RequestResult, distribution, goodput, meets, summarize
 
 
 def timeline(start, token_times, output_tokens=None, ok=True, end=None, prompt_len=10):

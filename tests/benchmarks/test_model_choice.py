@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from benchmarks import engine
-from benchmarks.model_choice import MeasuredModel, node_dtype, resolve, resolve_or_exit
-from benchmarks.serve.cli import build_parser as serve_parser
-from models.catalogue import CARD_FILE, UnknownModel
+from pdserve.benchmarks import engine
+from pdserve.benchmarks.model_choice import MeasuredModel, node_dtype, resolve, resolve_or_exit
+from pdserve.benchmarks.serve.cli import build_parser as serve_parser
+from pdserve.models.catalogue import CARD_FILE, UnknownModel
 
 
 def test_both_benchmarks_default_to_the_real_model():
@@ -56,7 +56,7 @@ def test_the_workers_dtype_comes_from_their_flags_then_the_environment(monkeypat
 
 
 def test_bench_serve_finds_the_tokenizer_of_a_model_served_by_name(tmp_path, monkeypatch):
-    from benchmarks.serve.runs import _served_dir
+    from pdserve.benchmarks.serve.runs import _served_dir
 
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     converted = tmp_path / "models" / "smollm2-135m-instruct"

@@ -4,10 +4,10 @@ import asyncio
 
 import pytest
 
-from benchmarks.serve.backends import OpenAIBackend, completions_url
-from benchmarks.serve.load import run_load
-from benchmarks.serve.metrics import summarize
-from benchmarks.serve.workload import BenchRequest, synthetic
+from pdserve.benchmarks.serve.backends import OpenAIBackend, completions_url
+from pdserve.benchmarks.serve.load import run_load
+from pdserve.benchmarks.serve.metrics import summarize
+from pdserve.benchmarks.serve.workload import BenchRequest, synthetic
 from tests.benchmarks.fake_openai import FakeOpenAI
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.router import main
+from pdserve.benchmarks.router import main
 
 
 def test_bench_router_prints_overhead_and_rate(tiny_model, capsys):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import step
+from pdserve.benchmarks import step
 
 
 def test_step_report_splits_each_phase_by_kind(tmp_path, monkeypatch, capsys):

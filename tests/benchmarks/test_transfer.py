@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.transfer import fragmented_pages, main
+from pdserve.benchmarks.transfer import fragmented_pages, main
 
 
 def test_bench_prints_the_json_fields_and_draws_the_plot(capsys, tmp_path):

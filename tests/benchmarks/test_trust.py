@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import trust
+from pdserve.benchmarks import trust
 
 
 def test_trust_costs_are_measured_against_the_write(tmp_path, monkeypatch, capsys):

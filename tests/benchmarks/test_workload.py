@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from benchmarks.serve.workload import (LOW_TOKEN_ID, arrival_offsets, parse_range, read_sharegpt,
+from pdserve.benchmarks.serve.workload import (LOW_TOKEN_ID, arrival_offsets, parse_range, read_sharegpt,
                                     sample_sharegpt, synthetic)
 
 

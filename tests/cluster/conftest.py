@@ -118,7 +118,7 @@ class ScaleCluster(Cluster):
         return address
 
     async def _wait_etcd(self, address: str, timeout_s: float = 30.0) -> None:
-        from runtime.membership import new_client
+        from pdserve.runtime.membership import new_client
 
         deadline = time.monotonic() + timeout_s
         while True:

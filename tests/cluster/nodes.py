@@ -22,8 +22,8 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.procs import NodeProcess, stop_all
-from proto import pdserve_pb2, pdserve_pb2_grpc, testing_pb2, testing_pb2_grpc
-from runtime.server import channel
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc, testing_pb2, testing_pb2_grpc
+from pdserve.runtime.server import channel
 
 WORKER_FLAGS = ["--num-threads", "1", "--num-pages", "256", "--page-size", "8"]
 GREEDY = dict(temperature=0.0, ignore_eos=True)

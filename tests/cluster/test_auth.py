@@ -21,10 +21,10 @@ import openai
 import pytest
 
 from pdserve.client import AsyncClient
-from pdserve.procs import ROOT, free_port
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from runtime.bearer import bearer_metadata
-from runtime.cluster_key import ClusterKey
+from pdserve.procs import free_port
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.runtime.bearer import bearer_metadata
+from pdserve.runtime.cluster_key import ClusterKey
 from tests.cluster.nodes import GREEDY, WORKER_FLAGS, Cluster, gate_open, gate_reached, run
 
 API_KEY = "sk-pdserve-test-" + secrets.token_hex(8)
@@ -132,15 +132,15 @@ def test_http_clients_need_the_api_key_and_health_and_metrics_stay_open(keyed):
 def test_health_and_pdserve_generate_work_as_documented(keyed, tmp_path):
     pdserve = [sys.executable, "-m", "pdserve.cli"]
     for node in ("router", "prefill", "decode"):  # health needs no key
-        result = subprocess.run([*pdserve, "health", "--server", keyed.address(node)], cwd=ROOT,
+        result = subprocess.run([*pdserve, "health", "--server", keyed.address(node)],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 0 and "SERVING" in result.stdout, result.stderr
     ask = [*pdserve, "generate", "--server", keyed.address("router"), "--prompt", "keys",
            "--max-tokens", "3", "--temperature", "0", "--ignore-eos", "--json"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    without = subprocess.run(ask, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    without = subprocess.run(ask, env=env, capture_output=True, text=True, timeout=60)
     assert without.returncode == 1 and "UNAUTHENTICATED" in without.stderr
-    with_key = subprocess.run([*ask, "--api-key-file", str(keyed.logs / "api.key")], cwd=ROOT,
+    with_key = subprocess.run([*ask, "--api-key-file", str(keyed.logs / "api.key")],
                               env=env, capture_output=True, text=True, timeout=60)
     assert with_key.returncode == 0, with_key.stderr
     assert len(json.loads(with_key.stdout)["choices"][0]["token_ids"]) == 3

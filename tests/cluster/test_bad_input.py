@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pdserve.client import AsyncClient
-from runtime.server import channel
-from proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.runtime.server import channel
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.cluster.conftest import SLOW
 from tests.cluster.nodes import (GREEDY, full, gate_open, run, stopped_at, wait_pools_full,
                                  worker_stub)

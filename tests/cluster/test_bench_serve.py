@@ -2,8 +2,8 @@
 
 import json
 
-from benchmarks.serve.cli import main
-from benchmarks.serve.workload import synthetic
+from pdserve.benchmarks.serve.cli import main
+from pdserve.benchmarks.serve.workload import synthetic
 
 VOCAB_SIZE = 512  # the tiny checkpoint's (tests/conftest.py)
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "server_ttft_ms")
@@ -40,7 +40,7 @@ def test_bench_serve_sweeps_two_rates_and_reports_every_metric(cluster, tmp_path
 
 def test_bench_serve_replays_sharegpt_at_fixed_concurrency(cluster, tiny_model, tmp_path,
                                                            capsys):
-    from router.tokenizer import PromptTokenizer
+    from pdserve.router.tokenizer import PromptTokenizer
 
     conversations = [{"conversations": [
         {"from": "human", "value": f"the quick brown fox {i} jumps over the lazy dog " * (i + 1)},

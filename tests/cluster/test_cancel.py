@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from pdserve.client import AsyncClient
-from proto import pdserve_pb2
-from runtime.server import channel
+from pdserve.proto import pdserve_pb2
+from pdserve.runtime.server import channel
 from tests.cluster.conftest import GRACE_MS, SLOW
 from tests.cluster.nodes import (GREEDY, full, gate_open, load, open_gates, run, stopped_at,
                                  wait_for, wait_pools_full, worker_stub)

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from pdserve.client import AsyncClient
-from proto import pdserve_pb2
-from router.tokenizer import PromptTokenizer
+from pdserve.proto import pdserve_pb2
+from pdserve.router.tokenizer import PromptTokenizer
 from tests.chat_checkpoint import answer_with_end_of_turn_first, write_chatml_tokenizer
 from tests.cluster.nodes import WORKER_FLAGS, Cluster, run, wait_until
 
@@ -65,7 +65,7 @@ def end_of_turn_node(tmp_path_factory):
     """A `serve` node over a tiny checkpoint whose turns end with <|im_end|> (not its eos,
     <|eos|>), edited to answer CONVERSATION with <|im_end|> first: (address, tokenizer,
     <|im_end|>'s id)."""
-    from engine.checkpoint import write_checkpoint
+    from pdserve.engine.checkpoint import write_checkpoint
 
     model = tmp_path_factory.mktemp("end-of-turn-model")
     write_checkpoint(model, family="llama", seed=0, vocab_size=512, hidden_size=64,

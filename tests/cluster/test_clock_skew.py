@@ -16,7 +16,7 @@ import libfaketime
 import pytest
 
 from pdserve.client import AsyncClient
-from runtime import auth, cluster_key
+from pdserve.runtime import auth, cluster_key
 from tests.cluster.nodes import GREEDY, WORKER_FLAGS, Cluster, full, run, wait_pools_full
 
 KEY = "clock-skew-test-cluster-key-0123456789"

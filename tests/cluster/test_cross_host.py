@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from benchmarks.link import Link
+from pdserve.benchmarks.link import Link
 from pdserve.client import AsyncClient
 from tests.cluster.nodes import WORKER_FLAGS, Cluster, full, load, run, wait_for, wait_pools_full
 

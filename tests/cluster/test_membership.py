@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pdserve.client import AsyncClient
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from runtime.membership import new_client
-from runtime.server import channel
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.runtime.membership import new_client
+from pdserve.runtime.server import channel
 from tests.cluster.conftest import SCALE_TTL_S as TTL_S
 from tests.cluster.nodes import run, wait_until
 from tests.cluster.test_routing import GREEDY, prompt

@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from pdserve.client import AsyncClient
-from proto import pdserve_pb2
-from runtime.server import channel
+from pdserve.proto import pdserve_pb2
+from pdserve.runtime.server import channel
 from tests.cluster.conftest import GRACE_MS, HELD, SLOW
 from tests.cluster.nodes import (GREEDY, full, gate_open, gate_reached, load, open_gates, run,
                                  stopped_at, wait_for, wait_pools_full, worker_stub)
@@ -277,6 +277,6 @@ async def _not_quarantined(address):
 
 
 def slots(meta) -> list[int]:
-    from kvtransfer.metadata import decode_append_metadata
+    from pdserve.kvtransfer.metadata import decode_append_metadata
 
     return decode_append_metadata(list(meta))

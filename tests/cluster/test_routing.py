@@ -8,8 +8,8 @@ import collections
 import random
 
 from pdserve.client import AsyncClient
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from runtime.server import channel
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.runtime.server import channel
 from tests.cluster.conftest import SCALE_PAGE as PAGE
 from tests.cluster.nodes import run, wait_until
 

@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.client import AsyncClient
-from runtime.server import channel
+from pdserve.runtime.server import channel
 from tests.cluster.conftest import HELD, ROUTER_FLAGS, SLOW
 from tests.cluster.nodes import (GREEDY, Cluster, full, gate_open, load, run, stopped_at,
                                  wait_for, wait_pools_full)

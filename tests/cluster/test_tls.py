@@ -13,7 +13,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.certs import CA
 from tests.cluster.nodes import WORKER_FLAGS, Cluster, run
 

@@ -9,7 +9,7 @@ import re
 import time
 from pathlib import Path
 
-from engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION
+from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION
 from pdserve.client import AsyncClient
 from pdserve.procs import NodeProcess
 from pdserve.up import UpConfig, kv_share, node_args
@@ -113,8 +113,8 @@ def test_up_keys_its_nodes_with_a_fresh_private_cluster_key_removed_at_exit(tiny
     import grpc
     import pytest
 
-    from proto import pdserve_pb2, pdserve_pb2_grpc
-    from runtime.server import channel
+    from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+    from pdserve.runtime.server import channel
 
     (tmp_path / "api.key").write_text("sk-up-test\n")
     node = NodeProcess(["up", "--model", tiny_model, "--port", "0", "--device", "cpu",

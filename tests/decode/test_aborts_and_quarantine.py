@@ -10,11 +10,11 @@ import asyncio
 import grpc
 import pytest
 
-import decode.quarantine
-from decode.leases import LeaseError
-from engine import SamplingParams
-from proto.tags import no_write_tag, notification_tag
-from runtime.errors import RequestAborted
+import pdserve.decode.quarantine
+from pdserve.decode.leases import LeaseError
+from pdserve.engine import SamplingParams
+from pdserve.proto.tags import no_write_tag, notification_tag
+from pdserve.runtime.errors import RequestAborted
 from tests.decode.world import (
     PAGES,
     RESERVED_PAGES,
@@ -145,7 +145,7 @@ def test_lease_expiry_quarantines_the_reservation_instead_of_freeing_it(node):
 @pytest.mark.parametrize("passed", [True, False], ids=["past-lease-end-plus-grace", "within-grace"])
 def test_quarantine_holds_pages_until_lease_end_plus_grace(node, monkeypatch, passed):
     clock = FakeClock()
-    monkeypatch.setattr(decode.quarantine, "time", clock)
+    monkeypatch.setattr(pdserve.decode.quarantine, "time", clock)
 
     async def go():
         role = node.role(lease_ms=30_000, quarantine_grace_ms=60_000)

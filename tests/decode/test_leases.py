@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from decode.leases import LeaseError, LeaseTable
+from pdserve.decode.leases import LeaseError, LeaseTable
 
 INFO = dict(prompt_len=10, prefix_matched_length=0, kv_window_end=9)
 

@@ -11,9 +11,9 @@ import dataclasses
 import grpc
 import pytest
 
-from decode.role import LocalPrefill
-from engine import SamplingParams
-from runtime.errors import NodeDraining, NodeOverloaded, RequestAborted, status_of
+from pdserve.decode.role import LocalPrefill
+from pdserve.engine import SamplingParams
+from pdserve.runtime.errors import NodeDraining, NodeOverloaded, RequestAborted, status_of
 from tests.decode.world import (
     BAD_SAMPLING,
     END,

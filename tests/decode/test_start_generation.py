@@ -10,11 +10,11 @@ import asyncio
 import grpc
 import pytest
 
-from decode.leases import LeaseError
-from decode.role import KVNotArrived, KVNotWritten, StartGeneration
-from kvtransfer.metadata import decode_append_metadata
-from proto.tags import no_write_tag
-from runtime.errors import status_of
+from pdserve.decode.leases import LeaseError
+from pdserve.decode.role import KVNotArrived, KVNotWritten, StartGeneration
+from pdserve.kvtransfer.metadata import decode_append_metadata
+from pdserve.proto.tags import no_write_tag
+from pdserve.runtime.errors import status_of
 from tests.decode.world import (
     END,
     PAGE,

@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-import decode.quarantine
-from decode.fence import Proof
+import pdserve.decode.quarantine
+from pdserve.decode.fence import Proof
 from tests.decode.world import (PAGES, RESERVED_PAGES, WAIT_S, free_pages, prepare,
                                 quarantine_ended, within)
 from tests.fake_clock import FakeClock
@@ -51,7 +51,7 @@ def _role(node, writer: ScriptedWriter):
 def test_silent_writer_is_fenced_past_lease_and_grace_and_released_when_it_answers(
         node, monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(decode.quarantine, "time", clock)
+    monkeypatch.setattr(pdserve.decode.quarantine, "time", clock)
     writer = ScriptedWriter(None)
 
     async def go():

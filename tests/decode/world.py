@@ -22,13 +22,13 @@ import threading
 import pytest
 import torch
 
-from decode.config import DecodeConfig
-from decode.role import DecodeRole, PrepareReceive, StartGeneration
-from engine import AsyncEngine, EngineConfig, SamplingParams
-from kvtransfer.layout import KVLayout
-from kvtransfer.metadata import decode_append_metadata
-from kvtransfer.plan import plan_transfer
-from proto.tags import notification_tag
+from pdserve.decode.config import DecodeConfig
+from pdserve.decode.role import DecodeRole, PrepareReceive, StartGeneration
+from pdserve.engine import AsyncEngine, EngineConfig, SamplingParams
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.metadata import decode_append_metadata
+from pdserve.kvtransfer.plan import plan_transfer
+from pdserve.proto.tags import notification_tag
 from tests.fake_agent import FakeFabric
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from models.catalogue import CARD_FILE, DEFAULT_MODEL
+from pdserve.models.catalogue import CARD_FILE, DEFAULT_MODEL
 from tests.deploy.compose_local import LocalCompose, image_environment
 
 # Compose variables, as a user would put them in `.env`: small settings for a shared

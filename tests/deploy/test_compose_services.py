@@ -10,7 +10,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from models.catalogue import DEFAULT_MODEL
+from pdserve.models.catalogue import DEFAULT_MODEL
 from pdserve.client import AsyncClient
 from tests.deploy.compose_local import PDSERVE, REPO, LocalCompose, image_environment
 from tests.deploy.conftest import VARIABLES
@@ -75,7 +75,7 @@ def test_a_service_without_the_model_in_the_image_fails_instead_of_downloading(t
 def test_model_dir_is_mounted_read_only_at_its_own_path_and_served(tiny_model, tmp_path,
                                                                     monkeypatch):
     from pdserve.cli import build_parser
-    from pdserve.models import resolve_model
+    from pdserve.models_cli import resolve_model
 
     stack = LocalCompose({**VARIABLES, "MODEL_DIR": tiny_model}, tmp_path)
     for name, spec in stack.compose["services"].items():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prometheus_client.metrics import MetricWrapperBase
 
-from runtime import metrics
+from pdserve.runtime import metrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve-dashboard.json"
 SUFFIXES = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"], "gauge": [""],

@@ -9,7 +9,7 @@ import shlex
 import subprocess
 import sys
 
-from models.catalogue import DEFAULT_MODEL
+from pdserve.models.catalogue import DEFAULT_MODEL
 from tests.deploy.compose_local import (DOCKERFILE, REPO, dockerfile_instruction,
                                         dockerfile_steps, image_environment)
 
@@ -48,7 +48,7 @@ def test_build_context_leaves_out_the_virtualenv_and_git():
 
 def test_image_converts_the_default_model_after_the_dependencies_from_models_alone():
     steps = dockerfile_steps()
-    convert = run_step("from models.convert import ensure")
+    convert = run_step("from pdserve.models.convert import ensure")
     text = steps[convert][1]
     assert re.findall(r"ensure\('([\w.-]+)'\)", text) == [DEFAULT_MODEL]
     # torch, transformers and gguf are installed by then; the source comes after, and
@@ -74,14 +74,15 @@ def test_installed_command_finds_the_model_in_the_image_cache_at_build_time():
 def test_conversion_step_runs_with_only_models_on_the_path(tmp_path, image_cache):
     """The step's own command, run here as the build runs it: Python without site-packages
     (so not the editable install of the whole repo), with nothing but models/ at the
-    mount's target. With the model already in the cache it returns at once, offline."""
-    text = dockerfile_steps()[run_step("from models.convert import ensure")][1]
-    target = re.search(r"source=models,target=(\S+?)/models\b", text).group(1)
-    assert f"PYTHONPATH={target} " in text, "the mount's parent must be on PYTHONPATH"
+    mount's target (`pdserve/models` under a folder with no `__init__.py`: a namespace).
+    With the model already in the cache it returns at once, offline."""
+    text = dockerfile_steps()[run_step("from pdserve.models.convert import ensure")][1]
+    target = re.search(r"source=models,target=(\S+?)/pdserve/models\b", text).group(1)
+    assert f"PYTHONPATH={target} " in text, "the namespace's parent must be on PYTHONPATH"
     words = shlex.split(text.split("&&")[0])
     code = words[words.index("-c") + 1]
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "models").symlink_to(REPO / "models")
+    (tmp_path / "src" / "pdserve").mkdir(parents=True)
+    (tmp_path / "src" / "pdserve" / "models").symlink_to(REPO / "models")
     env = {"PYTHONPATH": str(tmp_path / "src"), "PDSERVE_CACHE": image_cache,
            "PIP_NO_INDEX": "1", "PATH": "/usr/bin:/bin"}
     result = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env,

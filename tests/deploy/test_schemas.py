@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from models.catalogue import DEFAULT_MODEL
+from pdserve.models.catalogue import DEFAULT_MODEL
 from tests.deploy.compose_local import COMPOSE_FILE, interpolate, load_compose
 from tests.deploy.manifests import K8S_DIR, by_kind, containers, documents, uncommented
 

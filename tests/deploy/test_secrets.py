@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from pdserve.client import AsyncClient
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from runtime.bearer import bearer_metadata
-from runtime.cluster_key import ClusterKey
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.runtime.bearer import bearer_metadata
+from pdserve.runtime.cluster_key import ClusterKey
 from tests.deploy.compose_local import load_compose
 from tests.deploy.manifests import by_kind, containers
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, Engine, EngineConfig
-from engine.checkpoint import FAMILIES, write_checkpoint
+from pdserve.engine import LLM, Engine, EngineConfig
+from pdserve.engine.checkpoint import FAMILIES, write_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -95,7 +95,7 @@ _ISAS = ["native", "avx2"] if "avx512f" in _CPU_FLAGS and {"avx2", "fma"} <= _CP
 def kernel_isa(request, monkeypatch):
     """Run a C-kernel test as built for this CPU, then (on an AVX-512 CPU) built without
     AVX-512, so the AVX2 paths are checked on every x86 machine that has them."""
-    from engine import native
+    from pdserve.engine import native
 
     if request.param == "avx2":
         monkeypatch.setenv("PDSERVE_KERNEL_CFLAGS", "-mno-avx512f")

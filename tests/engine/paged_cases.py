@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import torch_ops, triton_ops
+from pdserve.engine.attention import torch_ops, triton_ops
 
 
 def scattered_pool(num_kv_heads, head_dim, page_size, seq_lens, dtype, g: torch.Generator):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine import AsyncEngine, EngineConfig, SamplingParams
+from pdserve.engine import AsyncEngine, EngineConfig, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -128,7 +128,7 @@ def test_built_from_a_config_the_engine_loads_on_its_own_thread(checkpoint_dirs,
     """Loading runs OpenMP work, and OpenMP keeps a pool of threads per thread that starts
     it: built on the caller's thread, the process would hold a second pool, and the engine's
     workers would sleep and wake at every parallel region (AsyncEngine._build)."""
-    import engine.async_engine as module
+    import pdserve.engine.async_engine as module
 
     built_on = []
 

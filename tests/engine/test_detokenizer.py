@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from engine.checkpoint import write_tokenizer
-from engine.detokenizer import IncrementalDetokenizer, find_stop
+from pdserve.engine.checkpoint import write_tokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 
 VOCAB = 512
 

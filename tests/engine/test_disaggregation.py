@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import OutOfPages, SamplingParams, UnknownRequest
+from pdserve.engine import OutOfPages, SamplingParams, UnknownRequest
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 

@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 
-from engine.attention import torch_ops
-from engine.model.fused import FusedOps, TorchOps
-from engine.model.rope import RotaryTables
+from pdserve.engine.attention import torch_ops
+from pdserve.engine.model.fused import FusedOps, TorchOps
+from pdserve.engine.model.rope import RotaryTables
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import gemm
-from engine.model.gemm import PanelWeight
-from engine.model.linear import Linear
+from pdserve.engine.model import gemm
+from pdserve.engine.model.gemm import PanelWeight
+from pdserve.engine.model.linear import Linear
 
 _FLAGS = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
 _CPU = set(_FLAGS.split())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 
 
 @pytest.fixture

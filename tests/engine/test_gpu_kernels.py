@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from engine.attention import triton_ops
+from pdserve.engine.attention import triton_ops
 from tests.engine.paged_cases import CASES, make_case, reference_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -43,7 +43,7 @@ def test_cuda_store_kv_skips_padding_slots():
 def test_cuda_graphs_generate_transformers_greedy_tokens(checkpoint_dirs, family):
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     model = checkpoint_dirs(family)
     prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], [13, 40, 7] * 9, [3] * 50]
@@ -64,7 +64,7 @@ def test_cuda_graphs_generate_transformers_greedy_tokens(checkpoint_dirs, family
 
 
 def test_cuda_sampling_keeps_seeded_rows_repeatable(checkpoint_dirs):
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(checkpoint_dirs("llama"), device="cuda", max_num_seqs=4)
     params = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, top_k=20, seed=7, logprobs=2)

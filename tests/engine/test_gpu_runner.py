@@ -13,9 +13,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is jitted
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.model.decode_graphs import DecodeGraphs, bucket_sizes  # noqa: E402
-from engine.model.fused import TorchOps  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.model.decode_graphs import DecodeGraphs, bucket_sizes  # noqa: E402
+from pdserve.engine.model.fused import TorchOps  # noqa: E402
 
 
 def gpu_path_llm(model_dir, max_num_seqs: int, **kwargs) -> LLM:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
-from engine.checkpoint import FAMILIES
+from pdserve.engine import SamplingParams
+from pdserve.engine.checkpoint import FAMILIES
 
 MAX_NEW = 10
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
@@ -56,8 +56,8 @@ def test_preemption_in_tiny_pool_matches_transformers(family, make_engine, hf_gr
 
 
 def test_sharded_checkpoint_loads_and_matches(tmp_path, hf_greedy, prompts_of_lengths):
-    from engine import LLM
-    from engine.checkpoint import write_checkpoint
+    from pdserve.engine import LLM
+    from pdserve.engine.checkpoint import write_checkpoint
 
     d = write_checkpoint(tmp_path / "sharded", family="qwen2", seed=0, max_shard_size="100KB")
     assert (d / "model.safetensors.index.json").exists()

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from engine.native import lazy_zeros
+from pdserve.engine.native import lazy_zeros
 
 
 def test_the_kv_cache_allocation_is_zeroed_and_shaped():
@@ -37,7 +37,7 @@ def test_a_large_kv_cache_costs_no_memory_until_written():
 _STEPS = """
 import resource, sys, torch
 torch.set_num_threads(1)
-from engine.native import keep_step_buffers
+from pdserve.engine.native import keep_step_buffers
 if sys.argv[1] == "keep":
     assert keep_step_buffers() and keep_step_buffers()  # once, then a no-op
 def step():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 
 def engines(model_dir, **kwargs):

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.page_pool import OutOfPages, PagePool
-from engine.prefix_cache import PrefixCache, extend_page_keys
+from pdserve.engine.page_pool import OutOfPages, PagePool
+from pdserve.engine.prefix_cache import PrefixCache, extend_page_keys
 
 
 def keys_of(tokens, page_size=2):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.paged_decode import kernel_for
+from pdserve.engine.attention.paged_decode import kernel_for
 from tests.engine.paged_cases import kernel_and_torch_plans, scattered_pool
 
 
@@ -47,7 +47,7 @@ def test_kernel_matches_gather_and_sdpa(num_heads, num_kv_heads, head_dim, page_
 
 
 def test_kernel_refuses_views_whose_pages_are_not_packed():
-    from engine.attention.paged_decode import paged_decode
+    from pdserve.engine.attention.paged_decode import paged_decode
 
     # [pages, page_size, kv heads, head dim] cut from a wider head dim: rows not packed
     k_cache = torch.randn(4, 4, 2, 16)[..., :8]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import torch_ops
-from engine.attention.prefill_attention import kernel_for
+from pdserve.engine.attention import torch_ops
+from pdserve.engine.attention.prefill_attention import kernel_for
 from tests.engine.paged_cases import kernel_and_torch_plans, scattered_pool
 
 

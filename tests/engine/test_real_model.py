@@ -4,7 +4,7 @@ over 1,000 tokens (tests/real_model_oracle.py)."""
 
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.real_model_oracle import (EOS, MAX_NEW, THREADS, chat_prompts, forced_argmax,
                                      greedy_reference, tokenizer)
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import Sample, SamplingRow, sample
+from pdserve.engine.sampler import Sample, SamplingRow, sample
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

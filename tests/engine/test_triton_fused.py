@@ -24,11 +24,11 @@ import types  # noqa: E402
 import pytest  # noqa: E402
 import triton  # noqa: E402, F401  (a dependency: these tests run it)
 
-from engine.attention import torch_ops  # noqa: E402
-from engine.model.fused import FusedOps  # noqa: E402
-from engine.model.layer_ops import TorchOps  # noqa: E402
-from engine.model.rope import RotaryTables  # noqa: E402
-from engine.model.triton_fused import TritonOps  # noqa: E402
+from pdserve.engine.attention import torch_ops  # noqa: E402
+from pdserve.engine.model.fused import FusedOps  # noqa: E402
+from pdserve.engine.model.layer_ops import TorchOps  # noqa: E402
+from pdserve.engine.model.rope import RotaryTables  # noqa: E402
+from pdserve.engine.model.triton_fused import TritonOps  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -193,7 +193,7 @@ def test_silu_mul_matches_torch(dtype, rows, inter):
 @pytest.mark.skipif(not INTERPRETED, reason="swaps the ops of a CPU engine; a GPU engine picks TritonOps itself")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: rope_store takes torch's path
 def test_engine_with_triton_ops_generates_torch_ops_tokens(checkpoint_dirs, family):
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], [13, 40, 7] * 9]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

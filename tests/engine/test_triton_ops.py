@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402, F401  (a dependency: these tests run its interpreter)
 
-from engine.attention import torch_ops, triton_ops  # noqa: E402
+from pdserve.engine.attention import torch_ops, triton_ops  # noqa: E402
 from tests.engine.paged_cases import CASES, make_case, reference_attention  # noqa: E402
 
 
@@ -73,8 +73,8 @@ def test_importing_triton_ops_does_not_import_triton():
 
 
 def test_engine_on_the_triton_backend_generates_the_torch_backends_tokens(tmp_path):
-    from engine import LLM, SamplingParams
-    from engine.checkpoint import write_checkpoint
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.checkpoint import write_checkpoint
 
     model = write_checkpoint(tmp_path / "qwen3", family="qwen3")  # head_dim 24, GQA 2
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer.agent import TransferAgent, TransferError
-from benchmarks.transfer import fragmented_pages, pages_to_slots
-from kvtransfer.layout import KVLayout
-from benchmarks.kv_receiver import PoolSpec, ReceiverProcess, make_pool, slot_checksums
-from kvtransfer.plan import plan_transfer
+from pdserve.kvtransfer.agent import TransferAgent, TransferError
+from pdserve.benchmarks.transfer import fragmented_pages, pages_to_slots
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.benchmarks.kv_receiver import PoolSpec, ReceiverProcess, make_pool, slot_checksums
+from pdserve.kvtransfer.plan import plan_transfer
 
 # the receiver is page-major with pages of 8; senders: page-major with pages of 16 (the
 # recommended layout, different page size) and layer-major with pages of 4

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvtransfer.layout import KVLayout, pool_shape
+from pdserve.kvtransfer.layout import KVLayout, pool_shape
 
 
 def pool(kind="layer-major", dtype=torch.bfloat16, layers=3, pages=4, page_size=8, heads=2, dim=8):

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtransfer.metadata import (
+from pdserve.kvtransfer.metadata import (
     AppendMetadataError,
     decode_append_metadata,
     decode_models,

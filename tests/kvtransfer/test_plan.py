@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransfer.layout import KVLayout
-from kvtransfer.plan import PlanError, plan_transfer
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.plan import PlanError, plan_transfer
 
 KINDS = ["page-major", "layer-major", "padded-page-major"]
 

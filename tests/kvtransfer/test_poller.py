@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from kvtransfer import poller as poller_module
-from kvtransfer.poller import Poller
+from pdserve.kvtransfer import poller as poller_module
+from pdserve.kvtransfer.poller import Poller
 from tests.fake_clock import FakeClock
 
 BUSY_S, IDLE_S = 1000.0, 5000.0

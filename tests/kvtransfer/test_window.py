@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtransfer.window import KVWindowError, resolve_kv_window, resolve_kv_window_end
+from pdserve.kvtransfer.window import KVWindowError, resolve_kv_window, resolve_kv_window_end
 
 
 def test_negative_values_count_from_the_end():

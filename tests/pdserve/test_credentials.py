@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from pdserve import cli, credentials
-from runtime import auth, cluster_key, tls
-from runtime.cluster_key import ClusterKey
+from pdserve.runtime import auth, cluster_key, tls
+from pdserve.runtime.cluster_key import ClusterKey
 
 KEY = "k" * 32
 

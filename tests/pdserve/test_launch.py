@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from pdserve import launch
-from pdserve.procs import ROOT, NodeProcess
+from pdserve.procs import NodeProcess
 from tests.cluster.nodes import wait_until
 
 PR_GET_PDEATHSIG = 2
@@ -20,12 +20,8 @@ REPORT = ("import ctypes, json, os; s = ctypes.c_int(); "
           "'ppid': os.getppid()}))")
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
 def _report(argv: list[str]) -> dict:
-    out = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -48,14 +44,14 @@ def test_a_parent_already_gone_runs_nothing():
     dead.wait()
     argv = [sys.executable, "-m", "pdserve.launch", "--parent", str(dead.pid), "--", sys.executable,
             "-c", "print('ran')"]
-    out = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "ran" not in out.stdout
 
 
 def test_bad_cores_and_a_missing_command_are_refused_naming_them():
     for argv, named in ((["--cores", "x,1", "--", "true"], "'x,1'"), (["--cores", "0"], "no command"),
                         (["--", "no-such-program-here"], "'no-such-program-here'")):
-        out = subprocess.run([sys.executable, "-m", "pdserve.launch", *argv], cwd=ROOT, env=_env(),
+        out = subprocess.run([sys.executable, "-m", "pdserve.launch", *argv],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode != 0 and named in out.stderr, (argv, out.stderr)
 

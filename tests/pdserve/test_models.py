@@ -10,7 +10,7 @@ import sys
 import grpc
 
 from pdserve.procs import NodeProcess
-from proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 
 def identity(address: str) -> pdserve_pb2.TransferInfo:

@@ -11,10 +11,10 @@ import threading
 import pytest
 import torch
 
-from prefill.requests import RemoteSend
-from proto.tags import notification_tag
-from runtime.errors import RequestAborted
-from runtime.gates import Gates
+from pdserve.prefill.requests import RemoteSend
+from pdserve.proto.tags import notification_tag
+from pdserve.runtime.errors import RequestAborted
+from pdserve.runtime.gates import Gates
 from tests.prefill.world import (
     D_PAGE,
     END,

@@ -12,9 +12,9 @@ import grpc
 import pytest
 import torch
 
-from prefill.capability import CapabilityRefused
-from prefill.requests import RemoteSend
-from runtime import cluster_key
+from pdserve.prefill.capability import CapabilityRefused
+from pdserve.prefill.requests import RemoteSend
+from pdserve.runtime import cluster_key
 from tests.prefill.world import END, PROMPT, kv_of, within
 
 KEY = b"prefill-capability-test-key-0123456789"

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from kvtransfer.agent import TransferError
-from kvtransfer.layout import KVLayout
-from kvtransfer.plan import plan_transfer
+from pdserve.kvtransfer.agent import TransferError
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.plan import plan_transfer
 from tests.fake_agent import FakeFabric
 
 

@@ -16,11 +16,11 @@ import threading
 import pytest
 import torch
 
-import prefill.layerwise
-import prefill.sending
-from prefill.requests import OverlappedSend, RemoteSend
-from proto.tags import notification_tag
-from runtime.errors import PeerUnavailable, RequestAborted
+import pdserve.prefill.layerwise
+import pdserve.prefill.sending
+from pdserve.prefill.requests import OverlappedSend, RemoteSend
+from pdserve.proto.tags import notification_tag
+from pdserve.runtime.errors import PeerUnavailable, RequestAborted
 from tests.prefill.world import (
     D_PAGE,
     END,
@@ -219,8 +219,8 @@ def test_on_a_gpu_a_layer_is_written_only_once_its_cuda_event_has_completed(node
         events.append(FakeCudaEvent())
         return events[-1]
 
-    monkeypatch.setattr(prefill.layerwise, "kv_stored", stored)
-    for module in (prefill.layerwise, prefill.sending):  # no CUDA here: the threads bind nothing
+    monkeypatch.setattr(pdserve.prefill.layerwise, "kv_stored", stored)
+    for module in (pdserve.prefill.layerwise, pdserve.prefill.sending):  # no CUDA here: the threads bind nothing
         monkeypatch.setattr(module, "bind_device", lambda device: None)
 
     async def go():

@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 import torch
 
-import prefill.role
-from kvtransfer.metadata import encode_append_metadata
-from prefill.requests import OverlappedSend
-from proto.tags import notification_tag
-from runtime.errors import RequestAborted, TimedOut
-from runtime.gates import Gates
+import pdserve.prefill.role
+from pdserve.kvtransfer.metadata import encode_append_metadata
+from pdserve.prefill.requests import OverlappedSend
+from pdserve.proto.tags import notification_tag
+from pdserve.runtime.errors import RequestAborted, TimedOut
+from pdserve.runtime.gates import Gates
 from tests.fake_clock import FakeClock
 from tests.prefill.world import (
     D_PAGE,
@@ -84,7 +84,7 @@ def test_overlapped_send_writes_the_window_delivered_before_during_or_after_the_
 
 def test_overlapped_send_whose_window_never_comes_times_out_without_writing(nodes, monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(prefill.role, "time", clock)
+    monkeypatch.setattr(pdserve.prefill.role, "time", clock)
 
     async def go():
         gates = Gates(GATED)

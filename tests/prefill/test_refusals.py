@@ -11,14 +11,14 @@ import dataclasses
 import pytest
 import torch
 
-import prefill.role
-from kvtransfer.layout import KVLayout
-from prefill.peers import IncompatiblePeer
-from prefill.requests import OverlappedSend, RemoteSend
-from prefill.role import LeaseEnded
-from proto.tags import notification_tag
-from runtime.errors import NodeDraining, NodeOverloaded, PeerUnavailable, Refused, TimedOut
-from runtime.gates import Gates
+import pdserve.prefill.role
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.prefill.peers import IncompatiblePeer
+from pdserve.prefill.requests import OverlappedSend, RemoteSend
+from pdserve.prefill.role import LeaseEnded
+from pdserve.proto.tags import notification_tag
+from pdserve.runtime.errors import NodeDraining, NodeOverloaded, PeerUnavailable, Refused, TimedOut
+from pdserve.runtime.gates import Gates
 from tests.fake_clock import FakeClock
 from tests.prefill.world import (
     D_PAGE,
@@ -56,7 +56,7 @@ def test_window_whose_lease_already_ended_is_refused_before_anything_runs(nodes)
 
 def test_lease_that_ends_during_prefill_stops_the_write_and_sends_no_write_notice(nodes, monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(prefill.role, "time", clock)
+    monkeypatch.setattr(pdserve.prefill.role, "time", clock)
 
     async def go():
         gates = Gates(GATED)
@@ -80,7 +80,7 @@ def test_lease_that_ends_during_prefill_stops_the_write_and_sends_no_write_notic
 def test_deadline_that_passes_during_prefill_stops_the_write_and_sends_no_write_notice(
         nodes, monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(prefill.role, "time", clock)
+    monkeypatch.setattr(pdserve.prefill.role, "time", clock)
 
     async def go():
         gates = Gates(GATED)

@@ -10,8 +10,8 @@ import asyncio
 import pytest
 import torch
 
-from prefill.requests import RemoteSend
-from proto.tags import notification_tag
+from pdserve.prefill.requests import RemoteSend
+from pdserve.proto.tags import notification_tag
 from tests.prefill.world import (
     D_PAGE,
     END,

@@ -20,16 +20,16 @@ import time
 
 import torch
 
-from engine import AsyncEngine, EngineConfig, SamplingParams
-from kvtransfer.layout import KVLayout
-from kvtransfer.metadata import encode_append_metadata
-from prefill.config import PrefillConfig
-from prefill.peers import PeerInfo, PeerRef
-from prefill.requests import Window
-from prefill.role import PrefillRole
-from proto.tags import no_write_tag
-from runtime.gates import Gates
-from runtime.identity import host_id
+from pdserve.engine import AsyncEngine, EngineConfig, SamplingParams
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.metadata import encode_append_metadata
+from pdserve.prefill.config import PrefillConfig
+from pdserve.prefill.peers import PeerInfo, PeerRef
+from pdserve.prefill.requests import Window
+from pdserve.prefill.role import PrefillRole
+from pdserve.proto.tags import no_write_tag
+from pdserve.runtime.gates import Gates
+from pdserve.runtime.identity import host_id
 from tests.fake_agent import FakeFabric
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

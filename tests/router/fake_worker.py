@@ -8,14 +8,14 @@ import asyncio
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvtransfer.window import resolve_kv_window_end
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.policies import RoundRobin
-from router.registry import WorkerRegistry
-from router.service import GenerationService
-from router.tokenizer import ModelCard
+from pdserve.kvtransfer.window import resolve_kv_window_end
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import Dispatcher
+from pdserve.router.policies import RoundRobin
+from pdserve.router.registry import WorkerRegistry
+from pdserve.router.service import GenerationService
+from pdserve.router.tokenizer import ModelCard
 
 
 class FakeWorker(pdserve_pb2_grpc.WorkerServicer):

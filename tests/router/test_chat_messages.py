@@ -13,15 +13,15 @@ import aiohttp
 import grpc
 import pytest
 
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.openai_http import OpenAIFrontend
-from router.policies import RoundRobin
-from router.registry import WorkerRegistry
-from router.service import GenerationService
-from router.tokenizer import PromptTokenizer
-from runtime.http import start_http
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import Dispatcher
+from pdserve.router.openai_http import OpenAIFrontend
+from pdserve.router.policies import RoundRobin
+from pdserve.router.registry import WorkerRegistry
+from pdserve.router.service import GenerationService
+from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.runtime.http import start_http
 from tests.chat_checkpoint import (INST_TEMPLATE, write_chatml_tokenizer,
                                    write_tokenizer_only)
 from tests.router.fake_worker import FakeWorker, run, start_fake

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from router.discovery import DnsDiscovery, resolve
-from router.policies import RoundRobin
-from router.registry import WorkerRegistry
+from pdserve.router.discovery import DnsDiscovery, resolve
+from pdserve.router.policies import RoundRobin
+from pdserve.router.registry import WorkerRegistry
 
 
 def _registry() -> WorkerRegistry:
@@ -27,7 +27,7 @@ def test_refresh_adds_and_removes_replicas_and_keeps_the_ones_that_stay(monkeypa
             raise OSError("Name or service not known")
         return answers[target]
 
-    monkeypatch.setattr("router.discovery.resolve", fake_resolve)
+    monkeypatch.setattr("pdserve.router.discovery.resolve", fake_resolve)
     registry = _registry()
     discovery = DnsDiscovery(registry, ["static:50061"], ["dns:///decode:50062"])
 

@@ -203,9 +203,9 @@ def test_a_refused_reservation_ends_an_overlapped_remote_send_the_abort_overtook
 def test_the_prefill_is_sent_ahead_only_where_the_decode_node_has_room():
     """Overlap is for a reservation that will not wait: a request that will wait in the
     decode node's line for pages gets its prefill only once it holds them."""
-    from router.dispatch import _room_for
-    from router.registry import Endpoint
-    from runtime.identity import NodeIdentity
+    from pdserve.router.dispatch import _room_for
+    from pdserve.router.registry import Endpoint
+    from pdserve.runtime.identity import NodeIdentity
 
     d = Endpoint("d:1", "decode", identity=NodeIdentity("m", "h", "float32", 2, 2, 16, 8),
                  free_pages=12, total_pages=40)

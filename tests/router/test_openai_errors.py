@@ -11,14 +11,14 @@ import aiohttp
 import grpc
 import pytest
 
-from runtime.http import start_http
-from proto import pdserve_pb2
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.openai_http import OpenAIFrontend
-from router.openai_protocol import OpenAIError
-from router.policies import RoundRobin
-from router.registry import WorkerRegistry
+from pdserve.runtime.http import start_http
+from pdserve.proto import pdserve_pb2
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import Dispatcher
+from pdserve.router.openai_http import OpenAIFrontend
+from pdserve.router.openai_protocol import OpenAIError
+from pdserve.router.policies import RoundRobin
+from pdserve.router.registry import WorkerRegistry
 from tests.router.fake_worker import FakeWorker, start_fake
 from tests.router.fake_worker import CharTokenizer
 

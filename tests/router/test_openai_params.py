@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.openai_protocol import (IMPLEMENTED, IMPLEMENTED_ONLY, NEUTRAL, OpenAIError,
+from pdserve.router.openai_protocol import (IMPLEMENTED, IMPLEMENTED_ONLY, NEUTRAL, OpenAIError,
                                     sampling_from_body)
 
 

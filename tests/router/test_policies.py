@@ -3,11 +3,11 @@ endpoints (no network)."""
 
 from __future__ import annotations
 
-from runtime.identity import NodeIdentity
-from router import selective
-from router.policies import LeastLoaded, PrefixAware, RoundRobin, make_policy
-from router.prefix_index import PrefixIndex
-from router.registry import Endpoint
+from pdserve.runtime.identity import NodeIdentity
+from pdserve.router import selective
+from pdserve.router.policies import LeastLoaded, PrefixAware, RoundRobin, make_policy
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.registry import Endpoint
 
 
 def _eps(*queues, role="decode"):
@@ -99,10 +99,10 @@ def test_a_prefill_node_whose_sends_take_half_the_lease_is_saturated_while_work_
 
 def test_a_send_still_in_flight_counts_as_slow_as_it_is_old(monkeypatch):
     """A queue that grows shows before any of its sends ends."""
-    import router.registry
+    import pdserve.router.registry
 
     now = [100.0]
-    monkeypatch.setattr(router.registry.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(pdserve.router.registry.time, "monotonic", lambda: now[0])
     p = _eps(0, role="prefill")[0]
     token = p.send_started()
     now[0] = 120.0

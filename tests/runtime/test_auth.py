@@ -11,12 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from proto import pdserve_pb2, pdserve_pb2_grpc, testing_pb2, testing_pb2_grpc
-from runtime import auth, cluster_key, tls
-from runtime.bearer import bearer_metadata
-from runtime.cluster_key import ClusterKey
-from runtime.gates import Gates, GatesService
-from runtime.server import channel, new_server
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc, testing_pb2, testing_pb2_grpc
+from pdserve.runtime import auth, cluster_key, tls
+from pdserve.runtime.bearer import bearer_metadata
+from pdserve.runtime.cluster_key import ClusterKey
+from pdserve.runtime.gates import Gates, GatesService
+from pdserve.runtime.server import channel, new_server
 from tests.certs import CA
 
 SECRET = b"0123456789abcdef-cluster"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from runtime.errors import (NodeDraining, NodeError, NodeOverloaded, PeerUnavailable, Refused,
+from pdserve.runtime.errors import (NodeDraining, NodeError, NodeOverloaded, PeerUnavailable, Refused,
                             RequestAborted, TimedOut, status_of)
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from runtime.gates import Gates
+from pdserve.runtime.gates import Gates
 
 
 def test_a_gated_request_stops_until_its_gate_opens_and_leaves_nothing_behind():

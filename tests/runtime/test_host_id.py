@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.identity import host_id
+from pdserve.runtime.identity import host_id
 
 
 def test_processes_sharing_memory_have_one_id_keyed_by_the_ipc_namespace(monkeypatch):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from runtime.options import add_options, from_args, option
+from pdserve.runtime.options import add_options, from_args, option
 
 
 @dataclass

@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from runtime.server import new_server
+from pdserve.runtime.server import new_server
 
 
 def test_a_second_server_cannot_take_a_live_nodes_port():

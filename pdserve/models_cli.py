@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from models.catalogue import CARD_FILE, CATALOGUE, DEFAULT_MODEL, DEMO, lookup, models_dir
+from pdserve.models.catalogue import CARD_FILE, CATALOGUE, DEFAULT_MODEL, DEMO, lookup, models_dir
 
 MODEL_HELP = (f"checkpoint directory or known model name ({', '.join(CATALOGUE)}; "
               f"default: %(default)s; `pdserve models list`)")
@@ -29,19 +29,19 @@ def resolve_model(model: str, source: str | None = None) -> str:
         return model
     known = lookup(model)
     if known is DEMO:
-        from engine.checkpoint import ensure_demo_model
+        from pdserve.engine.checkpoint import ensure_demo_model
 
         card = {"name": DEMO.name, "description": DEMO.description}
         return str(ensure_demo_model(models_dir() / DEMO.name, {CARD_FILE: json.dumps(card)}))
-    from models.convert import ensure
+    from pdserve.models.convert import ensure
 
     return str(ensure(known.name, source=source))
 
 
 def model_or_exit(model: str) -> str:
     """`resolve_model` for a command line: a clear message and exit status 2 on failure."""
-    from models.catalogue import UnknownModel
-    from models.convert import ModelUnavailable
+    from pdserve.models.catalogue import UnknownModel
+    from pdserve.models.convert import ModelUnavailable
 
     try:
         return resolve_model(model)
@@ -51,7 +51,7 @@ def model_or_exit(model: str) -> str:
 
 
 def cmd_models(args) -> int:
-    from models.catalogue import cached, read_card
+    from pdserve.models.catalogue import cached, read_card
 
     if args.action == "list":
         for model in CATALOGUE.values():
