@@ -1,6 +1,6 @@
 """pdserve's benchmarks: the top layer, importing whatever they measure.
 
-Each harness is a module run as a program (`python -m benchmarks.<name>`, or
+Each harness is a module run as a program (`python -m pdserve.benchmarks.<name>`, or
 `pdserve bench <name>`), prints one JSON object with `--json`, and compares against a
 baseline measured in the same run, because these machines are noisy:
 - `engine`: the engine's `LLM` against transformers `generate` (greedy).

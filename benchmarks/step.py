@@ -23,6 +23,8 @@ import sys
 import time
 from collections import defaultdict
 
+from pdserve.arith import ceil_div
+
 KINDS = ("matmuls", "attention", "norms/rope/activation", "sampling", "scheduling")
 
 
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(args.batch)]
     # Enough tokens that no sequence finishes while later ones are still prefilling, and
     # room for every sequence at once: the whole batch decodes together, none is preempted.
-    max_tokens = args.decode_steps + -(-args.batch * args.prompt_len // 256) + 2
+    max_tokens = args.decode_steps + ceil_div(args.batch * args.prompt_len, 256) + 2
     room = kv_cache_bytes(config, args.dtype, [Workload("step", prompts, [max_tokens] * args.batch, 1)], 16)
     llm = LLM(model.dir, dtype=args.dtype, enable_prefix_cache=False, kv_cache_memory_bytes=room)
     engine = llm.engine

@@ -171,7 +171,7 @@ class _Session:
         dst_spec = PoolSpec(a.layers, a.kv_heads, a.head_dim, a.dst_page_size, max(dst_need, 1), a.dtype,
                             a.dst_layout)
         ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}  # --link: TCP on pd0
-        # The receiver's agent is a decode node's (pdserve/worker.py): NIXL's progress thread,
+        # The receiver's agent is a decode node's (worker/app.py): NIXL's progress thread,
         # unless --receiver-poll-ms asks for the agent's own poll at that interval.
         receiver_kwargs = {**self.agent_kwargs(a), "progress_thread": a.receiver_poll_ms is None} \
             if a.receiver_poll_ms is None else {**self.agent_kwargs(a), "poll_interval_s": a.receiver_poll_ms / 1e3}

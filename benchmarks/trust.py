@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from pdserve.arith import ceil_div
 from pdserve.benchmarks.model_choice import add_model_flag, resolve_or_exit
 from pdserve.benchmarks.transfer import fragmented_pages
 
@@ -127,7 +128,7 @@ def measure(args) -> dict:
     dtype = getattr(torch, args.dtype)
     model = resolve_or_exit(args.model, PROG)
     nbytes = page_bytes(model.dir, args.page_size, dtype)
-    num_pages = -(-args.tokens // args.page_size)
+    num_pages = ceil_div(args.tokens, args.page_size)
     agents = Agents(args.pool_pages, nbytes)
     rng = np.random.default_rng(args.seed)
     d, p = agents.agents["d"], agents.agents["p"]

@@ -39,7 +39,7 @@ class Lease:
     expires_at: float
     engine_key: str = ""  # the engine's id of this reservation (unique per lease)
     reserve_s: float = 0.0  # how long the reservation took (for the request's log line)
-    queued_s: float = 0.0   # of which it waited in line for KV pages (decode/line.py)
+    queued_s: float = 0.0   # of which it waited in line for KV pages (decode/page_line.py)
     # Local prefill (selective disaggregation): nothing reserved; at StartGeneration the
     # prompt enters the engine as an ordinary request with these ids and params.
     local_prompt: list[int] | None = None
@@ -48,6 +48,12 @@ class Lease:
     num_pages: int = 0        # pages its window reserved
     caller: str = ""          # who reserved it (runtime/auth.py caller_of)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+def engine_key_for(request_id: str, lease_id: str) -> str:
+    """The engine's id of a reservation: unique per lease, so a request id that comes back
+    with a new reservation never meets the pages of its old one, perhaps still quarantined."""
+    return f"{request_id}@{lease_id[:12]}"
 
 
 class LeaseTable:

@@ -50,6 +50,8 @@ class Prepared:
 
 @dataclass
 class DecodeLoad:
+    """Each field is named as its `LoadReport` field: worker/service.py converts by name."""
+
     num_parked: int
     num_running: int
     requests_total: int

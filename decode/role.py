@@ -3,7 +3,7 @@
 Request kinds, one per method:
 - `prepare_receive(PrepareReceive)` resolves the window end, reserves slots for
   [matched, end) in the engine (which parks the request) and grants a lease; short of
-  pages, it waits in line for them (decode/line.py) instead of refusing; the append
+  pages, it waits in line for them (decode/page_line.py) instead of refusing; the append
   metadata it returns names exactly those slots. The engine knows each reservation by
   `<request_id>@<lease>`, so a retry of a request id never collides with a quarantined
   earlier reservation.
@@ -32,11 +32,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pdserve.arith import ceil_div
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.fence import ask_writer
 from pdserve.decode.inbox import Interrupted, NotificationInbox
-from pdserve.decode.leases import Lease, LeaseTable
-from pdserve.decode.line import PageLine
+from pdserve.decode.leases import Lease, LeaseTable, engine_key_for
+from pdserve.decode.page_line import PageLine
 from pdserve.decode.quarantine import Quarantine, tags
 from pdserve.decode.requests import (DecodeLoad, LocalPrefill, Prepared, PrepareReceive,  # noqa: F401
                              StartGeneration)  # (StartGeneration, LocalPrefill: re-exported)
@@ -93,9 +94,9 @@ class DecodeRole:
         started = time.perf_counter()
         lease_ms = self._admit(req.request_id, req.params, req.lease_ms)
         end = resolve_kv_window_end(req.kv_window_end, len(req.prompt_token_ids))
-        self.engine.engine.check_fits(len(req.prompt_token_ids), req.params)  # before the line
+        self.engine.capacity.check_fits(len(req.prompt_token_ids), req.params)  # before the line
         lease_id = uuid.uuid4().hex
-        key = f"{req.request_id}@{lease_id[:12]}"
+        key = engine_key_for(req.request_id, lease_id)
         self.preparing[req.request_id] = False
 
         async def attempt():
@@ -105,7 +106,7 @@ class DecodeRole:
             return await self._reserve(
                 key, lambda e: e.prepare_receive(key, req.prompt_token_ids, req.params, end))
         try:
-            await self._within_quota(req, -(-end // self.page_size))
+            await self._within_quota(req, ceil_div(end, self.page_size))
             reservation, waited_s = await self.line.wait(attempt, _line_bound(req.timeout_s))
             metrics.QUEUE_TIME.labels(role="decode").observe(waited_s)
         finally:
@@ -140,13 +141,13 @@ class DecodeRole:
 
     async def prepare_local(self, req: LocalPrefill) -> Prepared:
         lease_ms = self._admit(req.request_id, req.params, req.lease_ms)
-        self.engine.engine.check_fits(len(req.prompt_token_ids), req.params)
+        self.engine.capacity.check_fits(len(req.prompt_token_ids), req.params)
         if not req.prompt_token_ids:
             raise ValueError("prompt is empty")
         lease_id = uuid.uuid4().hex
         lease = self.leases.grant(
             req.request_id, lease_ms / 1000, lease_id=lease_id,
-            engine_key=f"{req.request_id}@{lease_id[:12]}", prompt_len=len(req.prompt_token_ids),
+            engine_key=engine_key_for(req.request_id, lease_id), prompt_len=len(req.prompt_token_ids),
             prefix_matched_length=0, kv_window_end=0, local_prompt=list(req.prompt_token_ids),
             local_params=req.params)
         self.requests_total += 1
@@ -266,7 +267,7 @@ class DecodeRole:
 
     def _check_quota(self, caller: str, pages: int) -> None:
         fraction = self.config.max_parked_fraction_per_caller
-        limit = int(fraction * self.engine.engine.num_pages)
+        limit = int(fraction * self.engine.capacity.num_pages)
         held = self.leases.parked_pages(caller)
         if fraction < 1 and held + pages > limit:
             raise NodeOverloaded(

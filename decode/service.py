@@ -1,4 +1,5 @@
-"""The decode role's half of the Worker service: PrepareReceive and StartGeneration.
+"""The decode role's half of the Worker service: PrepareReceive and StartGeneration
+(worker/service.py assembles a node's Worker service from the halves of its roles).
 
 Each RPC converts its message to one of the role's request objects, calls that one method,
 converts the answer back, and records what it observed; failures become statuses through

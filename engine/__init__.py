@@ -1,11 +1,11 @@
 """pdserve's LLM engine: a paged-KV Llama-family engine shared by the prefill and decode
-roles. `from engine import LLM, SamplingParams` for offline use; `Engine` is the
+roles. `from pdserve.engine import LLM, SamplingParams` for offline use; `Engine` is the
 step-driven core and `AsyncEngine` runs it in its own thread for servers.
 
 Owns: the model (Llama family from Hugging Face checkpoints), the paged KV cache (page pool,
 prefix cache), the scheduler (continuous batching, chunked prefill, preemption), the
 sampler and the detokenizer. Knows no wire format and no NIXL: where a role must act
-mid-forward, the engine offers a hook (`Engine.layer_hook`). The plain data
+mid-forward, the engine offers a hook (`AsyncEngine.add_layer_hook`). The plain data
 (`SamplingParams`, `EngineConfig`, outputs, `OutOfPages`) imports without torch; the rest
 loads torch when first used.
 """

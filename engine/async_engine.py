@@ -1,8 +1,10 @@
 """`AsyncEngine`: the Engine loop in its own thread, driven from asyncio without blocking.
 
 Invariants:
-- Only the engine thread touches the Engine, from building it on. Everything else reaches
-  it through the command queue (`run`), executed between steps.
+- Only the engine thread touches the Engine, from building it on (its entry points assert
+  so, engine/owner_thread.py). Everything else reaches it through the command queue (`run`
+  and the methods below), executed between steps. The one exemption is `capacity`, fixed
+  when the Engine is built and frozen: a role sizes a request by it without waiting a step.
 - The thread sleeps on a condition variable while there is nothing to do (no commands,
   no unfinished sequences), so an idle server uses no CPU.
 - Every stream ends: with the finished output, with an "abort" output when the request is
@@ -32,6 +34,7 @@ class AsyncEngine:
         self._commands: deque = deque()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self._layer_hooks: list = []  # engine thread only
         failed: list[BaseException] = []
         ready = threading.Event()
         self._thread = threading.Thread(target=self._build, args=(config_or_engine, failed, ready),
@@ -50,13 +53,18 @@ class AsyncEngine:
         region. Measured (SmolLM2 fp32, 30 prompts of 512-1536 tokens at once, 2 cores):
         67,000 context switches against 8,000, and 8% less time."""
         try:
-            self.engine = config_or_engine if isinstance(config_or_engine, Engine) else Engine(config_or_engine)
+            engine = config_or_engine if isinstance(config_or_engine, Engine) else Engine(config_or_engine)
+            engine.bind_to_current_thread()  # one built elsewhere is this thread's from here on
+            self.engine, self.capacity = engine, engine.capacity
         except BaseException as e:  # raised to the constructor's caller; the thread ends
             failed.append(e)
             return
         finally:
             ready.set()
-        self._loop()
+        try:
+            self._loop()
+        finally:  # this thread ends: the next thread to enter the Engine owns it (tests count its pages)
+            self.engine.unbind_thread()
 
     # ---- asyncio side ------------------------------------------------------------------
     async def run(self, fn, *args):
@@ -82,6 +90,19 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> bool:
         return await self.run(self._abort_on_thread, request_id)
+
+    def add_layer_hook(self, hook) -> None:
+        """`hook(layer, ranges)` on the engine thread after each layer of every step, beside
+        any other added (`Engine.layer_hook` says what `ranges` holds). Queued, not awaited:
+        in place before any command submitted after this call runs."""
+        self._submit(self._set_layer_hooks, (hook, True), None, None)
+
+    def remove_layer_hook(self, hook) -> None:
+        """Undo `add_layer_hook` (queued likewise); nothing to undo once shut down."""
+        with self._cond:
+            if self._stopped:
+                return
+        self._submit(self._set_layer_hooks, (hook, False), None, None)
 
     def shutdown(self) -> None:
         with self._cond:
@@ -121,6 +142,16 @@ class AsyncEngine:
             self._cond.notify()
 
     # ---- engine thread -----------------------------------------------------------------
+    def _set_layer_hooks(self, engine: Engine, hook, add: bool) -> None:
+        # Compared by ==: each access to a bound method (`obj.hook`) makes a new object.
+        hooks = [h for h in self._layer_hooks if h != hook] + ([hook] if add else [])
+        self._layer_hooks = hooks
+
+        def every_hook(layer: int, ranges) -> None:
+            for h in hooks:
+                h(layer, ranges)
+        engine.layer_hook = every_hook if hooks else None
+
     def _abort_on_thread(self, engine: Engine, request_id: str) -> bool:
         request = engine.requests.get(request_id)
         found = engine.abort(request_id)

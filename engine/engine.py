@@ -1,7 +1,7 @@
 """The step-driven engine: requests in, one scheduler iteration per `step()`, deltas out.
 
-Single-threaded: call every method from one thread (`AsyncEngine` owns that thread in
-servers). Ways a request enters, each with its preconditions checked in one place:
+Single-threaded: entry points assert that they run on the owner thread (`AsyncEngine`'s in
+servers; engine/owner_thread.py). Ways a request enters, each with its checks in one place:
 - `add_request`: an ordinary request, prefilled and decoded here.
 - `add_request(prefill_only=True)` (prefill node): computes the prompt's KV, never samples,
   finishes with "prefilled" and keeps its pages pinned until `release`; `slots_of` says
@@ -32,6 +32,9 @@ import time
 
 import torch
 
+from pdserve.arith import ceil_div
+
+from .capacity import KVCapacity
 from .completion import append_text, append_token, append_token_id, take_delta
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
@@ -40,6 +43,7 @@ from .model.weights import load_config, load_state_dict, load_tokenizer
 from .memory import kv_cache_pages
 from .native import keep_step_buffers, lazy_zeros
 from .outputs import RequestOutput, Reservation
+from .owner_thread import SingleThreaded, entry_point
 from .page_pool import OutOfPages, PagePool
 from .prefix_cache import PrefixCache, extend_page_keys
 from .sampler import SamplingRow, sample
@@ -51,7 +55,7 @@ class UnknownRequest(ValueError):
     """A request id the engine does not hold (in the state the call needs)."""
 
 
-class Engine:
+class Engine(SingleThreaded):
     def __init__(self, config: EngineConfig):
         config.validate()
         if config.num_threads:
@@ -71,6 +75,7 @@ class Engine:
         m = self.model
         bytes_per_page = m.num_layers * 2 * self.page_size * m.num_kv_heads * m.head_dim * dtype.itemsize
         self.num_pages, self.kv_cache_sizing = kv_cache_pages(config, bytes_per_page)
+        self.capacity = KVCapacity(self.page_size, self.num_pages, self.max_model_len)  # any thread reads it
         self.kv_cache = lazy_zeros(  # page-major, see the module docstring
             (self.num_pages, m.num_layers, 2, self.page_size, m.num_kv_heads, m.head_dim), dtype, config.device
         )
@@ -81,7 +86,7 @@ class Engine:
                                   config.max_num_seqs, self.max_model_len, config.cuda_graphs)
         self.eos_token_ids = _eos_token_ids(c, self.tokenizer)
         self.requests: dict[str, Request] = {}
-        self.layer_hook = None  # hook(layer_idx, [(request_id, begin, end), ...]) per layer
+        self.layer_hook = None  # hook(layer_idx, [(request_id, begin, end, slots), ...]) per layer
         self._arrivals = 0
         self.last_step_scheduled = 0  # sequences the last step ran (0: blocked or idle)
         # On a GPU a step's text (detokenizing, stop strings, outputs) is done during the
@@ -91,16 +96,19 @@ class Engine:
         self._text_pending: list[tuple[Sequence, int, bool]] = []
 
     # ---- accounting -------------------------------------------------------------------
+    @entry_point
     def num_free_pages(self) -> int:
         return self.pool.num_free_pages()
 
-    def num_total_pages(self) -> int:
+    def num_total_pages(self) -> int:  # a constant: not an entry point to check
         return self.pool.num_total_pages()
 
+    @entry_point
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._text_pending)
 
     # ---- entering requests -------------------------------------------------------------
+    @entry_point
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False) -> None:
         request = self._new_request(request_id, prompt_token_ids, params, prefill_only)
         self.requests[request_id] = request
@@ -108,6 +116,7 @@ class Engine:
         # in the prefix cache instead of computing them again.
         self.scheduler.add(request.seqs[0])
 
+    @entry_point
     def prepare_receive(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_window_end: int) -> Reservation:
         """Reserve slots for the KV of positions [matched, kv_window_end) and park the
         request. `matched` comes from the prefix cache, using at most end-1 tokens, so at
@@ -122,7 +131,7 @@ class Engine:
         seq.pages = self.prefix_cache.match(seq.page_keys[:max_pages])
         matched = len(seq.pages) * ps
         try:
-            seq.pages += self.pool.allocate(-(-kv_window_end // ps) - len(seq.pages))
+            seq.pages += self.pool.allocate(ceil_div(kv_window_end, ps) - len(seq.pages))
         except OutOfPages:
             self.pool.release_all(seq.pages)
             raise
@@ -134,6 +143,7 @@ class Engine:
         self.requests[request_id] = request
         return Reservation(request_id, matched, kv_window_end, seq.slots(matched, kv_window_end, ps))
 
+    @entry_point
     def start_generation(self, request_id: str) -> None:
         """Un-park: positions [0, kv_window_end) hold received KV; compute the rest here."""
         request = self.requests.get(request_id)
@@ -144,17 +154,19 @@ class Engine:
         self._publish(seq)
         self.scheduler.add_running(seq)
 
+    @entry_point
     def abort(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
         for seq in request.seqs:
             self.scheduler.remove(seq)
-            self._free(seq)
+            self.scheduler.free(seq)
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
         return True
 
+    @entry_point
     def release(self, request_id: str) -> bool:
         """Unpin a finished prefill-only request's pages (its full pages stay cached)."""
         request = self.requests.get(request_id)
@@ -162,6 +174,7 @@ class Engine:
             return False
         return self.abort(request_id)
 
+    @entry_point
     def slots_of(self, request_id: str) -> list[int]:
         """Slot of every position [0, len(prompt)) of a prefilled (prefill-only) request."""
         request = self.requests.get(request_id)
@@ -169,20 +182,6 @@ class Engine:
             raise UnknownRequest(f"no prefilled request {request_id!r}")
         seq = request.seqs[0]
         return seq.slots(0, seq.num_tokens, self.page_size)
-
-    def check_fits(self, prompt_len: int, params: SamplingParams, prefill_only: bool = False) -> None:
-        """ValueError naming the numbers if a request could never fit the KV cache, even
-        alone (the last token sampled is never fed back, so it needs no KV). The engine
-        itself ends such a sequence with "length" when the pool is full; a decode node
-        refuses it before it would wait in line for pages. Reads only constants."""
-        tokens = prompt_len if prefill_only else min(prompt_len + params.max_tokens - 1, self.max_model_len)
-        pages = -(-tokens // self.page_size)
-        if pages > self.num_pages:
-            extra = "" if prefill_only else f" plus max_tokens {params.max_tokens}"
-            raise ValueError(
-                f"prompt of {prompt_len} tokens{extra} needs {pages} KV pages, more than the "
-                f"{self.num_pages} of this engine ({self.num_pages * self.page_size} tokens)"
-            )
 
     def _new_request(self, request_id, prompt_token_ids, params, prefill_only) -> Request:
         if request_id in self.requests:
@@ -196,7 +195,7 @@ class Engine:
         limit = self.max_model_len if prefill_only else self.max_model_len - 1
         if len(prompt) > limit:
             raise ValueError(f"prompt of {len(prompt)} tokens is longer than the model's context allows ({limit})")
-        if -(-len(prompt) // self.page_size) > self.num_pages:
+        if ceil_div(len(prompt), self.page_size) > self.num_pages:
             raise ValueError(f"prompt of {len(prompt)} tokens needs more than the {self.num_pages} KV pages of this engine")
         params.validate(self.vocab_size, self.max_model_len)
         self._arrivals += 1
@@ -213,6 +212,7 @@ class Engine:
         return request
 
     # ---- one step ----------------------------------------------------------------------
+    @entry_point
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         self.last_step_scheduled = len(batch) + len(batch.too_long)
@@ -294,10 +294,10 @@ class Engine:
         return [self.output_of(r) for r in touched.values()]
 
     def _layer_hook_for(self, seqs, num_new):
-        hook = self.layer_hook
-        if hook is None:
+        if (hook := self.layer_hook) is None:
             return None
-        ranges = [(s.request.request_id, s.num_computed, s.num_computed + n) for s, n in zip(seqs, num_new)]
+        ranges = [(s.request.request_id, s.num_computed, s.num_computed + n,
+                   s.slots(s.num_computed, s.num_computed + n, self.page_size)) for s, n in zip(seqs, num_new)]
         return lambda layer_idx: hook(layer_idx, ranges)
 
     def _publish(self, seq: Sequence) -> None:
@@ -314,7 +314,7 @@ class Engine:
         seq.finish_reason = reason
         seq.status = Status.FINISHED
         self.scheduler.remove(seq)
-        self._free(seq)
+        self.scheduler.free(seq)
         if seq.index == 0:
             self._start_other_samples(seq.request)
 
@@ -323,12 +323,6 @@ class Engine:
             request.other_samples_started = True
             for other in request.seqs[1:]:
                 self.scheduler.add(other)
-
-    def _free(self, seq: Sequence) -> None:
-        self.pool.release_all(seq.pages)
-        seq.pages = []
-        seq.num_computed = 0
-        seq.num_published = 0
 
     def output_of(self, request: Request) -> RequestOutput:
         """The delta of `request` since its last output (it then counts as sent)."""

@@ -12,6 +12,7 @@ other).
 the build fails, the system is not Linux or PDSERVE_NO_C_KERNELS is set: callers then use
 their torch path. PDSERVE_KERNEL_CFLAGS adds compiler flags after the kernel's own: for
 example `-mno-avx512f` builds the AVX2 paths on an AVX-512 CPU (the tests run both).
+The kernels' design notes and measurements: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -89,16 +91,33 @@ def load(source: Path, flags: list[str], signatures: dict[str, list]) -> ctypes.
     return _libraries[key]
 
 
+class KernelLibrary:
+    """The C kernels of one source file beside its Python wrapper: built on first use (once
+    per process), each function typed by `signatures` (name -> argtypes; all return int)."""
+
+    def __init__(self, wrapper: str, source: str, signatures: dict[str, list],
+                 flags: list[str] = BASE_FLAGS) -> None:
+        self.source = Path(wrapper).with_name(source)
+        self.signatures = signatures
+        self.flags = flags
+
+    def library(self) -> ctypes.CDLL | None:
+        """The built library, or None: use the torch path."""
+        return load(self.source, self.flags, self.signatures)
+
+    def function(self, name: str, device) -> Callable | None:
+        """Kernel `name` where it can run (on the CPU, built), or None: use the torch path."""
+        if device.type != "cpu":
+            return None
+        lib = self.library()
+        return None if lib is None else getattr(lib, name)
+
+
 def lazy_zeros(shape, dtype, device="cpu"):
     """torch.zeros(shape) that costs no memory until written: on CPU, a private anonymous
     mapping, zero by definition, so no page is touched (or counted as used) until the engine
-    first writes it, and a large pool costs nothing at start.
-
-    Not on huge pages, measured: the earlier version advised THP on a shared mapping, which
-    is shmem, so the advice never took. Made effective (private mapping + MADV_HUGEPAGE), a
-    decode step of SmolLM2 at batch 32 ran no faster once the pool was touched (85.8 ms
-    against 87.7-89.5), and the first writes into fresh 2 MiB pages slowed the prefill's
-    KV stores fivefold (norms/rope/KV-store 102 ms a step against 31) on the dev machine."""
+    first writes it, and a large pool costs nothing at start. Not on huge pages: they made
+    the prefill's first KV stores slower and decode no faster (docs/kernels.md)."""
     import torch
 
     numel = math.prod(shape)
@@ -121,16 +140,9 @@ def keep_step_buffers() -> bool:
     them back to the kernel and faulting fresh zeroed pages in for the next step. Every
     step allocates its activations anew (a prefill's gate|up output of 1024 tokens is 12
     MiB); in the main thread glibc trimmed its heap once a step had freed them, so each
-    step faulted them in again, a fault and a zeroing per 4 KiB.
-
-    Measured on SmolLM2-135M (float32, 2 cores, Zen 3), without and with this, alternating:
-    - the engine in the main thread (`engine.LLM`, `pdserve bench engine`): prefills of
-      1024 tokens 1528-1627 ms against 1490-1567; 16 rounds of 4 requests (prompts 32-1024
-      tokens, 16-64 new) 80.8 and 79.5 s against 77.7 and 76.7, page faults 591k against 288k;
-    - the same rounds in a thread of their own, as a node runs its engine: 78.1-81.0 s
-      against 77.8-79.7, level (glibc's per-thread arenas were not trimmed that way), and so
-      was serving colocated at 0.5 and 1 req/s.
-    The cost: a process keeps its largest step's memory (RSS at the end was the same).
+    step faulted them in again, a fault and a zeroing per 4 KiB. A few percent on the
+    engine in the main thread; the cost is that a process keeps its largest step's memory
+    (measurements in docs/kernels.md).
 
     Process-wide, once, and only where the C library is glibc (mallopt); True if set."""
     global _malloc_tuned

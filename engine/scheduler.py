@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.arith import ceil_div
+
 from .page_pool import PagePool
 from .prefix_cache import PrefixCache, extend_page_keys
 from .sequence import Sequence, Status
@@ -84,10 +86,10 @@ class Scheduler:
             if self._pages_needed(seq, num_new) > self.pool.num_free_pages():
                 if not self.running and not batch.seqs and self._never_fits(seq, num_new):
                     self.waiting.popleft()
-                    self._free(seq)
+                    self.free(seq)
                     batch.too_long.append(seq)
                     continue
-                self._free(seq)  # give matched pages back; try again next step
+                self.free(seq)  # give matched pages back; try again next step
                 break
             self.waiting.popleft()
             self._grow(seq, num_new)
@@ -112,7 +114,7 @@ class Scheduler:
                 continue
             victim = self.running.pop()
             if victim is seq and index == 0 and self._never_fits(seq, num_new):
-                self._free(victim)
+                self.free(victim)
                 batch.too_long.append(victim)  # the engine finishes it with "length"
                 return 0
             self.preempt(victim)
@@ -121,11 +123,11 @@ class Scheduler:
 
     def _never_fits(self, seq: Sequence, num_new: int) -> bool:
         end = seq.num_computed + num_new
-        return -(-end // self.page_size) > self.pool.num_total_pages()
+        return ceil_div(end, self.page_size) > self.pool.num_total_pages()
 
     def _pages_needed(self, seq: Sequence, num_new: int) -> int:
         end = seq.num_computed + num_new
-        return max(0, -(-end // self.page_size) - len(seq.pages))
+        return max(0, ceil_div(end, self.page_size) - len(seq.pages))
 
     def _grow(self, seq: Sequence, num_new: int) -> None:
         need = self._pages_needed(seq, num_new)
@@ -145,11 +147,13 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free seq's pages and queue it to recompute its KV first among the waiting."""
         self.num_preemptions += 1
-        self._free(seq)
+        self.free(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
-    def _free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence) -> None:
+        """Give back seq's pages (full cached ones stay findable) and forget its KV: the one
+        place a sequence's pages are freed, whether preempted, finished or aborted."""
         self.pool.release_all(seq.pages)
         seq.pages = []
         seq.num_computed = 0

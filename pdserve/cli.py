@@ -108,7 +108,8 @@ class _RouterParser(argparse.ArgumentParser):
 def cmd_worker(args) -> int:
     from pdserve.decode.config import DecodeConfig
     from pdserve.engine import EngineConfig
-    from pdserve.worker import WorkerConfig, run_worker
+    from pdserve.worker.app import run_worker
+    from pdserve.worker.config import WorkerConfig
     from pdserve.prefill.config import PrefillConfig
     from pdserve.runtime.membership import MembershipConfig
     from pdserve.runtime.options import from_args
@@ -147,23 +148,34 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve.decode.config import DecodeConfig
     from pdserve.chat import add_chat_parser
     from pdserve.generate_cli import add_generate_parser
     from pdserve.health_cli import add_health_parser
+
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_server_commands(sub)
+    add_generate_parser(sub)
+    add_chat_parser(sub)
+    add_health_parser(sub)
+    return apply_env_defaults(parser)
+
+
+def _add_server_commands(sub) -> None:
+    """router, prefill, decode, serve, up, bench and models. Their flags come from
+    configuration dataclasses that import nothing heavy, so the plain install (the client)
+    parses them too and names the missing extra only when one runs (`main`)."""
+    from pdserve.decode.config import DecodeConfig
     from pdserve.models_cli import add_model_flag, add_models_parser
     from pdserve.up import UpConfig
-    from pdserve.worker import DEFAULT_PORTS
+    from pdserve.worker.config import DEFAULT_PORTS
     from pdserve.prefill.config import PrefillConfig
     from pdserve.router.config import RouterConfig
     from pdserve.runtime.auth import APIKeyConfig
     from pdserve.runtime.membership import MembershipConfig
     from pdserve.runtime.options import add_options
     from pdserve.runtime.tls import TLSConfig
-
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("router", help="client-facing router over prefill and decode workers")
     p.__class__ = _RouterParser
@@ -199,20 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after `--`: extra flags for both workers (e.g. -- --page-size 8)")
     p.set_defaults(func=cmd_up)
 
-    add_generate_parser(sub)
-    add_chat_parser(sub)
-
-    p = sub.add_parser("bench", help="benchmarks: `bench engine --help`, `bench transfer --help`, "
-                                     "`bench serve --help`, `bench router --help`, `bench step --help`, "
-                                     "`bench chaos --help`, `bench trust --help`, `bench ttft --help`")
+    p = sub.add_parser("bench", help="benchmarks, each with its own flags: `pdserve bench NAME --help`")
     p.add_argument("target", choices=sorted(BENCHMARKS), help="what to benchmark")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags for that benchmark")
     p.set_defaults(func=cmd_bench)
 
-    add_health_parser(sub)
-
     add_models_parser(sub)
-    return apply_env_defaults(parser)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -228,7 +232,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except ModuleNotFoundError as err:
+        # A server command whose flags import nothing heavy (the workers': worker/config.py)
+        # parses in the plain install too, and meets the missing package only when it runs.
+        if (err.name or "pdserve").split(".")[0] == "pdserve":
+            raise
+        sys.exit(f"pdserve {args.command} needs the server packages ({err.name} is not "
+                 "installed): pip install 'pdserve[server]'")
 
 
 if __name__ == "__main__":

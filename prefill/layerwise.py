@@ -7,11 +7,12 @@ write starts after the last layer. Sent per layer, only the last layer's share i
 when the prefill ends.
 
 How: the engine calls `LayerSends.hook(layer, ranges)` on its own thread after every
-layer of every step (engine.Engine.layer_hook; the engine knows nothing of NIXL). For a
-request with an open `LayerStream`, the hook records the span (layer, positions, their
-slots) and, once a step's layers hold 2 MiB (or at its last layer), wakes the sender
-thread, which posts one NIXL WRITE per step with all its ready layers (on the page-major
-pool consecutive layers of a page are adjacent bytes, so they are one descriptor per page)
+layer of every step (added by `AsyncEngine.add_layer_hook`; the engine knows nothing of
+NIXL, and this class never touches the engine). For a request with an open `LayerStream`,
+the hook records the span (layer, positions, the slots the engine names for them) and,
+once a step's layers hold 2 MiB (or at its last layer), wakes the sender thread, which
+posts one NIXL WRITE per step with all its ready layers (on the page-major pool
+consecutive layers of a page are adjacent bytes, so they are one descriptor per page)
 and drives it to completion. Spans that are ready before the decode node's window is known (an overlapped
 send) wait for it. The completion notification is sent once, after every WRITE of the
 window has landed (each NIXL UCX transfer ends with an endpoint flush), and carries the
@@ -54,7 +55,7 @@ class LayerSends:
 
     def __init__(self, agent, layout, engine, gates=None, poll_s: float = 0.002,
                  min_write_bytes: int = 2 << 20) -> None:
-        self.agent, self.layout, self.engine = agent, layout, engine  # engine: the sync Engine
+        self.agent, self.layout, self.engine = agent, layout, engine  # engine: the AsyncEngine
         self.poll_s = poll_s  # how often WRITEs in flight are driven on (this node has no NIXL thread)
         self.min_write_bytes = min_write_bytes
         self.layer_slot_bytes = 2 * layout.bytes_per_slot  # one position's K and V of one layer
@@ -67,6 +68,7 @@ class LayerSends:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kv-layers", daemon=True)
         self._thread.start()
+        engine.add_layer_hook(self.hook)  # in place before any request this node prefills
 
     # ---- the role's side (event loop thread) -------------------------------------------
     def open(self, request_id: str) -> LayerStream:
@@ -74,20 +76,7 @@ class LayerSends:
         stream = LayerStream(request_id, self.layout.num_layers)
         with self._cond:
             self._streams[request_id] = stream
-        self._install()
         return stream
-
-    def _install(self) -> None:
-        """Be the engine's layer hook, beside any other one set there (tests set theirs)."""
-        other = self.engine.layer_hook
-        if other is None:
-            self.engine.layer_hook = self.hook
-        elif other != self.hook and getattr(other, "layer_sends", None) is not self:
-            def both(layer, ranges):
-                self.hook(layer, ranges)
-                other(layer, ranges)
-            both.layer_sends = self
-            self.engine.layer_hook = both
 
     def aim(self, stream: LayerStream, peer: str, peer_layout, begin: int, end: int, dst_slots,
             bound: float, no_write: bytes) -> None:
@@ -124,6 +113,7 @@ class LayerSends:
                     stream.future.set_result(None)
 
     def close(self) -> None:
+        self.engine.remove_layer_hook(self.hook)
         with self._cond:
             self._stop = True
             for stream in self._streams.values():
@@ -138,18 +128,12 @@ class LayerSends:
             return
         woke = False
         written = None
-        for request_id, begin, end in ranges:
+        for request_id, begin, end, slots in ranges:
             stream = self._streams.get(request_id)
             if stream is None or end <= begin:
                 continue
             if stream.slot_key != (begin, end):  # once per step: the same for every layer
-                try:
-                    seq = self.engine.requests[request_id].seqs[0]
-                    stream.slots = np.asarray(seq.slots(begin, end, self.engine.page_size), dtype=np.int64)
-                except Exception as err:
-                    with self._cond:
-                        stream.error = stream.error or f"no slots for positions {begin}:{end}: {err!r}"
-                    continue
+                stream.slots = np.asarray(slots, dtype=np.int64)
                 stream.slot_key = (begin, end)
             if written is None and self.device is not None:
                 try:

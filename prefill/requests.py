@@ -60,6 +60,8 @@ class SendResult:
 
 @dataclass
 class PrefillLoad:
+    """Each field is named as its `LoadReport` field: worker/service.py converts by name."""
+
     num_running: int
     remote_sends_total: int
     last_kv_window_begin: int

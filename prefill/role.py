@@ -27,8 +27,8 @@ so (`no_write_tag`). A write that began is always awaited to its end, even when 
 cancelled: the source pages are never released while NIXL still reads them.
 
 Layer-wise sends (`--kv-send`, prefill/layerwise.py) write each layer once computed and the
-window checked (`_aim`); every rule above holds per write, and an abort or fence waits until
-no write of the stream is in flight before the engine frees the pages.
+window checked (`_send_layers_to_window`); every rule above holds per write, and an abort
+or fence waits until no write of the stream is in flight before the engine frees the pages.
 
 Capabilities: a window is written only if D's signature over it checks with the cluster
 key, it is not older than `max_window_age_s` (D's clock against ours: a coarse bound on a
@@ -85,7 +85,7 @@ class PrefillRole:
         self._ended: OrderedDict[str, str | None] = OrderedDict()  # -> lease its write landed in
         self.spent = SpentLeases()
         self.layers = None if config.kv_send == "whole" else LayerSends(  # prefill/layerwise.py
-            agent, layout, engine.engine, gates, min_write_bytes=int(config.layer_write_mb * 2**20))
+            agent, layout, engine, gates, min_write_bytes=int(config.layer_write_mb * 2**20))
         self.host_id = host_id()
         self.remote_sends_total = 0
         self.last_kv_window_begin = 0
@@ -167,15 +167,15 @@ class PrefillRole:
     async def _send(self, request_id: str, prompt: list[int], end: int, sending: Sending,
                     deadline: float, dst_slots: list[int] | None) -> SendResult:
         stream = self.layers.open(request_id) if self.layers is not None else None
-        aiming = None
+        destination = None  # the layer stream's: D's slots once the window is known
         try:
             t0 = time.perf_counter()
-            if stream is not None:  # aimed as soon as the window is known, layers flow from then on
-                aiming = asyncio.ensure_future(self._aim(request_id, len(prompt), end, sending, stream,
-                                                         deadline, dst_slots))
+            if stream is not None:  # layers flow to the window from the moment it is known
+                destination = asyncio.ensure_future(self._send_layers_to_window(
+                    request_id, len(prompt), end, sending, stream, deadline, dst_slots))
             last = await self._prefill(request_id, prompt[:end], sending)
-            if aiming is not None:
-                dst_slots = await aiming
+            if destination is not None:
+                dst_slots = await destination
             elif sending.delivered is None:
                 sending.delivered = await self._wait_window(request_id, sending, deadline)
                 dst_slots = self._check_window(request_id, len(prompt), end, *sending.delivered)
@@ -202,9 +202,9 @@ class PrefillRole:
                 await write_window(self, sending, request_id, peer.agent_name, plan, tag, remaining)
             t2 = time.perf_counter()
         finally:
-            if aiming is not None:
-                aiming.cancel()
-                aiming.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
+            if destination is not None:
+                destination.cancel()
+                destination.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
             # Shielded: a second cancellation must not cut the clean-up short.
             await asyncio.shield(self._end_send(request_id, sending, stream))
         self.remote_sends_total += 1
@@ -229,10 +229,10 @@ class PrefillRole:
             tell_no_write(self, peer.agent_name, no_write_tag(request_id, window.lease_id))
         await self.engine.run(lambda e: e.release(request_id))
 
-    async def _aim(self, request_id: str, prompt_len: int, end: int, sending: Sending, stream,
-                   deadline: float, dst_slots: list[int] | None) -> list[int]:
-        """Once the window is known (checked here, once): aim the layer stream at it, or
-        drop the stream when this window goes whole (`--kv-send`); D's slots."""
+    async def _send_layers_to_window(self, request_id: str, prompt_len: int, end: int, sending: Sending,
+                                     stream, deadline: float, dst_slots: list[int] | None) -> list[int]:
+        """Once the window is known (checked here, once): point the layer stream's writes
+        at it, or drop the stream when this window goes whole (`--kv-send`); D's slots."""
         if dst_slots is None:
             sending.delivered = await self._wait_window(request_id, sending, deadline)
             dst_slots = self._check_window(request_id, prompt_len, end, *sending.delivered)

@@ -1,4 +1,5 @@
-"""The prefill role's half of the Worker service: RemoteSend and DeliverWindow.
+"""The prefill role's half of the Worker service: RemoteSend, DeliverWindow and FenceWrites
+(worker/service.py assembles a node's Worker service from the halves of its roles).
 
 Each RPC converts its message to one of the role's request objects, calls that one method
 and converts the answer back; RemoteSend also records the transfer (metrics and the

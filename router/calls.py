@@ -76,7 +76,7 @@ class NodeCalls:
         state.local = local
         state.holders.add(decode)
         try:
-            # D may wait in line for pages (decode/line.py) up to what this deadline leaves.
+            # D may wait in line for pages (decode/page_line.py) up to what this deadline leaves.
             prep = await decode.stub.PrepareReceive(request, timeout=state.timeout(
                 self.config.prepare_timeout_s + self.config.max_queue_wait_s))
         except grpc.aio.AioRpcError as err:
@@ -86,7 +86,7 @@ class NodeCalls:
                 # and it is freed now. Its Abort names no lease and may land late, so this
                 # request reserves on that node no more (a late Abort would free a newer
                 # reservation that a prefill node is writing).
-                state.unsure.add(decode)
+                state.maybe_reserved.add(decode)
                 self.abort_later(decode, state.request_id, settled=True)
             raise self.error(state, decode, "PrepareReceive", err) from None
         state.queue_s += prep.queued_ms / 1000

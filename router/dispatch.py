@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.arith import ceil_div
 from pdserve.proto import pdserve_pb2
 from pdserve.router import selective
 from pdserve.router.admission import Admission
@@ -85,7 +86,7 @@ class Dispatcher:
                     raise
                 log.info("%s; trying another decode node", err.message)
                 if err.code == grpc.StatusCode.UNAVAILABLE:  # it may hold the request
-                    state.unsure.add(first)
+                    state.maybe_reserved.add(first)
                 first = None
         early = prefill = None
         if not plan.local and plan.end > 0:  # picked first: D's reservation names its writer
@@ -182,11 +183,11 @@ class Dispatcher:
             errors: list[DispatchError] = []
             while True:
                 try:
-                    if first is not None and first.usable and first not in state.unsure:
+                    if first is not None and first.usable and first not in state.maybe_reserved:
                         decode, first = first, None
                     else:
                         decode = self.registry.pick("decode", prompt_token_ids,
-                                                    exclude=tried + list(state.unsure))
+                                                    exclude=tried + list(state.maybe_reserved))
                 except NoEndpointError:
                     if not errors:
                         raise
@@ -316,4 +317,4 @@ def _room_for(decode: Endpoint | None, prompt_len: int) -> bool:
     yes). Its prefix cache may need fewer; never more."""
     if decode is None or decode.identity is None or not decode.total_pages:
         return True
-    return -(-prompt_len // decode.identity.page_size) <= decode.free_pages
+    return ceil_div(prompt_len, decode.identity.page_size) <= decode.free_pages

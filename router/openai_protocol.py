@@ -32,8 +32,8 @@ HTTP_STATUS = {
 }
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error"}
-# Every request field, and what pdserve does with it (the README's "OpenAI parameters"
-# table). Implemented: what both endpoints take, then each one's own.
+# Every request field, and what pdserve does with it (docs/operations.md, "OpenAI
+# parameters"). Implemented: what both endpoints take, then each one's own.
 IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
                "stream_options", "logprobs", "user",
                "top_k", "min_p", "ignore_eos", "stop_token_ids"}  # pdserve's (vLLM's) extras

@@ -34,7 +34,9 @@ class RequestState:
     arrived: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # the client's, on the monotonic clock
     holders: set = field(default_factory=set)  # router.registry.Endpoint that may hold it
-    unsure: set = field(default_factory=set)  # decode nodes a PrepareReceive failed on unknowingly
+    # Decode nodes that may hold a reservation of it with no lease known here (a PrepareReceive
+    # failed after it may have reserved): the request reserves on them no more.
+    maybe_reserved: set = field(default_factory=set)
     kv_write_pending: bool = False  # a RemoteSend may still write D's reservation
     route: pdserve_pb2.RouteInfo = field(default_factory=pdserve_pb2.RouteInfo)
     ttft: float = 0.0

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["proto", "models", "engine", "kvtransfer", "runtime", "prefill", "decode", "router", "pdserve",
-            "benchmarks"]
+PACKAGES = ["proto", "models", "engine", "kvtransfer", "runtime", "prefill", "decode", "router",
+            "worker", "pdserve", "benchmarks"]
 MAX_LINES = 350
 
 

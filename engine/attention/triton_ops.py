@@ -1,6 +1,6 @@
 """Paged attention and KV writes as Triton kernels (the GPU path).
 
-Same signatures as `torch_ops`: k_cache / v_cache are one layer's
+Same signatures as `cpu_ops`: k_cache / v_cache are one layer's
 `[num_pages, page_size, num_kv_heads, head_dim]` views of the page-major KV cache, strided
 over pages; slot s is `[s // page_size, s % page_size]`. The kernels take every stride, so
 any view with a unit last stride works.
@@ -21,6 +21,8 @@ Invariants:
 from __future__ import annotations
 
 import torch
+
+from pdserve.arith import ceil_div
 
 from ..triton_jit import kernel
 
@@ -174,7 +176,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     block_m = max(1, rows // group_pad)
     head_dim_pad = _pow2_at_least(head_dim, 16)
     block_n = 64 if head_dim_pad <= 128 else 32
-    grid = (num_seqs, num_kv_heads, _cdiv(max_new, block_m))
+    grid = (num_seqs, num_kv_heads, ceil_div(max_new, block_m))
     kernel = _load("_paged_attention_kernel")
     kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
@@ -186,7 +188,3 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
     )
     return out
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)

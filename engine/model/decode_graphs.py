@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.arith import ceil_div
+
 from ..attention import triton_ops
 from .llama import LlamaModel, StepAttention
 
@@ -47,7 +49,7 @@ class DecodeGraphs:
         tests check the buffers' layout and padding that way on a CPU."""
         self.model, self.kv_cache, self.page_size = model, kv_cache, page_size
         self.device = kv_cache.device
-        self.width = -(-max_model_len // page_size)  # block table entries per row
+        self.width = ceil_div(max_model_len, page_size)  # block table entries per row
         self.sizes = bucket_sizes(max_batch)
         self.max_batch = max_batch
         n = max_batch * (_FIELDS + self.width)

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
 
 import torch
 
 from .. import native
 from .layer_ops import TorchOps
 
-_SOURCE = Path(__file__).with_name("fused.c")
 _FLAGS = [*native.BASE_FLAGS, "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -38,6 +36,7 @@ for _s in _SUFFIX.values():
     _SIGNATURES[f"rope_kv_{_s}"] = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr,
                                     _ptr, _ptr, _ptr, _i64, _i64, _int]
     _SIGNATURES[f"silu_mul_{_s}"] = [_ptr, _ptr, _i64, _i64, _int]
+_KERNELS = native.KernelLibrary(__file__, "fused.c", _SIGNATURES, _FLAGS)
 
 
 class FusedOps(TorchOps):
@@ -58,7 +57,7 @@ class FusedOps(TorchOps):
 
             return TritonOps(rope, num_heads, num_kv_heads, head_dim, eps)
         if device.type == "cpu" and dtype in _SUFFIX and head_dim % 2 == 0 and head_dim <= 1024:
-            lib = native.load(_SOURCE, _FLAGS, _SIGNATURES)
+            lib = _KERNELS.library()
             if lib is not None:
                 return FusedOps(lib, dtype, rope, num_heads, num_kv_heads, head_dim, eps)
         return TorchOps(rope, num_heads, num_kv_heads, head_dim, eps)

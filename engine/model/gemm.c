@@ -1,6 +1,6 @@
 /* Matmul for the CPU: out [M, N] = x [M, K] @ W[N, K]^T (+ bias), float32 or bfloat16
  * (float32 sums), for every step's linear layers, decode-sized or prefill-sized. Built and
- * loaded by gemm.py; see there for what it measured against oneDNN.
+ * loaded by gemm.py; docs/kernels.md has what it measured against oneDNN.
  *
  * Layout. The weight is packed once, at load time, into panels of NR = 48 output columns:
  * - float32: panel p holds W[p*48 + j][k] at [k][j], so one k step of the panel is three
@@ -335,7 +335,7 @@ static inline __attribute__((always_inline)) void tile(const int pairs, const in
     if (!bf16) {
         /* Masked stores only where the panel ends inside the tile: vmaskmovps is microcoded on
          * Zen 3. With masked stores everywhere (and x copied row by row) the 30 layers'
-         * linears at 2048 rows ran at 74-96 GFLOP/s, against 112-122 (see gemm.py). */
+         * linears at 2048 rows ran at 74-96 GFLOP/s, against 112-122 (docs/kernels.md). */
         const int whole = cols - col >= 8 * cv;
         _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) _Pragma("GCC unroll 6") for (int j = 0; j < cv; j++) {
             float *dst = (float *)c + r * ldc + col + 8 * j;

@@ -2,13 +2,11 @@
 
 On a CPU with AVX-512 or AVX2 the weight is packed once, at load time, into gemm.c's panels, and
 every call runs gemm.c (level with oneDNN or faster at every row count measured, 1 to 2048,
-in chunks of 2048 past that; gemm.py has the figures). Where gemm.c cannot run, the weight
-is reordered into oneDNN's blocked layout and every call runs oneDNN's GEMM on it (what
-torch.compile's CPU freezing does too). Measured on the 2-core dev machine, fp32, a
-1024 x 5632 weight: at 32-64 rows 50-90 GFLOPS against 30-65 for `F.linear` (MKL sgemm),
-at 256-512 rows equal or better; a whole engine run (32 prompts of 256 tokens, 32 new
-tokens each) took 1.7x less time. Everywhere else (GPU, fp16, a torch without oneDNN,
-bfloat16 on a CPU where oneDNN has no bfloat16 linear and gemm.c cannot run) it is `F.linear`.
+in chunks past that). Where gemm.c cannot run, the weight is reordered into oneDNN's
+blocked layout and every call runs oneDNN's GEMM on it (what torch.compile's CPU freezing
+does too), faster than `F.linear`'s MKL sgemm at decode sizes. Everywhere else (GPU, fp16,
+a torch without oneDNN, bfloat16 on a CPU where oneDNN has no bfloat16 linear and gemm.c
+cannot run) it is `F.linear`. Figures: docs/kernels.md.
 
 Invariant: `Linear(w, b)(x)` equals `F.linear(x, w, b)` up to float rounding.
 """

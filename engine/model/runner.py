@@ -16,7 +16,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..attention import torch_ops
+from pdserve.arith import ceil_div
+
+from ..attention import cpu_ops
 from .decode_graphs import DecodeGraphs
 from .llama import LlamaModel, StepAttention
 
@@ -34,7 +36,7 @@ class ModelRunner:
 
             self.ops = triton_ops
         else:
-            self.ops = torch_ops
+            self.ops = cpu_ops
         self.on_gpu = self.device.type == "cuda"
         self.graphs = None
         if self.on_gpu and cuda_graphs and attention_backend == "triton" and max_batch > 0:
@@ -94,7 +96,7 @@ class ModelRunner:
         for seq, n in zip(seqs, num_new):
             begin, end = seq.num_computed, seq.num_computed + n
             pos = np.arange(begin, end)
-            pages = np.asarray(seq.pages[:-(-end // ps)], dtype=np.int64)
+            pages = np.asarray(seq.pages[:ceil_div(end, ps)], dtype=np.int64)
             ids[at:at + n] = seq.token_ids[begin:end]
             positions[at:at + n] = pos
             slots[at:at + n] = pages[pos // ps] * ps + pos % ps
@@ -125,10 +127,10 @@ class ModelRunner:
     def _attention_inputs(self, query_lens, seq_lens, page_lists) -> list[np.ndarray]:
         """Block tables, query start offsets and context lengths, as host arrays."""
         ps = self.page_size
-        width = max(-(-n // ps) for n in seq_lens)
+        width = max(ceil_div(n, ps) for n in seq_lens)
         tables = np.zeros((len(seq_lens), width), dtype=np.int64)
         for b, (pages, n) in enumerate(zip(page_lists, seq_lens)):
-            used = -(-n // ps)
+            used = ceil_div(n, ps)
             tables[b, :used] = pages[:used]
         starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=starts[1:])
@@ -143,8 +145,8 @@ class ModelRunner:
     def _attend_fn(self, query_lens, seq_lens, page_lists):
         ps = self.page_size
         if self.backend == "torch":
-            plan = torch_ops.plan_attention(query_lens, seq_lens, page_lists, ps, self.device, self.kv_cache.dtype)
-            return lambda q, k_cache, v_cache, scale: torch_ops.attend(q, k_cache, v_cache, plan, scale)
+            plan = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, ps, self.device, self.kv_cache.dtype)
+            return lambda q, k_cache, v_cache, scale: cpu_ops.attend(q, k_cache, v_cache, plan, scale)
         tensors = [torch.from_numpy(a).to(self.device) for a in self._attention_inputs(query_lens, seq_lens, page_lists)]
         return self._device_attend(tensors, max(query_lens))
 

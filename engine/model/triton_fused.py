@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.arith import ceil_div
+
 from ..triton_jit import kernel
 from .layer_ops import TorchOps
 
@@ -171,7 +173,7 @@ class TritonOps(TorchOps):
         if rows == 0 or inter == 0:
             return out
         block = min(1024, _pow2_at_least(inter))
-        _load("_silu_mul_kernel")[(rows, -(-inter // block))](
+        _load("_silu_mul_kernel")[(rows, ceil_div(inter, block))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=min(4, max(1, block // 256)),
         )
         return out

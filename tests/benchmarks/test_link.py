@@ -115,13 +115,13 @@ def test_stale_namespaces_of_dead_runs_are_removed(linkable):
 
 
 def _serve_bytes(server: socket.socket) -> tuple[int, float]:
+    """(bytes received, perf_counter when the last of them arrived)."""
     conn, _ = server.accept()
     with conn:
-        buf, n, first = bytearray(1 << 20), 0, None
+        buf, n = bytearray(1 << 20), 0
         while k := conn.recv_into(buf):
-            first = first or time.perf_counter()
             n += k
-        return n, time.perf_counter() - first
+        return n, time.perf_counter()
 
 
 def test_bulk_tcp_gets_the_shaped_rate(linkable):
@@ -137,13 +137,16 @@ def test_bulk_tcp_gets_the_shaped_rate(linkable):
             with socket.create_connection((b.address, server.getsockname()[1]), timeout=10) as c:
                 c.sendall(b"\x5a" * nbytes)
 
+        started = time.perf_counter()
         in_host(a, send)
         receiver.join(20)
         server.close()
-        got, seconds = result["got"]
+        got, last = result["got"]
     assert got == nbytes
-    achieved = got * 8 / seconds / rate_bits("200mbit")
-    assert 0.6 <= achieved <= 1.1, f"{achieved:.2f} of the shaped rate"
+    # From before the connection to the last byte: a loaded machine only slows the
+    # transfer, so only the ceiling is asserted (an unshaped veth runs at many Gbit/s).
+    achieved = got * 8 / (last - started) / rate_bits("200mbit")
+    assert achieved <= 1.1, f"{achieved:.2f} of the shaped rate"
 
 
 def test_a_delay_shows_in_the_round_trip_or_is_refused_without_netem(linkable):
@@ -168,7 +171,8 @@ def test_a_delay_shows_in_the_round_trip_or_is_refused_without_netem(linkable):
 
         rtt = in_host(a, connect)
         server.close()
-    assert 0.038 <= rtt < 1.0, f"connect took {rtt * 1e3:.1f} ms over a 20 ms each-way link"
+    # A floor only: load adds to a round trip (the connect's timeout bounds it above).
+    assert rtt >= 0.038, f"connect took {rtt * 1e3:.1f} ms over a 20 ms each-way link"
 
 
 class _Echo(BaseHTTPRequestHandler):

@@ -2,8 +2,6 @@
 
 import asyncio
 
-import pytest
-
 from pdserve.benchmarks.serve.backends import OpenAIBackend, completions_url
 from pdserve.benchmarks.serve.load import run_load
 from pdserve.benchmarks.serve.metrics import summarize
@@ -38,6 +36,9 @@ def test_openai_backend_streams_times_tokens_and_reads_the_model_name():
     assert body["max_tokens"] == 5 and all(isinstance(t, int) for t in body["prompt"])
     s = summarize(run.results)
     assert (s["completed"], s["output_tokens"]) == (3, 15)
+    # Lower bounds only: the server sleeps 20 ms before each token, and a loaded machine
+    # only adds to that.
     assert s["ttft_ms"]["median"] >= 15          # first token after one 20 ms gap
-    assert s["tpot_ms"]["median"] == pytest.approx(20, abs=15)
+    for r in run.results:  # the fifth token came after five gaps
+        assert r.ttft + r.tpot * (r.output_tokens - 1) >= 5 * 0.019
     assert not bad.ok and "HTTP 400" in bad.error and "bad prompt" in bad.error

@@ -27,6 +27,11 @@ from pdserve.runtime.server import channel
 
 WORKER_FLAGS = ["--num-threads", "1", "--num-pages", "256", "--page-size", "8"]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+# Why a request may correctly skip its prefill node on a machine loaded by other work (the
+# route's skip_reason): its RemoteSend outlived the lease ("fallback", "lease_ended"), or
+# the prefill node looked saturated or, slow to answer its health check after that, gone
+# ("prefill_saturated", "no_prefill"). A test that allows it asserts the answer and this.
+SKIPPED_UNDER_LOAD = frozenset({"fallback", "lease_ended", "prefill_saturated", "no_prefill"})
 
 
 class Cluster:
@@ -100,9 +105,10 @@ async def wait_for(predicate, timeout_s: float, poll_s: float = 0.05):
     raise AssertionError(f"condition not met within {timeout_s}s")
 
 
-async def wait_pools_full(addresses, timeout_s: float = 15.0) -> list[pdserve_pb2.LoadReport]:
+async def wait_pools_full(addresses, timeout_s: float = 60.0) -> list[pdserve_pb2.LoadReport]:
     """Wait until every pool is full and nothing is parked or quarantined; the last reports
-    (the caller asserts them, so a timeout shows what was left)."""
+    (the caller asserts them, so a timeout shows what was left). The bound is against a
+    leak, not a claim of speed: a loaded machine may take many times the usual second."""
     reports: list = []
 
     async def all_full():

@@ -199,7 +199,7 @@ def test_random_requests_to_a_worker_get_a_status(fault_cluster):
 
     one()
     assert ("PrepareReceive", OK) in seen and ("PrepareReceive", grpc.StatusCode.INVALID_ARGUMENT) in seen, seen
-    reports = run(wait_pools_full([decode, prefill], timeout_s=10))
+    reports = run(wait_pools_full([decode, prefill]))
     assert all(full(r) for r in reports), reports
     _still_serves(fault_cluster)
 

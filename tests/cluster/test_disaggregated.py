@@ -78,7 +78,7 @@ def test_stream_order_and_final_usage_message(cluster):
     usage = final.usage
     assert usage.completion_tokens == len(tokens)
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert 0 < usage.time_to_first_token_s < 30
+    assert usage.time_to_first_token_s > 0
     assert usage.route.decode_endpoint == cluster.address("decode")
     assert usage.route.prefill_endpoint == cluster.address("prefill")
     assert all(m.request_id == "order-1" for m in msgs)

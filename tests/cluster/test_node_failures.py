@@ -19,7 +19,7 @@ import pytest
 from pdserve.client import AsyncClient
 from pdserve.proto import pdserve_pb2
 from pdserve.runtime.server import channel
-from tests.cluster.conftest import GRACE_MS, HELD, SLOW
+from tests.cluster.conftest import HELD, SLOW
 from tests.cluster.nodes import (GREEDY, full, gate_open, gate_reached, load, open_gates, run,
                                  stopped_at, wait_for, wait_pools_full, worker_stub)
 
@@ -52,7 +52,7 @@ def test_sigkill_prefill_node_during_transfer_still_gives_the_right_answer(fault
         survivors = [c.address(n) for n in ("p1", "p2", "d1", "d2") if n != victim]
         # D's reservation written by the dead node never gets a notification: it stays
         # quarantined until its lease (2 s) plus the grace period.
-        reports = await wait_pools_full(survivors, timeout_s=2 + GRACE_MS / 1000 + 5)
+        reports = await wait_pools_full(survivors)
         return victim, out, expected, reports
 
     try:
@@ -64,7 +64,12 @@ def test_sigkill_prefill_node_during_transfer_still_gives_the_right_answer(fault
     assert out.token_ids == expected.token_ids and len(out.token_ids) == 8
     assert out.finish_reason == "length"
     route = out.usage.route
-    assert route.prefill_endpoint in ("", c.address("p2" if victim == "p1" else "p1"))
+    # Sent by the survivor; or, when its retry too outlived the 2 s lease (a loaded
+    # machine), prefilled by D, and the route says why.
+    if route.remote_send_skipped:
+        assert route.skip_reason in ("fallback", "lease_ended"), route
+    else:
+        assert route.prefill_endpoint == c.address("p2" if victim == "p1" else "p1"), route
     assert all(full(r) for r in reports), reports
 
 
@@ -108,8 +113,7 @@ def test_sigkill_decode_node_is_unavailable_naming_it_and_traffic_moves_on(fault
             rest, reason = await drain(bystander)
             after = [await client.generate(f"next request {i}", max_tokens=4, **GREEDY)
                      for i in range(4)]
-            survivors = await wait_pools_full(
-                [c.address(n) for n in ("p1", "p2", other)], timeout_s=10)
+            survivors = await wait_pools_full([c.address(n) for n in ("p1", "p2", other)])
             c.restart(victim)
 
             async def routed_to_victim():
@@ -171,10 +175,16 @@ def test_lease_expiry_while_prefill_node_still_writes_changes_no_other_output(fa
                     outs.extend(zip(batch, await asyncio.gather(*(
                         main.generate(p, max_tokens=6, **GREEDY) for p in batch))))
 
+            async def batch_ended_since(ran: int) -> bool:
+                return len(outs) > ran
+
             traffic = asyncio.ensure_future(bystanders())
             for attempt in range(2):  # one prefill node, then the other
                 prefill = await stopped_at(c, "kv_write", request_id)
                 await wait_for(quarantined, timeout_s=10)  # its lease ended: D quarantined
+                # Bystanders run while D holds those pages, however slow the machine.
+                ran = len(outs)
+                await wait_for(lambda: batch_ended_since(ran), timeout_s=60)
                 await gate_open(c.address(prefill), "kv_write", request_id)  # lands late
                 await wait_for(none_quarantined, timeout_s=10)  # D saw it land
             out = await slow
@@ -184,15 +194,14 @@ def test_lease_expiry_while_prefill_node_still_writes_changes_no_other_output(fa
             for i in range(0, len(outs), 8):
                 expected += await asyncio.gather(*(_fresh(main, p, 6) for p, _ in outs[i:i + 8]))
             slow_expected = await _fresh(main, LONG_IDS[:120], 6)
-        reports = await wait_pools_full([*c.workers], timeout_s=GRACE_MS / 1000 + 8)
+        reports = await wait_pools_full([*c.workers])
         after = sum([r.late_writes_total for r in reports if r.role == "decode"])
         return out, slow_expected, outs, expected, after - before, reports
 
-    out, slow_expected, outs, expected, late_writes, reports = run(go(), timeout_s=120)
+    out, slow_expected, outs, expected, late_writes, reports = run(go(), timeout_s=240)
     assert late_writes == 2  # both prefill nodes really wrote after their leases ended
     assert out.token_ids == slow_expected.token_ids
     assert out.usage.route.remote_send_skipped  # both prefill attempts ran out of lease
-    assert len(outs) >= 12
     mismatched = [i for i, ((_, o), e) in enumerate(zip(outs, expected)) if o.token_ids != e.token_ids]
     assert not mismatched, f"{len(mismatched)} of {len(outs)} bystanders changed: {mismatched}"
     assert all(full(r) for r in reports), reports
@@ -232,24 +241,27 @@ def test_pages_of_an_expired_lease_are_not_reused_until_the_late_write_lands(fau
                 lease_remaining_ms=x.lease_ms, lease_ms=x.lease_ms, capability=x.capability,
                 issued_unix_ms=x.issued_unix_ms), timeout=30))
             await gate_reached(p1, "kv_write", x_id)  # its write has begun, held
-            fillers, i = [], 0
-            while True:  # fill the pool with reservations until D refuses one
-                try:
-                    # A short deadline: D's line for pages gives up (RESOURCE_EXHAUSTED)
-                    # within it, where it would otherwise wait for pages to come back.
-                    fillers.append(await prepare(d, f"fill-{i}", ids(i, 65), 60_000, timeout=1))
-                except grpc.aio.AioRpcError as err:
-                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
-                    break
-                i += 1
+            # Fill the pool until another filler would not fit, counted in D's free pages (a
+            # cached page counts as free, so a prefix hit changes no filler's share).
+            fillers, free, need = [], (await load(d1)).free_pages, 0
+            while free >= need:
+                fillers.append(await prepare(d, f"fill-{len(fillers)}", ids(len(fillers), 65),
+                                             60_000))
+                left = (await load(d1)).free_pages
+                assert left < free, "a filler reserved no page"
+                need, free = max(need, free - left), left
             await wait_for(lambda: _quarantined(d1), timeout_s=5)  # X's lease has ended
             during = []
             for k in range(3):  # nobody gets X's pages while its write may still land
                 try:
+                    # A short deadline: D's line for pages gives up within it (or, on a
+                    # loaded machine, the deadline passes first), where it would otherwise
+                    # wait for pages to come back.
                     r = await prepare(d, f"during-{k}", ids(500 + k, 17), 60_000, timeout=1)
                     during.append(set(slots(r.kv_append_metadata)))
                 except grpc.aio.AioRpcError as err:
-                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                    assert err.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                          grpc.StatusCode.DEADLINE_EXCEEDED), err
             await gate_open(p1, "kv_write", x_id)
             sent = await send  # the late write landed (the prefill node says so)
             await wait_for(lambda: _not_quarantined(d1), timeout_s=5)

@@ -130,7 +130,10 @@ def test_usage_timings_of_disaggregated_and_colocated_requests(cluster, colocate
     d, c = disagg.usage, coloc.usage
     assert not d.route.remote_send_skipped and c.route is None
     for u in (d, c):
-        assert 0 < u.time_per_output_token_s <= u.time_per_output_token_p90_s * 8
+        # At least a tenth of the gaps are at least their (nearest-rank) p90, so the mean is
+        # at least a tenth of it; no upper bound: one stall of a loaded machine lifts the mean
+        # past any multiple of the p90.
+        assert 0 < u.time_per_output_token_p90_s / 10 <= u.time_per_output_token_s
         assert u.time_per_output_token_p90_s > 0 and u.prefill_time_s > 0
         assert u.time_to_first_token_s > 0 and u.queue_time_s >= 0
     assert d.kv_transfer_time_s > 0 and c.kv_transfer_time_s == 0

@@ -4,15 +4,15 @@ Request `slow-sigstop-…` makes each prefill node that writes it land the first
 window and then stop its own process (runtime/gates.py), as a stalled host would. The
 decode node must not reuse those pages on the strength of a clock: it holds them, asks the
 writer for proof, and after lease + grace reports the writer fenced; the router stops
-using the frozen nodes at once, and the client still gets the right answer, in time. After
-SIGCONT the second halves land, the pages come back, and the prefill nodes take work again.
+using the frozen nodes at once, and the client still gets the right answer within its
+deadline. After SIGCONT the second halves land, the pages come back, and the prefill nodes
+take work again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from pathlib import Path
 
 from pdserve.client import AsyncClient
@@ -50,7 +50,6 @@ def test_writer_stopped_mid_window_is_fenced_changes_no_output_and_leaks_nothing
         before = sum([(await load(d)).late_writes_total for d in d_addresses])
         await open_gates(c, "prefill", request_id)
         async with AsyncClient(c.address("short")) as short, AsyncClient(c.address("main")) as main:
-            started = time.monotonic()
             slow = asyncio.ensure_future(short.generate(
                 PROMPT, request_id=request_id, max_tokens=6, timeout=40, **GREEDY))
             frozen = []
@@ -63,7 +62,6 @@ def test_writer_stopped_mid_window_is_fenced_changes_no_output_and_leaks_nothing
                 frozen.append(name)
             try:
                 out = await slow  # D prefilled it itself once both leases ran out
-                elapsed = time.monotonic() - started
                 # Past lease + grace a frozen writer is fenced: listed, its pages still held.
                 try:
                     walls = await wait_for(fenced, timeout_s=20)
@@ -75,7 +73,7 @@ def test_writer_stopped_mid_window_is_fenced_changes_no_output_and_leaks_nothing
             finally:
                 for name in frozen:
                     c.nodes[name].send_signal(signal.SIGCONT)
-            reports = await wait_pools_full([*c.workers], timeout_s=20)
+            reports = await wait_pools_full([*c.workers])
             after = sum([r.late_writes_total for r in reports if r.role == "decode"])
             expected = await asyncio.gather(*(main.generate(
                 bystander(i), kv_window_end=0, max_tokens=6, **GREEDY) for i in range(6)))
@@ -86,12 +84,12 @@ def test_writer_stopped_mid_window_is_fenced_changes_no_output_and_leaks_nothing
                 return not o.usage.route.remote_send_skipped
 
             await wait_for(disaggregated_again, timeout_s=20, poll_s=0.3)
-        return (out, elapsed, walls, bystanders, quarantined, reports, after - before, expected,
+        return (out, walls, bystanders, quarantined, reports, after - before, expected,
                 slow_expected, frozen)
 
-    (out, elapsed, walls, bystanders, quarantined, reports, late, expected, slow_expected,
+    (out, walls, bystanders, quarantined, reports, late, expected, slow_expected,
      frozen) = run(go(), timeout_s=150)
-    assert out.token_ids == slow_expected.token_ids and elapsed < 40
+    assert out.token_ids == slow_expected.token_ids
     assert walls and walls <= {c.address(n) for n in frozen}
     # Both half-written reservations (and any bystander's sent to a frozen node before the
     # main router heard) are held while their writers are frozen.

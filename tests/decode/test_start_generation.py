@@ -75,7 +75,7 @@ def test_kv_notification_taken_while_another_request_waits_is_kept_for_its_own_s
     """The pump takes every notification while anyone waits: one for a request whose
     StartGeneration has not come yet must be kept for it, not dropped."""
     async def go():
-        role = node.role(notification_timeout_s=2.0)  # a lost tag fails in 2 s, not 10
+        role = node.role()  # a lost tag fails at the default notification timeout
         expected = await node.colocated()
         waiting = await role.prepare_receive(prepare("a"))
         later = await role.prepare_receive(prepare("b"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.attention import torch_ops, triton_ops
+from pdserve.engine.attention import cpu_ops, triton_ops
 
 
 def scattered_pool(num_kv_heads, head_dim, page_size, seq_lens, dtype, g: torch.Generator):
@@ -28,11 +28,11 @@ def scattered_pool(num_kv_heads, head_dim, page_size, seq_lens, dtype, g: torch.
 def kernel_and_torch_plans(q, k_cache, v_cache, query_lens, seq_lens, page_lists, page_size, dtype):
     """Attend with the plan that uses the C kernels and with the one that does not; assert
     the outputs agree (fp32 1e-5, bf16 2e-2) and return both plans."""
-    with_kernel = torch_ops.plan_attention(query_lens, seq_lens, page_lists, page_size, "cpu", dtype)
-    without = torch_ops.plan_attention(query_lens, seq_lens, page_lists, page_size, "cpu", None)
+    with_kernel = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, page_size, "cpu", dtype)
+    without = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, page_size, "cpu", None)
     scale = q.shape[-1] ** -0.5
-    got = torch_ops.attend(q, k_cache, v_cache, with_kernel, scale)
-    want = torch_ops.attend(q, k_cache, v_cache, without, scale)
+    got = cpu_ops.attend(q, k_cache, v_cache, with_kernel, scale)
+    want = cpu_ops.attend(q, k_cache, v_cache, without, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     return with_kernel, without

@@ -129,7 +129,8 @@ def test_prefill_only_pins_pages_until_release_and_abort_frees_them(make_engine,
     while prefill.has_unfinished():
         prefill.step()
     assert prefill.num_free_pages() == 64 - 3 - 4
-    assert {r for _, ranges in seen for r in ranges} == {("a", 0, 10), ("b", 0, 13)}
+    assert {r[:3] for _, ranges in seen for r in ranges} == {("a", 0, 10), ("b", 0, 13)}
+    assert all(slots == prefill.slots_of(rid)[b:e] for _, ranges in seen for rid, b, e, slots in ranges)
     assert sorted({layer for layer, _ in seen}) == [0, 1]
     assert len(set(prefill.slots_of("b"))) == 13
     assert prefill.release("a") and prefill.abort("b")

@@ -95,8 +95,8 @@ def test_a_request_that_could_never_fit_names_its_prompt_and_max_tokens(make_eng
     """What a decode node checks before a request waits in line for pages (the engine
     itself would end it with "length" when the pool ran out)."""
     engine = make_engine("llama", page_size=4, num_pages=4)  # 16 slots
-    engine.check_fits(10, SamplingParams(max_tokens=7))  # 16 tokens of KV: fits
+    engine.capacity.check_fits(10, SamplingParams(max_tokens=7))  # 16 tokens of KV: fits
     with pytest.raises(ValueError, match=r"prompt of 10 tokens plus max_tokens 8 needs 5 KV "
                                          r"pages, more than the 4 of this engine \(16 tokens\)"):
-        engine.check_fits(10, SamplingParams(max_tokens=8))
-    engine.check_fits(16, SamplingParams(max_tokens=8), prefill_only=True)  # a prefill node's
+        engine.capacity.check_fits(10, SamplingParams(max_tokens=8))
+    engine.capacity.check_fits(16, SamplingParams(max_tokens=8), prefill_only=True)  # a prefill node's

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from pdserve.engine.attention import torch_ops
+from pdserve.engine.attention import cpu_ops
 from pdserve.engine.model.fused import FusedOps, TorchOps
 from pdserve.engine.model.rope import RotaryTables
 
@@ -69,7 +69,7 @@ def test_rope_store_matches_torch_and_writes_the_slots(dtype, head_norms, stride
     outs = []
     for ops, pool in zip((fused, plain), pools):
         k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]  # a middle layer's strided views
-        outs.append(ops.rope_store(qkv, positions, q_norm, k_norm, k_cache, v_cache, slots, torch_ops.store_kv))
+        outs.append(ops.rope_store(qkv, positions, q_norm, k_norm, k_cache, v_cache, slots, cpu_ops.store_kv))
     _close(outs[0], outs[1])
     _close(pools[0], pools[1])
     written = pools[0][:, 1].transpose(0, 1).reshape(2, 8 * page_size, Hkv, D)  # [K/V, slot, Hkv, D]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.model import gemm
+from pdserve.engine import native
 from pdserve.engine.model.gemm import PanelWeight
 from pdserve.engine.model.linear import Linear
 
@@ -104,7 +104,8 @@ def test_bfloat16_with_odd_k_is_not_packed():
 
 
 def test_no_c_kernels_means_no_panels(monkeypatch):
-    monkeypatch.setattr(gemm, "_library", lambda: None)
+    monkeypatch.setenv("PDSERVE_NO_C_KERNELS", "1")
+    monkeypatch.setattr(native, "_libraries", {})  # built ones are forgotten, then not rebuilt
     w = torch.randn(8, 16)
     lin = Linear(w)
     assert lin.panels is None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.attention import torch_ops
+from pdserve.engine.attention import cpu_ops
 from pdserve.engine.attention.prefill_attention import kernel_for
 from tests.engine.paged_cases import kernel_and_torch_plans, scattered_pool
 
@@ -48,12 +48,12 @@ def test_a_query_sees_no_later_position():
     g = torch.Generator().manual_seed(2)
     k_cache, v_cache, page_lists = scattered_pool(3, 64, 16, [50], torch.float32, g)
     q = torch.randn(50, 9, 64, generator=g)
-    plan = torch_ops.plan_attention([50], [50], page_lists, 16, "cpu", torch.float32)
-    before = torch_ops.attend(q, k_cache, v_cache, plan, 0.125)
+    plan = cpu_ops.plan_attention([50], [50], page_lists, 16, "cpu", torch.float32)
+    before = cpu_ops.attend(q, k_cache, v_cache, plan, 0.125)
     last_page, row = page_lists[0][49 // 16], 49 % 16
     k_cache[last_page, row] += 3.0
     v_cache[last_page, row] -= 5.0
-    after = torch_ops.attend(q, k_cache, v_cache, plan, 0.125)
+    after = cpu_ops.attend(q, k_cache, v_cache, plan, 0.125)
     torch.testing.assert_close(after[:49], before[:49], atol=0, rtol=0)
     assert not torch.allclose(after[49], before[49])
 

@@ -24,7 +24,7 @@ import types  # noqa: E402
 import pytest  # noqa: E402
 import triton  # noqa: E402, F401  (a dependency: these tests run it)
 
-from pdserve.engine.attention import torch_ops  # noqa: E402
+from pdserve.engine.attention import cpu_ops  # noqa: E402
 from pdserve.engine.model.fused import FusedOps  # noqa: E402
 from pdserve.engine.model.layer_ops import TorchOps  # noqa: E402
 from pdserve.engine.model.rope import RotaryTables  # noqa: E402
@@ -57,7 +57,7 @@ def _close(got, want):
 def _store_kv_skipping_padding(k_cache, v_cache, k, v, slots):
     """torch's KV store for the reference; it has no padding slots, so they are dropped here."""
     keep = slots >= 0
-    torch_ops.store_kv(k_cache, v_cache, k[keep], v[keep], slots[keep])
+    cpu_ops.store_kv(k_cache, v_cache, k[keep], v[keep], slots[keep])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -174,7 +174,7 @@ def test_rope_store_with_head_norms_takes_torchs_path(dtype):
     q_norm, k_norm = _randn(g, D, dtype=dtype), _randn(g, D, dtype=dtype)
     positions, slots = torch.tensor([0, 5, 6], device=DEVICE), torch.tensor([2, 3, 4], device=DEVICE)
     pools = [torch.zeros(2, 1, 2, 4, Hkv, D, dtype=dtype, device=DEVICE) for _ in range(2)]
-    outs = [ops.rope_store(qkv, positions, q_norm, k_norm, pool[:, 0, 0], pool[:, 0, 1], slots, torch_ops.store_kv)
+    outs = [ops.rope_store(qkv, positions, q_norm, k_norm, pool[:, 0, 0], pool[:, 0, 1], slots, cpu_ops.store_kv)
             for ops, pool in zip((triton_ops, plain), pools)]
     assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1])
 

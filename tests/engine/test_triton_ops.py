@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402, F401  (a dependency: these tests run its interpreter)
 
-from pdserve.engine.attention import torch_ops, triton_ops  # noqa: E402
+from pdserve.engine.attention import cpu_ops, triton_ops  # noqa: E402
 from tests.engine.paged_cases import CASES, make_case, reference_attention  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def test_paged_attention_matches_reference_and_torch_path(name):
     # The torch path reads whole pages and masks scores, so it needs finite unused slots.
     q, k_cache, v_cache, *rest = args
     finite = (q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), *rest)
-    torch.testing.assert_close(out, torch_ops.paged_attention(*finite, ps, scale), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, cpu_ops.paged_attention(*finite, ps, scale), atol=2e-5, rtol=2e-5)
 
 
 def test_paged_attention_in_half_precision():
@@ -54,7 +54,7 @@ def test_store_kv_writes_exactly_the_given_slots():
     assert torch.equal(k_cache.view(20, 2, 24), expected_k) and torch.equal(v_cache.view(20, 2, 24), expected_v)
 
 
-@pytest.mark.parametrize("ops", [torch_ops, triton_ops], ids=["torch", "triton"])
+@pytest.mark.parametrize("ops", [cpu_ops, triton_ops], ids=["cpu", "triton"])
 def test_store_kv_into_a_layer_view_of_the_page_major_cache(ops):
     kv_cache = torch.zeros(5, 3, 2, 4, 2, 8)  # [pages, layers, K/V, page_size, kv heads, head dim]
     k, v = torch.ones(3, 2, 8), torch.full((3, 2, 8), 2.0)

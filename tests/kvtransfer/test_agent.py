@@ -96,9 +96,7 @@ def test_remotes_are_added_once_and_notifications_match_exact_tags(pair):
     agent.send_notification(first, b"req-1")
     assert receiver.wait(b"req-1", 10.0)
     assert receiver.wait(b"req-10", 10.0)
-    t = time.monotonic()
     assert not receiver.wait(b"req-1", 0.3)  # consumed, and never matched as a prefix
-    assert time.monotonic() - t < 5
 
 
 def test_unknown_remote_is_an_error(pair):
@@ -139,10 +137,8 @@ def test_a_remote_that_disappears_mid_transfer_gives_an_error_not_a_hang():
         writer.join(30)
         assert not writer.is_alive(), "write hung after the remote died"
         assert isinstance(outcome["result"], TransferError)
-        t = time.monotonic()
-        with pytest.raises(TransferError):
+        with pytest.raises(TransferError):  # an error, not a hang (pytest-timeout ends one)
             agent.write(remote, plan, b"after", timeout_s=5)
-        assert time.monotonic() - t < 10
     finally:
         agent.close()
         receiver.close()

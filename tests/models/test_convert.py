@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.checkpoint import write_checkpoint
-from pdserve.models_cli import catalogue, convert
+from pdserve.models import catalogue, convert
 from pdserve.models.catalogue import KnownModel, WheelSource
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -66,7 +66,7 @@ def test_abort_in_the_middle_of_a_chunked_prefill_frees_its_pages_and_writes_not
         res = await nodes.reserve("a")
         before = await kv_of(nodes.decode)
         hook, reached, proceed = hold_in_forward("a")
-        await engine.run(lambda e: setattr(e, "layer_hook", hook))
+        engine.add_layer_hook(hook)
         send = asyncio.ensure_future(role.remote_send(RemoteSend("a", PROMPT, END, nodes.window(res))))
         assert await asyncio.to_thread(reached.wait, WAIT_S)
         abort = asyncio.ensure_future(role.abort("a"))
@@ -76,7 +76,7 @@ def test_abort_in_the_middle_of_a_chunked_prefill_frees_its_pages_and_writes_not
         assert await within(abort) is True
         with pytest.raises(RequestAborted, match="during prefill"):
             await within(send)
-        await engine.run(lambda e: setattr(e, "layer_hook", None))
+        engine.remove_layer_hook(hook)
         assert await free_pages(engine) == (P_PAGES, P_PAGES)
         assert await nodes.no_write_notice("a")
         assert nodes.d_agent.take_notifications() == []

@@ -52,7 +52,7 @@ def in_last_chunk(request_id: str, then):
     called = threading.Event()
 
     def hook(layer: int, ranges) -> None:
-        for rid, begin, end in ranges:
+        for rid, begin, end, _ in ranges:
             if rid == request_id and layer == 0 and end == END and not called.is_set():
                 called.set()
                 then()
@@ -84,9 +84,9 @@ def test_layer_wise_writes_start_before_the_prefill_ends_and_land_exactly_the_wi
         begin = res.prefix_matched_length
         before = await kv_of(nodes.decode)
         early = []  # a window past the decode node's prefix lies in the last chunk alone
+        hook = in_last_chunk("r", lambda: early.append(wait_writes(node[1])))
         if begin < END - CHUNK:
-            await engine.run(lambda e: setattr(e, "layer_hook", in_last_chunk(
-                "r", lambda: early.append(wait_writes(node[1])))))
+            engine.add_layer_hook(hook)
         node[0].resume["r"] = asyncio.Event()  # hold the role at the prefill's end: pages pinned
         send = asyncio.ensure_future(role.remote_send(RemoteSend("r", PROMPT, END, nodes.window(res))))
         await within(node[0].event("r").wait())
@@ -103,7 +103,7 @@ def test_layer_wise_writes_start_before_the_prefill_ends_and_land_exactly_the_wi
         assert result.num_bytes == sum(w.num_bytes for w in writes) == sent.numel() * sent.element_size()
         assert tags(nodes.d_agent) == [("layers-agent", notification_tag("r", LEASE))]
         assert await started_tokens(nodes.decode, "r") == expected
-        await engine.run(lambda e: setattr(e, "layer_hook", None))
+        engine.remove_layer_hook(hook)
 
     asyncio.run(go())
 
@@ -120,13 +120,14 @@ def test_layers_computed_before_an_overlapped_window_arrives_are_written_when_it
         def deliver():  # from the engine thread, in the last chunk: three chunks wait for it
             asyncio.run_coroutine_threadsafe(role.deliver_window("o", nodes.window(res)), loop).result(WAIT_S)
             delivered.set()
-        await engine.run(lambda e: setattr(e, "layer_hook", in_last_chunk("o", deliver)))
+        hook = in_last_chunk("o", deliver)
+        engine.add_layer_hook(hook)
         send = asyncio.ensure_future(role.remote_send_overlapped(OverlappedSend("o", PROMPT, END)))
         result = await within(send)
         assert delivered.is_set() and (result.kv_window_begin, result.kv_window_end) == (0, END)
         assert tags(nodes.d_agent) == [("layers-agent", notification_tag("o", LEASE))]
         assert await started_tokens(nodes.decode, "o") == expected
-        await engine.run(lambda e: setattr(e, "layer_hook", None))
+        engine.remove_layer_hook(hook)
 
     asyncio.run(go())
 
@@ -142,7 +143,8 @@ def test_an_abort_in_the_middle_of_a_layer_wise_window_stops_its_writes_and_free
             assert wait_writes(node[1])
             reached.set()
             proceed.wait(WAIT_S)
-        await engine.run(lambda e: setattr(e, "layer_hook", in_last_chunk("a", hold)))
+        hook = in_last_chunk("a", hold)
+        engine.add_layer_hook(hook)
         send = asyncio.ensure_future(role.remote_send(RemoteSend("a", PROMPT, END, nodes.window(res))))
         assert await asyncio.to_thread(reached.wait, WAIT_S)
         stream = role.in_flight["a"].stream
@@ -156,7 +158,7 @@ def test_an_abort_in_the_middle_of_a_layer_wise_window_stops_its_writes_and_free
         assert await nodes.no_write_notice("a")
         assert tags(nodes.d_agent) == []  # and no KV-ready tag
         assert len(node[1].writes) == written, "a layer was written after the abort"
-        await engine.run(lambda e: setattr(e, "layer_hook", None))
+        engine.remove_layer_hook(hook)
         await nodes.unreserve("a")
 
     asyncio.run(go())
@@ -178,7 +180,7 @@ def test_a_failed_layer_write_fails_the_send_and_tells_the_decode_node(nodes):
 
 
 def test_every_send_of_a_role_streams_its_layers_once(nodes):
-    """The role's layer hook is installed once, whatever the number of sends."""
+    """The role's layer hook is installed once (with the role), whatever the number of sends."""
     async def go():
         node, engine = chunked(nodes, "layers-agent")
         role = nodes.role(node=node, kv_send="layerwise")
@@ -188,7 +190,7 @@ def test_every_send_of_a_role_streams_its_layers_once(nodes):
             assert result.kv_window_end == END
             assert tags(nodes.d_agent) == [("layers-agent", notification_tag(key, LEASE))]
             await nodes.unreserve(key)
-        assert await engine.run(lambda e: e.layer_hook) == role.layers.hook
+        assert await engine.run(lambda e: engine._layer_hooks) == [role.layers.hook]
 
     asyncio.run(go())
 

@@ -55,7 +55,7 @@ def test_overlapped_send_writes_the_window_delivered_before_during_or_after_the_
             send = asyncio.ensure_future(role.remote_send_overlapped(OverlappedSend("o", PROMPT, END)))
         elif when == "during":
             hook, reached, proceed = hold_in_forward("o")
-            await nodes.prefill.run(lambda e: setattr(e, "layer_hook", hook))
+            nodes.prefill.add_layer_hook(hook)
             send = asyncio.ensure_future(role.remote_send_overlapped(OverlappedSend("o", PROMPT, END)))
             assert await asyncio.to_thread(reached.wait, WAIT_S), "the prefill never ran"
             try:
@@ -63,7 +63,7 @@ def test_overlapped_send_writes_the_window_delivered_before_during_or_after_the_
                 assert not send.done()
             finally:
                 proceed.set()
-            await nodes.prefill.run(lambda e: setattr(e, "layer_hook", None))
+            nodes.prefill.remove_layer_hook(hook)
         else:
             send = asyncio.ensure_future(role.remote_send_overlapped(OverlappedSend("o", PROMPT, END)))
             await within(watch.event("o").wait())

@@ -29,6 +29,7 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
         self.calls: list[tuple[str, object]] = []
         self.aborted: list[str] = []
         self.remote_send_gate: asyncio.Event | None = None
+        self.stream_gate: asyncio.Event | None = None  # StartGeneration streams once it is set
         self.windows: dict[str, asyncio.Future] = {}  # request id -> DeliverWindow message
         self.healthy = False  # True: serves a health check that says SERVING
 
@@ -86,6 +87,8 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
             await self._maybe_fail("PrepareReceive", context)
         self.calls.append(("StartGeneration", request))
         await self._maybe_fail("StartGeneration", context)
+        if self.stream_gate is not None:
+            await self.stream_gate.wait()
         for i, t in enumerate(self.tokens):
             await asyncio.sleep(self.token_delay_s)
             last = i == len(self.tokens) - 1
@@ -167,3 +170,16 @@ async def one_request(prefill: list[FakeWorker], decode: list[FakeWorker], reque
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def reached(condition, what: str, timeout_s: float = 20.0) -> None:
+    """Poll `condition()` until it holds: the phase a test needs, reached however loaded the
+    machine is (not by sleeping for a guessed time); fails naming `what` after `timeout_s`."""
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.01)
+
+    try:
+        await asyncio.wait_for(poll(), timeout_s)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"never reached: {what}") from None

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from pdserve.client import AsyncClient
-from tests.router.fake_worker import FakeWorker, one_request, run, start_router
+from tests.router.fake_worker import FakeWorker, one_request, reached, run, start_router
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
@@ -80,8 +80,10 @@ def test_unavailable_decode_node_is_skipped_and_marked_down():
         try:
             async with AsyncClient(addr) as client:
                 outs = [await client.generate("hi") for _ in range(4)]
-            await asyncio.sleep(0.2)  # the health check (fake nodes have none) fails
-            routable = {e.address: e.routable for e in dispatcher.registry.decode}
+            decodes = dispatcher.registry.decode
+            await reached(lambda: not all(e.routable for e in decodes),
+                          "a failed health check (fake nodes have none)")
+            routable = {e.address: e.routable for e in decodes}
         finally:
             await stop()
         assert all(o.token_ids == [5, 6, 7] for o in outs)
@@ -94,16 +96,20 @@ def test_unavailable_decode_node_is_skipped_and_marked_down():
 
 def test_past_the_queue_bound_requests_get_resource_exhausted():
     async def go():
-        d = FakeWorker("d", matched=100, tokens=range(20), token_delay_s=0.05)
-        addr, _, stop = await start_router([], [d], max_concurrent_requests=1, max_queued_requests=1)
+        d = FakeWorker("d", matched=100, tokens=range(20))
+        d.stream_gate = asyncio.Event()  # "a" holds the one slot until "c" is refused
+        addr, dispatcher, stop = await start_router([], [d], max_concurrent_requests=1,
+                                                    max_queued_requests=1)
+        held = dispatcher.admission.active
         try:
             async with AsyncClient(addr) as client:
                 running = asyncio.ensure_future(client.generate("a"))
-                await asyncio.sleep(0.2)
+                await reached(lambda: len(held) == 1, "the first request running")
                 queued = asyncio.ensure_future(client.generate("b"))
-                await asyncio.sleep(0.2)
+                await reached(lambda: len(held) == 2, "the second request queued")
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await client.generate("c")
+                d.stream_gate.set()
                 outs = [await running, await queued]
         finally:
             await stop()

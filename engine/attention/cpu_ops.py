@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdserve.arith import ceil_div
+
 from .paged_decode import kernel_for, paged_decode
 from .prefill_attention import kernel_for as prefill_kernel_for
 from .prefill_attention import prefill_attention
@@ -83,7 +85,7 @@ def plan_attention(
     while b < len(query_lens):
         if query_lens[b] != 1:
             n, ctx = query_lens[b], seq_lens[b]
-            num_pages = -(-ctx // page_size)
+            num_pages = ceil_div(ctx, page_size)
             if prefill_kernel is not None:
                 pages = torch.tensor(page_lists[b][:num_pages], dtype=torch.int32)
                 plan.prefills.append(PrefillSeq(slice(row, row + n), pages, ctx, None, prefill_kernel))
@@ -118,9 +120,15 @@ def plan_attention(
     return plan
 
 
+def _padded_pages(lens, page_lists, page_size) -> tuple[int, list[list[int]]]:
+    """(pages of the longest sequence, each sequence's pages padded with page 0 to that)."""
+    num_pages = ceil_div(max(lens), page_size)
+    return num_pages, [pl[:ceil_div(n, page_size)] + [0] * (num_pages - ceil_div(n, page_size))
+                       for pl, n in zip(page_lists, lens)]
+
+
 def _decode_group(row, lens, page_lists, page_size, device) -> DecodeGroup:
-    num_pages = -(-max(lens) // page_size)
-    padded = [pl[: -(-n // page_size)] + [0] * (num_pages - -(-n // page_size)) for pl, n in zip(page_lists, lens)]
+    num_pages, padded = _padded_pages(lens, page_lists, page_size)
     pages = torch.tensor(padded, dtype=torch.int64, device=device)
     mask = None
     if any(n != num_pages * page_size for n in lens):
@@ -130,8 +138,7 @@ def _decode_group(row, lens, page_lists, page_size, device) -> DecodeGroup:
 
 
 def _decode_run(row, lens, page_lists, page_size, kernel) -> DecodeRun:
-    num_pages = -(-max(lens) // page_size)
-    padded = [pl[: -(-n // page_size)] + [0] * (num_pages - -(-n // page_size)) for pl, n in zip(page_lists, lens)]
+    _, padded = _padded_pages(lens, page_lists, page_size)
     block_tables = torch.tensor(padded, dtype=torch.int32)
     return DecodeRun(slice(row, row + len(lens)), block_tables, torch.tensor(lens, dtype=torch.int32), kernel)
 
