@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# `make serve ARGS="--dtype bfloat16 --http-port 8001"`: ARGS go to `pdserve up`.
 serve: $(STAMP)
-	$(VENV)/bin/pdserve up
+	$(VENV)/bin/pdserve up $(ARGS)
 
 test: lint
 	$(PY) -m pytest -q tests

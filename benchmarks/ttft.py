@@ -19,6 +19,9 @@ exposed time is the median over its requests of TTFT minus that request's own pr
 a prefill of thousands of tokens varies by more than the transfer it hides, so subtracting
 another request's would measure noise. What layer-wise sends cost the prefill itself (CPU
 for the sends beside it) shows in `ttft_layerwise_s` against `ttft_whole_s`.
+
+`--first-request` measures something else: a cold node's first request after its ready
+line against the next ones (benchmarks/first_request.py).
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ def _parse(argv):
     p.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache of each node (default 1024)")
     p.add_argument("--log-dir", default=None, help="node logs (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt length")
+    p.add_argument("--first-request", action="store_true",
+                   help="instead: a cold `serve` node's first request after its ready line against "
+                        "the next ones, one JSON object (benchmarks/first_request.py)")
+    p.add_argument("--first-request-prompt", type=int, default=128,
+                   help="prompt tokens of each --first-request request (default 128)")
     return p.parse_args(argv)
 
 
@@ -143,6 +151,10 @@ def measure(nodes: Nodes, lengths: list[int], repeats: int, link_gbit: float | N
 
 def main(argv=None) -> int:
     a = _parse(argv)
+    if a.first_request:
+        from pdserve.benchmarks import first_request
+
+        return first_request.main(a)
     lengths = [int(x) for x in a.prompts.split(",") if x.strip()]
     modes = list(MODES) if a.kv_send == "both" else [a.kv_send]
     rate, delay_ms = parse_link(a.link) if a.link else (None, 0.0)

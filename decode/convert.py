@@ -1,4 +1,4 @@
-"""Edge conversion between pdserve.v1 messages and engine objects (decode and colocated).
+"""Edge conversion of engine outputs into pdserve.v1 messages (decode and colocated).
 
 `stream_responses` keeps the stream invariant of the protocol: every choice's last message
 carries its finish_reason, and the stream ends with exactly one message carrying usage.
@@ -10,24 +10,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 
-from pdserve.engine import SamplingParams
 from pdserve.proto import pdserve_pb2
-
-
-def sampling_from_pb(pb: pdserve_pb2.SamplingParams) -> SamplingParams:
-    """Engine SamplingParams; unset optional fields keep the engine defaults. Not checked
-    here: the role checks them by the engine's rules (`SamplingParams.validate`)."""
-    d = SamplingParams()
-
-    def given(name: str, default):
-        return getattr(pb, name) if pb.HasField(name) else default
-
-    return SamplingParams(
-        max_tokens=given("max_tokens", d.max_tokens), temperature=given("temperature", d.temperature),
-        top_p=given("top_p", d.top_p), top_k=given("top_k", d.top_k), min_p=pb.min_p,
-        seed=given("seed", d.seed), n=given("n", d.n), stop=list(pb.stop),
-        stop_token_ids=list(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
-        logprobs=given("logprobs", d.logprobs))
 
 
 def _logprobs_pb(entries) -> list[pdserve_pb2.TokenLogprob]:

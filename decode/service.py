@@ -15,11 +15,11 @@ import contextlib
 import time
 from collections import OrderedDict
 
-from pdserve.decode.convert import sampling_from_pb, stream_responses
+from pdserve.decode.convert import stream_responses
 from pdserve.decode.role import DecodeRole, LocalPrefill, PrepareReceive, StartGeneration
 from pdserve.proto import pdserve_pb2
 from pdserve.runtime import metrics
-from pdserve.runtime.checks import check_request_id
+from pdserve.runtime.checks import check_request_id, sampling_from_pb
 from pdserve.runtime.auth import caller_of
 from pdserve.runtime.errors import abort_with
 from pdserve.runtime.observe import StreamObserver, outcome_of, record_failure

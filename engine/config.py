@@ -1,5 +1,5 @@
-"""Plain configuration data: how a request wants its tokens (`SamplingParams`) and how an
-engine is built (`EngineConfig`).
+"""Plain configuration data: how an engine is built (`EngineConfig`), and how a request
+wants its tokens (`SamplingParams`, whose rules every layer shares: `pdserve.sampling`).
 
 Both are dataclasses with defaults that work on a laptop. `validate` methods raise
 `ValueError` whose message names the field and the offending value, so a server can pass it
@@ -8,75 +8,13 @@ straight back as INVALID_ARGUMENT.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from pdserve.sampling import SamplingParams  # noqa: F401  (the engine's request type)
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.25
-
-
-# Bounds on what one request may make a node allocate (choices, stop lists, logprobs).
-MAX_CHOICES = 16
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_STOP_TOKEN_IDS = 256
-MAX_LOGPROBS = 20
-MAX_SEED = 2**63 - 1 - MAX_CHOICES  # seed + i of sample i must fit a torch generator seed
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: off
-    min_p: float = 0.0
-    seed: int | None = None  # sample i of n draws from torch.Generator(seed + i)
-    n: int = 1
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-N logprobs of each chosen token; 0: only its own
-
-    def validate(self, vocab_size: int | None = None, max_model_len: int | None = None) -> None:
-        """The one place sampling values are checked: every entry into the engine and every
-        role's edge calls it. Raises ValueError naming the field and the value."""
-        def bad(name, value, why):
-            raise ValueError(f"{name} must be {why}, got {value!r}")
-
-        def is_int(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if max_model_len is not None and self.max_tokens > max_model_len:
-            bad("max_tokens", self.max_tokens, f"in [1, {max_model_len}] (the model's context)")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            bad("temperature", self.temperature, ">= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", self.top_p, "in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            bad("top_k", self.top_k, "-1, 0 (off) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", self.min_p, "in [0, 1]")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            bad("seed", self.seed, f"None or an integer in [0, {MAX_SEED}]")
-        if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
-            bad("n", self.n, f"an integer in [1, {MAX_CHOICES}]")
-        if len(self.stop) > MAX_STOP_STRINGS or any(
-                not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
-            bad("stop", self.stop[:4], f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
-                f"{MAX_STOP_CHARS} characters")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            bad("stop_token_ids", len(self.stop_token_ids), f"at most {MAX_STOP_TOKEN_IDS} ids")
-        for t in self.stop_token_ids:
-            if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                bad("stop_token_ids", t, f"token ids in [0, {vocab_size})")
-        if self.logprobs is not None:
-            limit = MAX_LOGPROBS if vocab_size is None else min(MAX_LOGPROBS, vocab_size)
-            if not is_int(self.logprobs) or not 0 <= self.logprobs <= limit:
-                bad("logprobs", self.logprobs, f"None or an integer in [0, {limit}]")
 
 
 def _flag(default, help: str, **more):

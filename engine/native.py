@@ -8,10 +8,15 @@ so concurrent first uses never load half a file. torch has already loaded its li
 the kernels' OpenMP shares torch's thread pool (one pool, not two spinning against each
 other).
 
-`load(source, flags, signatures)` returns the library, or None when there is no compiler,
-the build fails, the system is not Linux or PDSERVE_NO_C_KERNELS is set: callers then use
-their torch path. PDSERVE_KERNEL_CFLAGS adds compiler flags after the kernel's own: for
-example `-mno-avx512f` builds the AVX2 paths on an AVX-512 CPU (the tests run both).
+`load(source, flags, signatures)` returns the library, or None when there is no compiler
+(and no library built before), the build fails, the system is not Linux or
+PDSERVE_NO_C_KERNELS is set: callers then use their torch path, and `status()` says why.
+PDSERVE_KERNEL_CFLAGS adds compiler flags after the kernel's own: for example
+`-mno-avx512f` builds the AVX2 paths on an AVX-512 CPU (the tests run both).
+
+`build_all()` builds every kernel library of the engine at once: a CPU worker calls it
+before it serves, so no request pays for a compile, and `python -m pdserve.engine.native`
+runs it at image build time (printing each library and where it lies).
 The kernels' design notes and measurements: docs/kernels.md.
 """
 
@@ -27,8 +32,11 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -37,6 +45,28 @@ log = logging.getLogger(__name__)
 BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _libraries: dict[str, ctypes.CDLL | None] = {}
 _HEADERS = Path(__file__).parent  # engine/*.h, shared by the kernels
+# The modules that declare a KernelLibrary (one per .c file of the engine package). Named,
+# not imported, here: they import this module, and the engine's files import no cycle.
+WRAPPERS = ("pdserve.engine.model.gemm", "pdserve.engine.model.fused",
+            "pdserve.engine.attention.paged_decode", "pdserve.engine.attention.prefill_attention")
+_registered: list[KernelLibrary] = []  # every KernelLibrary made, in order
+_built_at: dict[str, Path] = {}  # source -> the shared object loaded
+_unavailable: dict[str, tuple[str, str]] = {}  # source -> (reason, its words): torch path
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Which path a CPU node's kernels take, for its ready line and pdserve_c_kernels."""
+
+    state: str  # "c": every library built; "torch": none (the torch path); "partial"
+    reason: str = ""  # why not "c": disabled, no_compiler, not_linux, build_failed
+    detail: str = ""  # the reason in words
+
+    def describe(self) -> str:
+        if self.state == "c":
+            return "C kernels built"
+        return f"C kernels {'partly ' if self.state == 'partial' else ''}unavailable, " \
+               f"torch path: {self.detail}"
 
 
 def _cpu_id() -> str:
@@ -49,24 +79,35 @@ def _cpu_id() -> str:
 def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
     from .checkpoint import default_cache_dir
 
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or platform.system() != "Linux":
+    if platform.system() != "Linux":
+        _unavailable[str(source)] = ("not_linux", f"the C kernels build on Linux only, not {platform.system()}")
         return None
     # The source and every header beside it in the engine package (what it may #include).
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(_HEADERS.glob("*.h")))
     key = hashlib.sha256(text + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
     target = default_cache_dir() / "kernels" / f"{source.stem}-{key}.so"
-    if not target.exists():
+    if not target.exists():  # built before (an image's build step) needs no compiler now
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            words = "no C compiler (cc or gcc on PATH, or $CC); install gcc for the faster C kernels"
+            if not any(reason == "no_compiler" for reason, _ in _unavailable.values()):  # once
+                log.warning("C kernels unavailable, using the torch path: %s", words)
+            _unavailable[str(source)] = ("no_compiler", words)
+            return None
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
             subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+            # mkstemp made it private: a cache shared with another user (an image's) must load it
+            os.chmod(tmp, 0o755)
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    return ctypes.CDLL(str(target))
+    lib = ctypes.CDLL(str(target))
+    _built_at[str(source)] = target
+    return lib
 
 
 def load(source: Path, flags: list[str], signatures: dict[str, list]) -> ctypes.CDLL | None:
@@ -75,7 +116,9 @@ def load(source: Path, flags: list[str], signatures: dict[str, list]) -> ctypes.
     key = str(source)
     if key not in _libraries:
         lib = None
-        if not os.environ.get("PDSERVE_NO_C_KERNELS"):
+        if os.environ.get("PDSERVE_NO_C_KERNELS"):
+            _unavailable[key] = ("disabled", "PDSERVE_NO_C_KERNELS is set")
+        else:
             try:
                 lib = _build(source, [*flags, *shlex.split(os.environ.get("PDSERVE_KERNEL_CFLAGS", ""))])
                 if lib is not None:
@@ -84,8 +127,9 @@ def load(source: Path, flags: list[str], signatures: dict[str, list]) -> ctypes.
                         fn.argtypes = argtypes
                         fn.restype = ctypes.c_int
             except (OSError, AttributeError, subprocess.SubprocessError) as e:
-                detail = getattr(e, "stderr", b"") or b""
-                log.warning("C kernels of %s unavailable, using the torch path: %s %s", source.name, e, detail.decode()[-500:])
+                detail = (getattr(e, "stderr", b"") or b"").decode()[-500:]
+                log.warning("C kernels of %s unavailable, using the torch path: %s %s", source.name, e, detail)
+                _unavailable[key] = ("build_failed", f"{source.name} did not build ({e}) {detail}".strip())
                 lib = None
         _libraries[key] = lib
     return _libraries[key]
@@ -100,6 +144,7 @@ class KernelLibrary:
         self.source = Path(wrapper).with_name(source)
         self.signatures = signatures
         self.flags = flags
+        _registered.append(self)
 
     def library(self) -> ctypes.CDLL | None:
         """The built library, or None: use the torch path."""
@@ -111,6 +156,37 @@ class KernelLibrary:
             return None
         lib = self.library()
         return None if lib is None else getattr(lib, name)
+
+
+def build_all() -> KernelStatus:
+    """Build (or load from the cache) every kernel library of the engine, once per process;
+    which path the kernels take, and why."""
+    for module in WRAPPERS:
+        import_module(module)
+    for kernels in _registered:
+        kernels.library()
+    return status()
+
+
+def status() -> KernelStatus:
+    """The state of the kernel libraries loaded so far (all of them after `build_all`)."""
+    missing = [_unavailable[str(k.source)] for k in _registered if _libraries.get(str(k.source)) is None
+               and str(k.source) in _unavailable]
+    if not missing:
+        return KernelStatus("c")
+    reason, detail = missing[0]
+    return KernelStatus("torch" if len(missing) == len(_registered) else "partial", reason, detail)
+
+
+def main() -> int:
+    """`python -m pdserve.engine.native`: build every library, say what and where; exit 1
+    if one could not be built (0 when PDSERVE_NO_C_KERNELS turns them off)."""
+    result = build_all()
+    for kernels in _registered:
+        where = _built_at.get(str(kernels.source))
+        print(f"{kernels.source.name}: {where or 'not built: ' + _unavailable[str(kernels.source)][1]}")
+    print(f"pdserve: {result.describe()}")
+    return 0 if result.state == "c" or result.reason == "disabled" else 1
 
 
 def lazy_zeros(shape, dtype, device="cpu"):
@@ -157,3 +233,11 @@ def keep_step_buffers() -> bool:
         return False
     _malloc_tuned = ok
     return ok
+
+
+if __name__ == "__main__":
+    # runpy runs this file as `__main__`, a second copy of the module: the wrappers
+    # register their libraries with the package's copy, so run that one's main.
+    from pdserve.engine import native
+
+    sys.exit(native.main())

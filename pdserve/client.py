@@ -7,7 +7,8 @@ calls, blocking).
         out = client.generate("Once upon a time", max_tokens=16, temperature=0)
 
 - `generate(prompt or messages=..., **sampling) -> Completion`: every choice (`n`), token
-  ids, text, finish reasons, logprobs (`logprobs=N`), and `usage` with timings and route.
+  ids, text, finish reasons, logprobs (`logprobs=N`: each token's id, text and
+  log-probability, and its N likeliest alternatives), and `usage` with timings and route.
 - `stream(...)`: `Delta`s as they come (each names its choice); the last carries `usage`.
 - `abort(request_id)`, `models()`, `health()`.
 - A prompt is text, token ids, or a conversation (`messages=[{"role", "content"}]`, which
@@ -106,6 +107,15 @@ def _never_connected(err: grpc.aio.AioRpcError) -> bool:
     return err.code() == grpc.StatusCode.UNAVAILABLE and any(s in details for s in _NEVER_CONNECTED)
 
 
+def _error(err: grpc.aio.AioRpcError, address: str) -> PdserveError:
+    """`err` as a PdserveError; a server never reached is named, with what to check."""
+    if _never_connected(err):
+        return PdserveError(err.code(), f"no pdserve server answers at {address}: is it "
+                                        f"running, and is that its host and port? "
+                                        f"({err.details()})", err.trailing_metadata())
+    return PdserveError.of(err)
+
+
 class AsyncClient:
     def __init__(self, address: str, *, tls: bool | TLS | None = None,
                  api_key: str | None = None, timeout: float | None = None,
@@ -159,7 +169,7 @@ class AsyncClient:
                 return
             except grpc.aio.AioRpcError as err:
                 if received or attempt == self.retries or not _never_connected(err):
-                    raise PdserveError.of(err) from None
+                    raise _error(err, self.address) from None
             finally:
                 call.cancel()  # a consumer that stops early disconnects, freeing the request
             await asyncio.sleep(RETRY_BACKOFF_S * 2 ** attempt)
@@ -189,7 +199,7 @@ class AsyncClient:
                 return await method(request, timeout=self._timeout(None), metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
-                    raise PdserveError.of(err) from None
+                    raise _error(err, self.address) from None
             await asyncio.sleep(RETRY_BACKOFF_S * 2 ** attempt)
 
     def _timeout(self, timeout: float | None) -> float | None:

@@ -4,8 +4,9 @@ The prompt is `--prompt TEXT`, `--prompt-file PATH` (`-`: standard input), or a
 conversation of `--message ROLE:CONTENT` (repeatable; rendered with the model's chat
 template on the server). One choice streams as it comes; with `--n` > 1 every choice is
 printed once complete, each under its index and finish reason. `--logprobs N` prints each
-token's log-probability and its N most likely alternatives; `--json` prints the whole
-`Completion` (every choice, logprobs, usage with timings and route) as one JSON object.
+token (its id and its text, which the server fills in) with its log-probability and its N
+most likely alternatives; `--json` prints the whole `Completion` (every choice, logprobs,
+usage with timings and route) as one JSON object.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def add_generate_parser(sub) -> None:
                    help="stop after any of these token ids")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="print each token's log-probability and its N most likely alternatives")
+                   help="print each token's id, text and log-probability, and its N most "
+                        "likely alternatives")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (every choice, logprobs, usage) at the end")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
@@ -110,6 +112,7 @@ def show(out, with_logprobs: bool) -> str:
         lines.append(choice.text)
         if with_logprobs:
             for entry in choice.logprobs or []:
-                top = "  ".join(f"{t.token_id}:{t.logprob:.4f}" for t in entry.top)
-                lines.append(f"  token {entry.token_id:>6} logprob {entry.logprob:9.4f}   {top}")
+                top = "  ".join(f"{t.token_id} {t.token!r} {t.logprob:.4f}" for t in entry.top)
+                lines.append(f"  token {entry.token_id:>6} {entry.token!r:<14} logprob "
+                             f"{entry.logprob:9.4f}   {top}")
     return "\n".join(lines)

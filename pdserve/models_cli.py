@@ -20,7 +20,12 @@ MODEL_HELP = (f"checkpoint directory or known model name ({', '.join(CATALOGUE)}
 
 
 def add_model_flag(p: argparse.ArgumentParser) -> None:
+    """`--model`, and `--served-model-name`: what a server calls the model to its clients."""
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model's name to clients: in GetModelInfo, OpenAI /v1/models and "
+                        "the `model` an OpenAI request must name (default: the catalogue name, "
+                        "else --model as given)")
 
 
 def resolve_model(model: str, source: str | None = None) -> str:
@@ -38,11 +43,18 @@ def resolve_model(model: str, source: str | None = None) -> str:
     return str(ensure(known.name, source=source))
 
 
-def model_or_exit(model: str) -> str:
-    """`resolve_model` for a command line: a clear message and exit status 2 on failure."""
+def model_or_exit(model: str, weights: bool = True) -> str:
+    """`resolve_model` for a command line: a clear message and exit status 2 on failure; a
+    directory that lacks a file to serve it (its weights too, with `weights`) is one line
+    naming what is missing and exit status 1, before transformers reads it."""
     from pdserve.models.catalogue import UnknownModel
     from pdserve.models.convert import ModelUnavailable
+    from pdserve.models.directory import missing_files
 
+    if os.path.isdir(model) and (missing := missing_files(model, weights)):
+        print(f"pdserve: error: --model {model} is not a checkpoint directory: it has no "
+              f"{'; no '.join(missing)}", file=sys.stderr)
+        raise SystemExit(1)
     try:
         return resolve_model(model)
     except (UnknownModel, ModelUnavailable) as err:

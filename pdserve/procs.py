@@ -83,6 +83,7 @@ class NodeProcess:
         self.session = session
         self.port = 0
         self.address = ""
+        self.ready_line = ""  # the node's line that named its address (`pdserve up`'s names more)
         self.netns = netns
         env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1",
                    TOKENIZERS_PARALLELISM="false")
@@ -104,6 +105,7 @@ class NodeProcess:
                 line = self.proc.stdout.readline()
                 match = LISTENING.search(line)
                 if match:
+                    self.ready_line = line.strip()
                     self.port = int(match.group(3))
                     self.address = dial_address(match.group(2), self.port)
                     return self.address

@@ -22,15 +22,18 @@ from pdserve.proto import pdserve_pb2
 class TopLogprob:
     token_id: int
     logprob: float
+    token: str = ""  # the token's text, its id decoded alone
 
 
 @dataclass
 class TokenLogprob:
-    """The chosen token's log-probability, and the `logprobs` most likely alternatives."""
+    """The chosen token's log-probability, and the `logprobs` most likely alternatives;
+    `token` is its text (its id decoded alone, as the server's tokenizer has it)."""
 
     token_id: int
     logprob: float
     top: list[TopLogprob] = field(default_factory=list)
+    token: str = ""
 
 
 @dataclass
@@ -148,7 +151,8 @@ class PdserveError(grpc.aio.AioRpcError):
 
 
 def logprobs_of(entries) -> list[TokenLogprob]:
-    return [TokenLogprob(e.token_id, e.logprob, [TopLogprob(t.token_id, t.logprob) for t in e.top])
+    return [TokenLogprob(e.token_id, e.logprob,
+                         [TopLogprob(t.token_id, t.logprob, t.token) for t in e.top], e.token)
             for e in entries]
 
 

@@ -12,6 +12,11 @@ KV cache: both workers start at once, each sizing its pool against the same free
 only until the window is sent) and two thirds to decode; a sizing flag given to `up`
 (`--kv-cache-mb`, `--num-pages`, `--kv-cache-memory-fraction`) goes to both as given.
 
+Worker flags: `up` takes the ones users reach for (`--dtype`, `--device`, `--page-size`,
+`--num-pages`, `--kv-cache-mb`, `--kv-cache-memory-fraction`, `--max-num-seqs`) and
+`--served-model-name` itself; every other worker flag goes after `--`, to both workers.
+The OpenAI API is on port 8000 by default (as vLLM's), and the ready line names it.
+
 Device: both workers run their engine, and keep their KV pool, on `--device` (cpu, cuda or
 cuda:N); by default on "cuda" when this machine has one torch can use, else on the CPU.
 The check runs here, in `up`, before the workers start: on a machine with no NVIDIA driver
@@ -26,6 +31,7 @@ children get no key variables from our environment: their flags say it all.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import importlib.util
 import os
@@ -37,13 +43,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION
+from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION, DTYPES
 from pdserve.procs import NodeProcess, free_port, stop_all
 from pdserve.runtime.auth import APIKeyConfig
 from pdserve.runtime.logs import LOG_FORMATS
 from pdserve.runtime.options import option
 
 SIZING_FLAGS = ("--kv-cache-mb", "--num-pages", "--kv-cache-memory-fraction")
+WORKER_OPTIONS = ("dtype", "page_size", "num_pages", "kv_cache_mb", "kv_cache_memory_fraction",
+                  "max_num_seqs")  # UpConfig fields passed to both workers as their flags
 KV_SHARES = {"prefill": 1 / 3, "decode": 2 / 3}  # of the default fraction, see the docstring
 KEY_VARIABLES = ("PDSERVE_CLUSTER_KEY", "PDSERVE_CLUSTER_KEY_FILE", "PDSERVE_API_KEY",
                  "PDSERVE_API_KEY_FILE")
@@ -60,17 +68,51 @@ class UpConfig:
     device: str | None = option(None, "torch device of both workers' engines and KV pools: cpu, "
                                       "cuda or cuda:N (default: cuda if torch can use one here, "
                                       "else cpu)", type=str)
-    http_port: int = option(0, "router's OpenAI API and /metrics port; 0 = any free one, "
-                               "printed")
+    http_port: int = option(8000, "router's OpenAI API and /metrics port; 0 = any free one "
+                                  "(printed either way)")
+    # Worker flags `up` takes itself (WORKER_OPTIONS), for both workers; None: theirs.
+    dtype: str | None = option(None, "both workers' weights and KV dtype (default: float32)",
+                               type=str, choices=DTYPES)
+    page_size: int | None = option(None, "both workers' tokens per KV page (default: 16)",
+                                   type=int)
+    num_pages: int | None = option(None, "KV pages in each worker's pool (default: sized by "
+                                         "memory, see above)", type=int)
+    kv_cache_mb: int | None = option(None, "memory for each worker's KV pool, in MiB", type=int)
+    kv_cache_memory_fraction: float | None = option(
+        None, "share of the free memory each worker's KV pool takes (default: 0.25 split "
+              "between the two)", type=float)
+    max_num_seqs: int | None = option(None, "sequences each worker runs at once (default: 64)",
+                                      type=int)
     prefill_metrics_port: int | None = option(None, "prefill worker's /metrics port (default: "
                                                     "none)", type=int)
     decode_metrics_port: int | None = option(None, "decode worker's /metrics port (default: "
                                                    "none)", type=int)
     log_format: str = option("text", "log lines of every node", choices=LOG_FORMATS)
     extra: list[str] = field(default_factory=list)  # more flags for both workers
+    served_model_name: str | None = None  # --served-model-name, to every node
     api: APIKeyConfig = field(default_factory=APIKeyConfig)  # the router's, if any
     start_timeout_s: float = 120.0
     stop_grace_s: float = 10.0
+
+
+class UpParser(argparse.ArgumentParser):
+    """`pdserve up`'s parser: a worker flag given before `--` that `up` does not take, or a
+    word that is no flag, is refused with the way to pass it. `worker_flags`: every flag of
+    the worker commands (set when the CLI builds them)."""
+
+    worker_flags: frozenset[str] = frozenset()
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        for word in rest:
+            flag = word.split("=", 1)[0]
+            if flag in self.worker_flags:
+                self.error(f"{flag} is a worker flag that `pdserve up` does not take itself; "
+                           f"the flags after `--` go to both workers: pdserve up -- {flag} ...")
+        if namespace.worker_args[:1] not in ([], ["--"]):
+            self.error(f"unrecognized arguments: {' '.join(namespace.worker_args)} (flags "
+                       "for both workers go after `--`)")
+        return namespace, rest
 
 
 def _metrics_flag(port: int | None) -> list[str]:
@@ -109,9 +151,10 @@ def up(config: UpConfig) -> int:
         procs += [_start(args[role]) for role in ("prefill", "decode", "router")]
         for proc in procs:
             proc.wait_ready(config.start_timeout_s)
-        print(f"pdserve up: router on {config.host}:{procs[2].port} (prefill 127.0.0.1:"
-              f"{prefill_port}, decode 127.0.0.1:{decode_port}); OpenAI API and /metrics on "
-              f"http://{config.host}:{http_port}; Ctrl-C stops all", flush=True)
+        # Both front doors on one line; its start is what procs.LISTENING reads.
+        print(f"pdserve up: router on {config.host}:{procs[2].port} (gRPC), OpenAI API on "
+              f"http://{config.host}:{http_port}/v1 (/metrics beside it); prefill 127.0.0.1:"
+              f"{prefill_port}, decode 127.0.0.1:{decode_port}; Ctrl-C stops all", flush=True)
         while not stopping and all(p.alive() for p in procs):
             time.sleep(0.2)
         dead = [p for p in procs if not p.alive()]
@@ -129,20 +172,32 @@ def node_args(config: UpConfig, prefill_port: int, decode_port: int, http_port: 
               cluster: list[str], api: list[str]) -> dict[str, list[str]]:
     """The `pdserve` arguments of each child, by role. `cluster`, `api`: the flags naming
     the key files (every node gets the cluster key, only the router the API key)."""
-    extra = [a for a in config.extra if a != "--"]
-    logs = ["--log-format", config.log_format]
-    worker = ["--model", config.model, "--host", "127.0.0.1",
-              "--num-threads", str(config.num_threads), *device_flag(config.device, extra), *logs,
-              *cluster, *extra]
+    extra = [*worker_flags(config), *(a for a in config.extra if a != "--")]
+    name = [] if config.served_model_name is None else ["--served-model-name",
+                                                          config.served_model_name]
+    common = ["--model", config.model, *name, "--log-format", config.log_format]
+    worker = [*common, "--host", "127.0.0.1", "--num-threads", str(config.num_threads),
+              *device_flag(config.device, extra), *cluster, *extra]
     return {
         "prefill": ["prefill", "--port", str(prefill_port), *worker, *kv_share("prefill", extra),
                     *_metrics_flag(config.prefill_metrics_port)],
         "decode": ["decode", "--port", str(decode_port), *worker, *kv_share("decode", extra),
                    *_metrics_flag(config.decode_metrics_port)],
-        "router": ["router", "--model", config.model, "--host", config.host,
-                   "--port", str(config.port), "--http-port", str(http_port), *logs, *cluster, *api,
+        "router": ["router", *common, "--host", config.host, "--port", str(config.port),
+                   "--http-port", str(http_port), *cluster, *api,
                    "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}"],
     }
+
+
+def worker_flags(config: UpConfig) -> list[str]:
+    """The worker flags given to `up` itself (WORKER_OPTIONS), as both workers' arguments;
+    they come before the flags after `--`, so those win."""
+    flags = []
+    for name in WORKER_OPTIONS:
+        value = getattr(config, name)
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    return flags
 
 
 def kv_share(role: str, extra: list[str]) -> list[str]:

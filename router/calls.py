@@ -8,7 +8,8 @@ Invariants kept here:
 - A node is recorded in the request's `holders` before a call that may create state on it.
 - A failure that may mean the node is gone (UNAVAILABLE, DEADLINE_EXCEEDED before the
   client's own deadline) is reported to the registry, which stops routing to the node until
-  its health check passes, and reaches the client as UNAVAILABLE naming the node.
+  its health check passes, and reaches the client as UNAVAILABLE saying to retry. The
+  client never sees a node's address or an RPC's name: those go to the log.
 - A failed RemoteSend is `settled` when the prefill node answered it without having begun
   a write (`NO_WRITE_CODES`): D may then reuse the reservation's pages at once.
 """
@@ -24,6 +25,7 @@ import grpc
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.config import RouterConfig
+from pdserve.router.generation_limit import GenerationLimit, LimitPassed, StreamTally
 from pdserve.router.registry import Endpoint, WorkerRegistry
 from pdserve.router.state import DispatchError, EarlySend, RequestState, Reserved
 
@@ -52,7 +54,9 @@ class NodeCalls:
 
     def error(self, state: RequestState, endpoint: Endpoint, call: str,
               err: grpc.aio.AioRpcError) -> DispatchError:
-        """What the client sees of a failed call (see the module docstring)."""
+        """What the client sees of a failed call (see the module docstring): the node's own
+        words for a refusal, what happened and what to do for a node gone. The call and the
+        node's address go to the log with the request id (`detail`), not to the client."""
         if state.aborted:
             return DispatchError(grpc.StatusCode.CANCELLED, f"request {state.request_id} aborted")
         code = err.code()
@@ -60,8 +64,11 @@ class NodeCalls:
         if code in NODE_GONE_CODES and not client_deadline:
             self.registry.report_failure(endpoint, f"{call}: {code.name}")
             code = grpc.StatusCode.UNAVAILABLE
-        return DispatchError(code, f"{call} on {endpoint.role} node {endpoint.address}: "
-                                   f"{code.name}: {err.details()}")
+        detail = f"{call} on {endpoint.role} node {endpoint.address}: {err.code().name}: " \
+                 f"{err.details()}"
+        log.info("request %s: %s", state.request_id, detail)
+        return DispatchError(code, _client_message(code, err.details(), state.request_id),
+                             detail=detail)
 
     # ---- step 1: PrepareReceive --------------------------------------------------------
     async def prepare(self, decode: Endpoint, state: RequestState, prompt_token_ids, sampling,
@@ -224,34 +231,51 @@ class NodeCalls:
     async def start(self, decode: Endpoint, state: RequestState,
                     request) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """D's stream, ending with one usage message that carries the router's own time to
-        first token and the route taken."""
-        call = decode.stub.StartGeneration(
-            request, timeout=state.timeout(self.config.generation_timeout_s))
+        first token and the route taken. Its only deadline is the client's;
+        `--generation-timeout-s` ends it as max_tokens would (router/generation_limit.py)."""
+        call = decode.stub.StartGeneration(request, timeout=state.timeout(None))
+        limit, tally = GenerationLimit(self.config.generation_timeout_s), StreamTally()
         first = True
         try:
-            async for msg in call:
+            while (msg := await limit.read(call)) is not grpc.aio.EOF:
                 if msg.HasField("usage"):
-                    if state.local:  # D's own prefix hit, known once it scheduled the prompt
-                        state.route.prefix_matched_length = msg.usage.cached_prompt_tokens
-                    if first:  # no token at all (e.g. max_tokens reached at once)
-                        msg.usage.time_to_first_token_s = time.perf_counter() - state.arrived
-                    else:
-                        msg.usage.time_to_first_token_s = state.ttft
-                    usage = msg.usage
-                    usage.route.CopyFrom(state.route)
-                    # D's engine queue counts only when D prefilled: otherwise its request
-                    # sat reserved while the KV came, which is prefill and transfer time.
-                    usage.queue_time_s = state.queue_s + (usage.queue_time_s if state.local else 0.0)
-                    usage.prefill_time_s += state.prefill_s
-                    usage.kv_transfer_time_s = state.transfer_s
+                    self._finish_usage(state, msg.usage, first)
                 elif first and msg.token_ids:
                     state.ttft = time.perf_counter() - state.arrived
                     first = False
+                tally.add(msg)
                 yield msg
         except grpc.aio.AioRpcError as err:
             raise self.error(state, decode, "StartGeneration", err) from None
+        except LimitPassed:
+            log.info("request %s: --generation-timeout-s %g s passed; ending it on decode node "
+                     "%s", state.request_id, limit.limit_s, decode.address)
+            self.abort_later(decode, state.request_id, settled=not state.kv_write_pending)
+            if first:
+                raise limit.no_token(state.request_id) from None
+            usage = pdserve_pb2.Usage(prompt_tokens=state.prompt_tokens,
+                                      cached_prompt_tokens=state.route.prefix_matched_length)
+            self._finish_usage(state, usage, first)
+            for msg in tally.ending(state.request_id, usage):
+                yield msg
         finally:
             call.cancel()
+
+    @staticmethod
+    def _finish_usage(state: RequestState, usage: pdserve_pb2.Usage, first: bool) -> None:
+        """The router's part of a stream's usage: its own time to first token, the route."""
+        if state.local:  # D's own prefix hit, known once it scheduled the prompt
+            state.route.prefix_matched_length = usage.cached_prompt_tokens
+        if first:  # no token at all (e.g. max_tokens reached at once)
+            usage.time_to_first_token_s = time.perf_counter() - state.arrived
+        else:
+            usage.time_to_first_token_s = state.ttft
+        usage.route.CopyFrom(state.route)
+        # D's engine queue counts only when D prefilled: otherwise its request sat reserved
+        # while the KV came, which is prefill and transfer time.
+        usage.queue_time_s = state.queue_s + (usage.queue_time_s if state.local else 0.0)
+        usage.prefill_time_s += state.prefill_s
+        usage.kv_transfer_time_s = state.transfer_s
 
     # ---- aborts ------------------------------------------------------------------------
     async def abort(self, endpoint: Endpoint, request_id: str, settled: bool,
@@ -277,6 +301,18 @@ class NodeCalls:
         settled = not state.kv_write_pending
         for endpoint in holders:
             self.abort_later(endpoint, state.request_id, settled)
+
+
+def _client_message(code: grpc.StatusCode, details: str, request_id: str) -> str:
+    """A node's failure in the client's terms: a refusal in the node's own words (they name
+    the value); a node gone or a deadline as what happened and what to do."""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return (f"a node serving request {request_id} stopped answering before it finished; "
+                f"retry the request (the router's log names the node)")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return (f"request {request_id} ran out of its deadline before it finished; retry "
+                f"with a longer deadline")
+    return details
 
 
 def _lease_fields(reserved: Reserved) -> dict:

@@ -27,6 +27,7 @@ class RouterConfig:
     """
 
     model: str
+    served_model_name: str | None = None  # what clients call it (None: models.catalogue.served_name)
     server: ServerConfig = field(default_factory=ServerConfig)
     prefill: list[str] = option(
         help="prefill worker endpoint (repeat or comma-separate for several)",
@@ -80,7 +81,11 @@ class RouterConfig:
     remote_send_timeout_s: float = option(
         60.0, "deadline of a RemoteSend call (never past the lease)")
     abort_timeout_s: float = 2.0
-    generation_timeout_s: float = option(600.0, "deadline of a whole StartGeneration stream")
+    generation_timeout_s: float = option(
+        0.0, "longest one generation may run on a decode node (from StartGeneration on); "
+             "then it ends as if max_tokens were reached: finish_reason \"length\", with the "
+             "text so far; 0 = no limit: a request runs as long as its max_tokens and its "
+             "own deadline allow")
     max_prefill_attempts: int = option(
         2, "prefill nodes tried for one request before the decode node prefills it itself")
     full_retry_s: float = option(
@@ -105,6 +110,9 @@ class RouterConfig:
             raise ValueError(f"kv_window_end must be an int or 'auto', got {self.kv_window_end!r}")
         if not 0.0 <= self.auto_max_tail < 1.0:
             raise ValueError(f"auto_max_tail must be in [0, 1), got {self.auto_max_tail}")
+        if self.generation_timeout_s < 0:
+            raise ValueError(f"generation_timeout_s must be >= 0 (0: no limit), got "
+                             f"{self.generation_timeout_s}")
         if self.lease_ms <= 0:
             raise ValueError(f"lease_ms must be > 0, got {self.lease_ms}")
         if self.max_concurrent_requests < 1 or self.max_queued_requests < 0:

@@ -12,7 +12,7 @@ generation; and abort.
    RemoteSend gets a fresh reservation and another prefill node, or finally D prefills the
    whole prompt itself. The client never sees a prefill failure.
 4. Start: StartGeneration on D streams the tokens back. Once tokens flow, a decode failure
-   is the client's: UNAVAILABLE naming the node.
+   is the client's: UNAVAILABLE, the node named in the router's log.
 Admission (router/admission.py), per-request state (router/state.py) and how each call is
 made (router/calls.py) live apart; this file is the order of the calls.
 """
@@ -70,6 +70,7 @@ class Dispatcher:
             self.calls.release(state)
 
     async def _run(self, state: RequestState, prompt_token_ids, sampling, kv_window_end):
+        state.prompt_tokens = len(prompt_token_ids)
         if self.load_monitor is not None:
             self.load_monitor.mark_busy()
         first = self.registry.pick("decode", prompt_token_ids)
@@ -84,7 +85,7 @@ class Dispatcher:
             except DispatchError as err:
                 if started or state.aborted or err.code not in _TRY_ANOTHER_DECODE:
                     raise
-                log.info("%s; trying another decode node", err.message)
+                log.info("%s; trying another decode node", err.detail)
                 if err.code == grpc.StatusCode.UNAVAILABLE:  # it may hold the request
                     state.maybe_reserved.add(first)
                 first = None
@@ -135,7 +136,7 @@ class Dispatcher:
         except DispatchError as err:
             if started or state.aborted or err.code != grpc.StatusCode.NOT_FOUND:
                 raise
-            log.warning("%s; decode node %s prefills the prompt itself", err.message,
+            log.warning("%s; decode node %s prefills the prompt itself", err.detail,
                         decode.address)
         metrics.record_fallback("lease_ended")
         state.local = True
@@ -204,7 +205,7 @@ class Dispatcher:
                     if state.aborted or err.code not in _TRY_ANOTHER_DECODE:
                         raise
                     errors.append(err)
-                    log.info("%s; trying another decode node", err.message)
+                    log.info("%s; trying another decode node", err.detail)
             full = [e for e in errors if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
             if full and state.deadline is not None and time.monotonic() + backoff >= state.deadline:
                 raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -246,7 +247,7 @@ class Dispatcher:
                 await self.calls.abort(decode, state.request_id, err.settled,
                                        reserved.prep.lease_id)
                 prefill = self._next_prefill(prompt_token_ids, tried)
-                log.warning("%s; %s", err.message,
+                log.warning("%s; %s", err.detail,
                             f"retrying on prefill node {prefill.address}" if prefill else
                             f"decode node {decode.address} prefills the prompt itself")
                 if prefill is not None:

@@ -51,10 +51,16 @@ def _as_openai_error(err: BaseException, chat: bool) -> OpenAIError:
 
 
 class OpenAIFrontend:
+    """`dispatcher`: what serves each request, with the router Dispatcher's `generate` and
+    `active` (a colocated node passes its own Generation service, worker/colocated.py).
+    `role` labels its metrics; `refresh`, when given, is awaited before /metrics answers (a
+    worker samples its gauges then)."""
+
     def __init__(self, dispatcher, tokenizer, model_id: str, registry=None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, role: str = "router", refresh=None) -> None:
         self.api_key = api_key  # None: no key needed
         self.dispatcher = dispatcher
+        self.role, self.refresh = role, refresh
         self.tokenizer = tokenizer  # router.tokenizer.PromptTokenizer
         self.model_id = model_id
         self.registry = registry
@@ -112,7 +118,9 @@ class OpenAIFrontend:
         return web.json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        metrics.QUEUE_DEPTH.labels(role="router", queue="in_flight").set(len(self.dispatcher.active))
+        if self.refresh is not None:
+            await self.refresh()
+        metrics.QUEUE_DEPTH.labels(role=self.role, queue="in_flight").set(len(self.dispatcher.active))
         if self.registry is not None:
             for pool in ("prefill", "decode"):
                 for e in getattr(self.registry, pool):
@@ -131,7 +139,7 @@ class OpenAIFrontend:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        observer = StreamObserver("router", request_id, api="chat" if chat else "completions")
+        observer = StreamObserver(self.role, request_id, api="chat" if chat else "completions")
         try:
             body = await self._body(request)
             if chat:
@@ -146,8 +154,9 @@ class OpenAIFrontend:
             if chat:  # stops at the template's end of turn, as a gRPC conversation does
                 sampling = validation.chat_sampling(sampling, self.tokenizer)
             try:  # the very checks a gRPC Generate gets, so both APIs fail alike
-                validation.check_generate(pdserve_pb2.GenerateRequest(
-                    request_id=request_id, sampling=sampling), ids, self.tokenizer.card)
+                validation.check_generate(pdserve_pb2.GenerateRequest(request_id=request_id), ids,
+                                          self.tokenizer.card, sampling,
+                                          "messages" if chat else "prompt")
             except ValueError as err:
                 raise OpenAIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(err), chat) from None
         except OpenAIError as err:
@@ -210,7 +219,7 @@ class OpenAIFrontend:
         return body
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.tokenizer.decode([token_id])
+        return self.tokenizer.token_text(token_id)
 
 
 class _Shape:

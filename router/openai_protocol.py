@@ -2,8 +2,8 @@
 
 - Requests: a `/v1/completions` or `/v1/chat/completions` body becomes prompt token ids and
   `pdserve_pb2.SamplingParams`. Type errors are caught here (400 naming the field); value
-  limits (temperature < 0, top_p > 1, ...) are checked by the decode node, whose
-  INVALID_ARGUMENT comes back as the same 400.
+  limits (temperature < 0, top_p > 1, prompt plus max_tokens over the context, ...) by the
+  very checks a gRPC request gets (`router/validation.py`), before any node does work.
 - Errors: every failure is an `OpenAIError`, rendered as OpenAI's
   `{"error": {"message", "type", "param", "code"}}`; gRPC statuses map to HTTP statuses
   the way Google's HTTP/gRPC mapping does (`HTTP_STATUS`), and `code` is the gRPC status
@@ -49,7 +49,7 @@ NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({
            "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
            "prediction": (), "reasoning_effort": (), "web_search_options": ()}
 # "top_p must be ...", "prompt token id 9999 is outside ...", "prompt of 900 tokens is
-# longer ...", after any "Call on node: STATUS: " prefixes the nodes add.
+# longer ...", at the start of the message or after a "...: " prefix.
 _FIELD_IN_MESSAGE = re.compile(r"(?:^|: )([a-z_]+)(?: token ids?)?(?: -?\d+)? (?:must|of \d+|is)")
 
 

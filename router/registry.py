@@ -278,8 +278,9 @@ class WorkerRegistry:
         pool = [e for e in (self.prefill if role == "prefill" else self.decode)
                 if e.usable and e not in exclude]
         if not pool:
-            raise NoEndpointError(f"no routable {role} endpoint"
-                                  + (" left to try" if exclude else ""))
+            raise NoEndpointError(f"no {role} node can take this request now ("
+                                  + ("every one tried failed" if exclude else
+                                     "none is up and healthy") + "); retry shortly")
         return self._policies[role].pick(pool, prompt_token_ids)
 
     def report_failure(self, endpoint: Endpoint, reason: str) -> None:

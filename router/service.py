@@ -25,17 +25,16 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex
         observer = StreamObserver("router", request_id, api="grpc")
         try:
-            ids = validation.checked_prompt_ids(request, self.tokenizer)
+            ids, sampling = validation.checked(request, self.tokenizer)
         except ValueError as err:
             observer.finish("invalid_argument", error=str(err))
             await abort_with(context, err)
-        sampling = validation.sampling_of(request, self.tokenizer)
         window_end = request.kv_window_end if request.HasField("kv_window_end") else None
         stream = self.dispatcher.generate(request_id, ids, sampling, window_end,
                                           timeout_s=context.time_remaining())
         try:
             async for msg in observer.watch(stream):
-                yield msg
+                yield name_logprob_tokens(msg, self.tokenizer)
         except Exception as err:
             await abort_with(context, err)
 
@@ -47,3 +46,14 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
         return pdserve_pb2.ModelInfo(
             model=card.model, vocab_size=card.vocab_size, max_model_len=card.max_model_len,
             eos_token_ids=card.eos_token_ids, role="router")
+
+
+def name_logprob_tokens(msg: pdserve_pb2.GenerateResponse,
+                        tokenizer: PromptTokenizer) -> pdserve_pb2.GenerateResponse:
+    """`msg` with the text of every logprob entry's token filled in: the nodes send ids
+    only, and a client need not hold the tokenizer to read them."""
+    for entry in msg.logprobs:
+        entry.token = tokenizer.token_text(entry.token_id)
+        for top in entry.top:
+            top.token = tokenizer.token_text(top.token_id)
+    return msg

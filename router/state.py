@@ -20,12 +20,15 @@ from pdserve.runtime.errors import NodeError
 
 
 class DispatchError(NodeError):
-    """A failure with the gRPC status the client should see. `settled`: (RemoteSend only)
-    the prefill node answered without writing anything."""
+    """A failure with the gRPC status and message the client should see. `detail`: for the
+    router's log, naming the call and the node (never sent to the client). `settled`:
+    (RemoteSend only) the prefill node answered without writing anything."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, settled: bool = False) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, settled: bool = False,
+                 detail: str = "") -> None:
         super().__init__(message, code)
         self.settled = settled
+        self.detail = detail or message
 
 
 @dataclass
@@ -39,6 +42,7 @@ class RequestState:
     maybe_reserved: set = field(default_factory=set)
     kv_write_pending: bool = False  # a RemoteSend may still write D's reservation
     route: pdserve_pb2.RouteInfo = field(default_factory=pdserve_pb2.RouteInfo)
+    prompt_tokens: int = 0
     ttft: float = 0.0
     queue_s: float = 0.0  # waited for a turn: a dispatch slot here, KV pages on D
     prefill_s: float = 0.0   # the prefill node's prefill and KV writes (RemoteSend's reply)
@@ -46,15 +50,15 @@ class RequestState:
     aborted: bool = False
     local: bool = False  # D prefills the whole prompt itself (selective disaggregation)
 
-    def timeout(self, bound_s: float) -> float:
-        """`bound_s` cut to what is left of the client's deadline."""
+    def timeout(self, bound_s: float | None) -> float | None:
+        """`bound_s` (None: none) cut to what is left of the client's deadline."""
         if self.deadline is None:
             return bound_s
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"request {self.request_id} ran out of its deadline")
-        return min(bound_s, left)
+        return left if bound_s is None else min(bound_s, left)
 
     def check_aborted(self) -> None:
         if self.aborted:

@@ -39,13 +39,16 @@ def _load_tokenizer(model_dir: Path):
 
 
 class PromptTokenizer:
-    def __init__(self, model_dir: str) -> None:
+    """`served_model_name`: the model's name to clients (`card.model`); None: the catalogue
+    name, else the directory as given (`served_name`)."""
+
+    def __init__(self, model_dir: str, served_model_name: str | None = None) -> None:
         path = Path(model_dir)
         self.tokenizer = _load_tokenizer(path)
         config = json.loads((path / "config.json").read_text())
         eos = config.get("eos_token_id", self.tokenizer.eos_token_id)
         self.card = ModelCard(
-            model=served_name(model_dir),
+            model=served_model_name or served_name(model_dir),
             vocab_size=int(config["vocab_size"]),
             max_model_len=int(config.get("max_position_embeddings", 0)),
             eos_token_ids=list(eos) if isinstance(eos, (list, tuple)) else
@@ -56,6 +59,11 @@ class PromptTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, its id decoded alone (special tokens shown): how logprobs
+        name a token."""
+        return self.tokenizer.decode([token_id])
 
     def chat_ids(self, messages) -> list[int]:
         """Prompt ids of a conversation ([{"role", "content"}], checked here) as the model's

@@ -4,9 +4,10 @@ Everything here raises `ValueError` naming the field and the offending value (th
 answers INVALID_ARGUMENT). The prompt text is bounded before tokenizing
 (`max_prompt_chars`), so a huge string cannot stall the event loop in the tokenizer;
 messages over the gRPC size limit never get this far (the server answers
-RESOURCE_EXHAUSTED). Sampling values are the engine's to judge: the decode node checks them
-(`SamplingParams.validate`) before it reserves anything, and its INVALID_ARGUMENT comes
-back to the client.
+RESOURCE_EXHAUSTED). Sampling values obey the rules the engine keeps (`pdserve.sampling`,
+the one copy), and the prompt plus `max_tokens` must fit the model's context (refused in
+vLLM's words, naming both numbers): a bad request is refused here, at the front door,
+before any prefill or decode node does work. A colocated node runs the same checks.
 
 A request's prompt is exactly one of text, token ids or a conversation (`messages`, rendered
 by the model's chat template: `PromptTokenizer.chat_ids`). A conversation also stops at the
@@ -16,7 +17,8 @@ template's end of turn (`chat_sampling`).
 from __future__ import annotations
 
 from pdserve.kvtransfer.window import resolve_kv_window_end
-from pdserve.runtime.checks import check_request_id
+from pdserve.runtime.checks import check_request_id, sampling_from_pb
+from pdserve.sampling import check_context
 
 # A prompt text this many times the context (in characters) cannot fit: no tokenizer
 # averages that many characters per token.
@@ -68,29 +70,33 @@ def sampling_of(request, tokenizer):
     return chat_sampling(request.sampling, tokenizer) if request.messages else request.sampling
 
 
-def check_prompt_ids(ids: list[int], vocab_size: int, max_prompt_len: int) -> None:
-    """A non-empty prompt of in-vocabulary ids that leaves room for one output token."""
+def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+    """A non-empty prompt of in-vocabulary ids (its length: `check_context`)."""
     if not ids:
         raise ValueError("prompt is empty (0 tokens)")
-    if len(ids) > max_prompt_len:
-        raise ValueError(f"prompt of {len(ids)} tokens is longer than the model's context "
-                         f"allows ({max_prompt_len})")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def check_generate(request, ids: list[int], card) -> None:
-    """The router's checks of a Generate request whose prompt is `ids` (gRPC and HTTP)."""
+def check_generate(request, ids: list[int], card, sampling, prompt_in: str = "prompt") -> None:
+    """The router's checks of a Generate request whose prompt is `ids` and whose sampling,
+    a conversation's stops included, is `sampling` (gRPC and HTTP alike). `prompt_in` names
+    the prompt in the context error: "prompt", or "messages" for a conversation."""
     check_request_id(request.request_id, required=False)
-    max_len = card.max_model_len if card.max_model_len > 1 else 2**31 - 1
-    check_prompt_ids(ids, card.vocab_size, max_len - 1)
+    check_prompt_ids(ids, card.vocab_size)
+    params = sampling_from_pb(sampling)
+    params.validate(card.vocab_size)
+    if card.max_model_len > 1:  # (0: the config names no context)
+        check_context(len(ids), params.max_tokens, card.max_model_len, prompt_in)
     if request.HasField("kv_window_end"):
         resolve_kv_window_end(request.kv_window_end, len(ids))
 
 
-def checked_prompt_ids(request, tokenizer) -> list[int]:
-    """The prompt's ids after every router-side check."""
+def checked(request, tokenizer) -> tuple[list[int], object]:
+    """(prompt ids, sampling) of a Generate request after every front-door check."""
     ids = prompt_ids(request, tokenizer)
-    check_generate(request, ids, tokenizer.card)
-    return ids
+    sampling = sampling_of(request, tokenizer)
+    check_generate(request, ids, tokenizer.card, sampling,
+                   "messages" if request.messages else "prompt")
+    return ids, sampling

@@ -1,11 +1,15 @@
 """Checks of wire values that every node's edge makes before a role sees a request.
 
 Each raises `ValueError` naming the field and the value (the edge answers
-INVALID_ARGUMENT). What a value means to a role (a KV window, sampling) is checked by the
-role's own rules (`kvtransfer.window`, `engine.SamplingParams.validate`), not here.
+INVALID_ARGUMENT). What a value means to a role (a KV window) is checked by the role's own
+rules (`kvtransfer.window`); sampling values by the rules every layer shares
+(`pdserve.sampling`), once `sampling_from_pb` has made them a `SamplingParams`.
 """
 
 from __future__ import annotations
+
+from pdserve.proto import pdserve_pb2
+from pdserve.sampling import SamplingParams
 
 MAX_REQUEST_ID_CHARS = 256
 
@@ -20,3 +24,19 @@ def check_request_id(request_id: str, *, required: bool = True) -> None:
                          f"{request_id[:40] + '...'!r}")
     if any(not c.isprintable() for c in request_id):
         raise ValueError(f"request_id must be printable, got {request_id!r}")
+
+
+def sampling_from_pb(pb: pdserve_pb2.SamplingParams) -> SamplingParams:
+    """SamplingParams; unset optional fields keep the defaults. Not checked here: the caller
+    checks them (`SamplingParams.validate`), knowing the model's vocabulary and context."""
+    d = SamplingParams()
+
+    def given(name: str, default):
+        return getattr(pb, name) if pb.HasField(name) else default
+
+    return SamplingParams(
+        max_tokens=given("max_tokens", d.max_tokens), temperature=given("temperature", d.temperature),
+        top_p=given("top_p", d.top_p), top_k=given("top_k", d.top_k), min_p=pb.min_p,
+        seed=given("seed", d.seed), n=given("n", d.n), stop=list(pb.stop),
+        stop_token_ids=list(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
+        logprobs=given("logprobs", d.logprobs))

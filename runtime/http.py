@@ -21,7 +21,11 @@ async def start_http(app: web.Application, host: str, port: int, what: str) -> w
     """Serve `app` on HOST:PORT (0: a free port) until `await runner.cleanup()`."""
     runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as err:  # taken since runtime/ports.py checked it: one line, no traceback
+        await runner.cleanup()
+        raise SystemExit(f"pdserve: cannot listen on {host}:{port} ({what}): {err.strerror}") from None
     bound = runner.addresses[0][1] if runner.addresses else port
     log.info("%s on http://%s:%s", what, host, bound)
     return runner

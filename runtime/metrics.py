@@ -21,6 +21,10 @@ KV transfer (prefill node, one observation per RemoteSend):
   kv_transfers_total{outcome}, kv_transfer_bytes_total, kv_transfer_descriptors_total,
   kv_transfer_tokens_total, kv_transfer_seconds, kv_transfer_descriptors,
   kv_transfer_bandwidth_bytes_per_second, prefill_seconds (histograms)
+start (workers):
+  c_kernels{state,reason}             1 on the path the CPU kernels take: state "c", "torch"
+                                      or "partial" (reason: disabled, no_compiler, not_linux,
+                                      build_failed), "unused" off the CPU
 router:
   router_retries_total{call}, router_fallbacks_total{reason}   see `record_retry`, `record_fallback`
   router_remote_send_skipped_total, router_prefix_matched_tokens_total
@@ -44,6 +48,8 @@ DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 BANDWIDTH_BUCKETS = tuple(10.0 ** e for e in (6, 6.5, 7, 7.5, 8, 8.5, 9, 9.5, 10, 10.5, 11))
 
 NODE = Info("pdserve_node", "Role and model of this node")
+C_KERNELS = Gauge("pdserve_c_kernels", "1 on the path this node's CPU kernels take (C or the torch "
+                  "fallback) and why", ["state", "reason"])
 
 REQUESTS = Counter("pdserve_requests", "Requests finished, by outcome", ["role", "outcome"])
 TTFT = Histogram("pdserve_request_ttft_seconds", "Time to first token at this node",
@@ -144,6 +150,11 @@ def record_transfer(num_bytes: int, num_descriptors: int, num_tokens: int, prefi
     if transfer_s > 0:
         KV_TRANSFER_BANDWIDTH.observe(num_bytes / transfer_s)
     PREFILL_SECONDS.observe(prefill_s)
+
+
+def set_c_kernels(state: str, reason: str) -> None:
+    """Once at a worker's start: "c", "torch", "partial" (with why) or "unused"."""
+    C_KERNELS.labels(state=state, reason=reason).set(1)
 
 
 def set_pages(role: str, free: int, total: int) -> None:

@@ -10,7 +10,8 @@ when `runtime.tls` is configured (`--tls-*` flags). Every server admits calls th
 process's cluster token when it has one: nodes open channels only through `channel()`.
 
 The first line a node prints on stdout is `pdserve <role> listening on HOST:PORT`, with the
-port actually bound, so `--port 0` works for tests and `pdserve up`.
+port actually bound, so `--port 0` works for tests and `pdserve up`, then in brackets
+what an operator should know of its start (a worker: whether its C kernels run).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ async def serve(
     drain: Callable[[], Awaitable[None]] | None = None,
     on_start: Callable[[int], Awaitable[None]] | None = None,
     stop: asyncio.Event | None = None,
+    note: str = "",
 ) -> None:
     """Start `server` (its servicers already added) and run it until SIGTERM/SIGINT, or
     until `stop` is set (a Drain RPC). `on_start(port)` runs once the server serves, before
@@ -106,8 +108,11 @@ async def serve(
         server,
     )
     credentials = tls.server_credentials()
-    bound = server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None \
-        else server.add_insecure_port(f"{host}:{port}")
+    try:  # a clash is found before the model loads (runtime/ports.py), unless a race wins
+        bound = server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None \
+            else server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio raises where it once returned 0
+        bound = 0
     if bound == 0:
         raise SystemExit(f"pdserve {role}: cannot bind {host}:{port}")
     await server.start()
@@ -115,7 +120,7 @@ async def serve(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if on_start is not None:
         await on_start(bound)
-    print(f"pdserve {role} listening on {host}:{bound}", flush=True)
+    print(f"pdserve {role} listening on {host}:{bound}" + (f" ({note})" if note else ""), flush=True)
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,23 +1,29 @@
 """Runs a worker node: one engine, one NIXL agent, the roles it serves and their gRPC
 services, until SIGTERM/SIGINT or a Drain RPC.
 
-`pdserve prefill`, `decode` and `serve` (role `both`) all run `run_worker`. The engine's
-KV pool is registered with the agent once at start. The node serves its Worker service
-(worker/service.py); a `both` node also serves Generation itself (worker/colocated.py).
-With a metrics port it serves Prometheus /metrics over HTTP, its gauges sampled at each
-scrape (`sample_gauges`). With `--etcd` the node registers once it serves and deregisters
-first when it drains (SIGTERM or the Drain RPC).
+`pdserve prefill`, `decode` and `serve` (role `both`) all run `run_worker`. Before it
+serves, a CPU node builds every C kernel (`engine.native.build_all`) and every node runs
+one warm-up request (`engine.warm_up`), so the first request pays no compile; a CPU node
+whose kernels fell back to torch says so in a warning, its ready line and
+`pdserve_c_kernels`. The engine's KV pool is registered with the agent once at start.
+The node serves its Worker service (worker/service.py); a `both` node also serves
+Generation itself (worker/colocated.py). With a metrics port it serves Prometheus /metrics
+over HTTP, its gauges sampled at each scrape (`sample_gauges`). With `--etcd` the node
+registers once it serves and deregisters first when it drains (SIGTERM or the Drain RPC).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
 import uuid
 
 from pdserve.decode.role import DecodeRole
+from pdserve.engine import native
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.warm_up import warm_up
 from pdserve.kvtransfer.agent import TransferAgent
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.models.catalogue import served_name
@@ -41,15 +47,26 @@ def agent_name(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def model_name(config: WorkerConfig) -> str:
+    """What clients and peers call the model: --served-model-name, else `served_name`."""
+    return config.served_model_name or served_name(config.engine.model_dir)
+
+
 async def build_node(config: WorkerConfig, gates: Gates | None = None) -> Node:
     """The engine (its KV pool allocated), the agent that registers the pool, and the
     roles of `config.role` over both."""
     role = config.role
+    on_cpu = config.engine.device.split(":")[0] == "cpu"
+    kernels = await asyncio.to_thread(native.build_all) if on_cpu else None  # before any request
+    if kernels is not None and kernels.state != "c":
+        log.warning("%s", kernels.describe())
+    metrics.set_c_kernels(kernels.state if kernels else "unused", kernels.reason if kernels else "")
     engine = AsyncEngine(config.engine)
+    await engine.run(warm_up)
     kv_cache, page_size, vocab_size, max_model_len, sizing = await engine.run(
         lambda e: (e.kv_cache, e.page_size, e.vocab_size, e.max_model_len, e.kv_cache_sizing))
     log.info("KV cache: %d tokens of %s in %s (%d pages of %d, %d MiB; sized by %s)",
-             kv_cache.shape[0] * page_size, served_name(config.engine.model_dir),
+             kv_cache.shape[0] * page_size, model_name(config),
              config.engine.dtype, kv_cache.shape[0], page_size,
              kv_cache.numel() * kv_cache.element_size() >> 20, sizing)
     # A decode node receives: over TCP (another host) each write's bytes land only as its
@@ -59,7 +76,7 @@ async def build_node(config: WorkerConfig, gates: Gates | None = None) -> Node:
     agent = TransferAgent(agent_name(role), kv_cache, progress_thread=role == "decode")
     layout = KVLayout.from_tensor(kv_cache, page_size)
     identity = NodeIdentity(
-        model=served_name(config.engine.model_dir), model_hash=model_hash(config.engine.model_dir),
+        model=model_name(config), model_hash=model_hash(config.engine.model_dir),
         dtype=layout.dtype, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim, page_size=layout.page_size, role=role)
     prefill = decode = None
@@ -68,7 +85,9 @@ async def build_node(config: WorkerConfig, gates: Gates | None = None) -> Node:
     if "decode" in ROLES[role]:
         decode = DecodeRole(engine, agent, config.decode, vocab_size, max_model_len, gates,
                             layout.page_size)
-    return Node(role, engine, agent, layout, identity, prefill, decode)
+    node = Node(role, engine, agent, layout, identity, prefill, decode)
+    node.kernels = kernels
+    return node
 
 
 async def run_worker(config: WorkerConfig) -> None:
@@ -80,11 +99,12 @@ async def run_worker(config: WorkerConfig) -> None:
     server = new_server()
     names = [WORKER]
     pdserve_pb2_grpc.add_WorkerServicer_to_server(WorkerService(node), server)
+    colocated = None
     if node.role == "both":
         from pdserve.worker.colocated import ColocatedService
 
-        pdserve_pb2_grpc.add_GenerationServicer_to_server(
-            ColocatedService(node.decode, config.engine.model_dir), server)
+        colocated = ColocatedService(node.decode, config.engine.model_dir, config.served_model_name)
+        pdserve_pb2_grpc.add_GenerationServicer_to_server(colocated, server)
         names.append(GENERATION)
     if gates is not None:
         from pdserve.proto import testing_pb2_grpc
@@ -93,6 +113,12 @@ async def run_worker(config: WorkerConfig) -> None:
         testing_pb2_grpc.add_GatesServicer_to_server(GatesService(gates), server)
         names.append(GATES)
     http = await _start_metrics(node, config)
+    openai = None  # a `both` node's OpenAI API (--http-port)
+    if colocated is not None and config.http_port is not None:
+        from pdserve.worker.colocated import start_openai_http
+
+        openai = await start_openai_http(colocated, config.server.host, config.http_port,
+                                         lambda: sample_gauges(node))
     registration = None
 
     async def register(port: int) -> None:
@@ -115,8 +141,9 @@ async def run_worker(config: WorkerConfig) -> None:
                         config.server.drain_timeout_s)
 
     async def stop() -> None:
-        if http is not None:
-            await http.cleanup()
+        for runner in (http, openai):
+            if runner is not None:
+                await runner.cleanup()
         for r in node.roles:
             r.close()
         node.engine.shutdown()
@@ -124,7 +151,7 @@ async def run_worker(config: WorkerConfig) -> None:
 
     await serve(server, role=node.role, host=config.server.host, port=config.server.port,
                 service_names=names, on_stop=stop, drain=drain, on_start=register,
-                stop=node.stop)
+                stop=node.stop, note=node.kernels.describe() if node.kernels else "")
 
 
 async def sample_gauges(node: Node) -> None:

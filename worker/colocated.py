@@ -2,9 +2,14 @@
 
 The baseline disaggregation is measured against. A request is the decode role's local
 kind (`DecodeRole.generate_local`): this node prefills the whole prompt from its own prefix
-cache and generates. Prompts and conversations (`messages`) are tokenized by the router's
-own code (`router.validation`, `router.tokenizer`), so a request gives the same ids, and a
-conversation the same end-of-turn stop, whichever way it is served.
+cache and generates. Prompts and conversations (`messages`) are tokenized and checked by the
+router's own code (`router.validation`, `router.tokenizer`), so a request gives the same
+ids, a conversation the same end-of-turn stop, and a bad request the same refusal (prompt
+plus max_tokens over the context included), whichever way it is served.
+
+With `--http-port` the node also serves the router's OpenAI API (`router.openai_http`) in the
+same process: the HTTP front calls `generate`, this service in the role of the router's
+Dispatcher, so both APIs reach the same decode role.
 """
 
 from __future__ import annotations
@@ -12,21 +17,26 @@ from __future__ import annotations
 import time
 import uuid
 
-from pdserve.decode.convert import sampling_from_pb, stream_responses
+import grpc
+
+from pdserve.decode.convert import stream_responses
 from pdserve.decode.role import DecodeRole, LocalPrefill
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.service import name_logprob_tokens
 from pdserve.router.tokenizer import PromptTokenizer
-from pdserve.router.validation import prompt_ids, sampling_of
+from pdserve.router.validation import checked
 from pdserve.runtime import metrics
-from pdserve.runtime.checks import check_request_id
-from pdserve.runtime.errors import abort_with
+from pdserve.runtime.checks import check_request_id, sampling_from_pb
+from pdserve.runtime.errors import NodeError, abort_with
 from pdserve.runtime.observe import StreamObserver, outcome_of
 
 
 class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
-    def __init__(self, role: DecodeRole, model_dir: str) -> None:
+    def __init__(self, role: DecodeRole, model_dir: str,
+                 served_model_name: str | None = None) -> None:
         self.role = role
-        self.tokenizer = PromptTokenizer(model_dir)
+        self.tokenizer = PromptTokenizer(model_dir, served_model_name)
+        self.active: set[str] = set()  # ids `generate` streams (the HTTP /metrics in_flight)
 
     async def Generate(self, request, context):
         arrived = time.perf_counter()
@@ -34,17 +44,39 @@ class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
         observer = StreamObserver("both", request_id)
         try:
             check_request_id(request_id)
-            local = LocalPrefill(request_id, prompt_ids(request, self.tokenizer),
-                                 sampling_from_pb(sampling_of(request, self.tokenizer)))
+            ids, sampling = checked(request, self.tokenizer)  # the router's front-door checks
+            local = LocalPrefill(request_id, ids, sampling_from_pb(sampling))
             outputs = self.role.generate_local(local, context.time_remaining())
             async for msg in observer.watch(stream_responses(request_id, outputs, arrived)):
-                yield msg
+                yield name_logprob_tokens(msg, self.tokenizer)
         except Exception as err:
             observer.finish(outcome_of(err), error=str(err))  # no-op once watch recorded it
             await abort_with(context, err)
         if observer.usage is not None:
             u = observer.usage
             metrics.record_prefix_lookup("both", u.prompt_tokens, u.cached_prompt_tokens)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling,
+                       kv_window_end: int | None = None, timeout_s: float | None = None):
+        """The router Dispatcher's `generate` (router/dispatch.py), for the OpenAI front:
+        ids and sampling (pdserve_pb2.SamplingParams) come checked; this node serves the
+        request whole (`kv_window_end` means nothing here). A ValueError the role finds is
+        INVALID_ARGUMENT, as a router reports it."""
+        arrived = time.perf_counter()
+        self.active.add(request_id)
+        try:
+            check_request_id(request_id)
+            local = LocalPrefill(request_id, prompt_token_ids, sampling_from_pb(sampling))
+            outputs = self.role.generate_local(local, timeout_s)
+            async for msg in stream_responses(request_id, outputs, arrived):
+                if msg.HasField("usage"):
+                    u = msg.usage
+                    metrics.record_prefix_lookup("both", u.prompt_tokens, u.cached_prompt_tokens)
+                yield msg
+        except ValueError as err:
+            raise NodeError(str(err), grpc.StatusCode.INVALID_ARGUMENT) from None
+        finally:
+            self.active.discard(request_id)
 
     async def Abort(self, request, context):
         found = await self.role.abort(request.request_id, settled=True)
@@ -55,3 +87,17 @@ class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
         return pdserve_pb2.ModelInfo(
             model=card.model, vocab_size=card.vocab_size, max_model_len=card.max_model_len,
             eos_token_ids=card.eos_token_ids, role="both")
+
+
+async def start_openai_http(service: ColocatedService, host: str, port: int, refresh):
+    """The router's OpenAI API and /metrics (router/openai_http.py) over `service`, on
+    HOST:PORT (0: a free one); `refresh` samples the node's gauges before /metrics answers."""
+    from pdserve.router.openai_http import OpenAIFrontend
+    from pdserve.runtime import auth
+    from pdserve.runtime.http import start_http
+
+    card = service.tokenizer.card
+    metrics.NODE.info({"role": "both", "model": card.model})
+    frontend = OpenAIFrontend(service, service.tokenizer, card.model, api_key=auth.current().api_key,
+                              role="both", refresh=refresh)
+    return await start_http(frontend.app(), host, port, "both OpenAI API and /metrics")

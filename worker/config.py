@@ -25,4 +25,6 @@ class WorkerConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: none
+    http_port: int | None = None  # role both: the OpenAI API and /metrics; None: none
+    served_model_name: str | None = None  # what clients call it (None: models.catalogue.served_name)
     test_gates: str = ""  # request id prefix stopped at test gates (runtime/gates.py)

@@ -14,4 +14,5 @@ class Node:
         self.identity = identity  # runtime.identity.NodeIdentity
         self.prefill, self.decode = prefill, decode  # PrefillRole / DecodeRole or None
         self.roles = [r for r in (prefill, decode) if r is not None]
+        self.kernels = None  # engine.native.KernelStatus of a CPU node, else None
         self.stop = asyncio.Event()  # set by the Drain RPC (or a signal): drain, then exit

@@ -3,7 +3,9 @@
 Sends requests at a fixed or Poisson rate (or a fixed concurrency), from synthetic length
 ranges or a ShareGPT file, over pdserve's gRPC API or any OpenAI-compatible completions
 endpoint, and reports TTFT, TPOT, ITL and end-to-end latency (mean, median, p90, p99),
-throughput and goodput. `--rates` sweeps several rates; `--compare` starts 1P1D and two
+throughput and goodput: a progress bar while a run goes (plain lines when stderr is no
+terminal), then a summary block per run as vLLM's benchmark_serving prints it. `--rates`
+sweeps several rates (a table sets them side by side); `--compare` starts 1P1D and two
 colocated nodes itself and compares them (see `benchmarks.serve.compare`).
 """
 
@@ -21,7 +23,7 @@ EXAMPLES = """examples:
   pdserve bench serve --server 127.0.0.1:50051 --num-prompts 50 --request-rate 0.5
   pdserve bench serve --rates 0.2,0.4,0.8 --plot sweep.png --output sweep.json
   pdserve bench serve --max-concurrency 8 --dataset ShareGPT_V3.json --tokenizer MODEL_DIR
-  pdserve bench serve --backend openai --url http://127.0.0.1:8000 --vocab-size 32000
+  pdserve bench serve --backend openai --url http://127.0.0.1:8000
   pdserve bench serve --compare --rates 0.1,0.2,0.4 --output compare.json --plot compare.png
   pdserve bench serve --compare --model bench-random-100m --rates 0.5,1,2
 """
@@ -66,9 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output length in tokens, uniform, inclusive (default: 64:128)")
     g.add_argument("--vocab-size", type=int,
                    help="synthetic prompt ids are drawn below this (default: the server's "
-                        "vocabulary; required with --backend openai)")
-    g.add_argument("--tokenizer", help="tokenizer directory used to count ShareGPT tokens "
-                                       "(default: the model directory the server reports)")
+                        "vocabulary over gRPC; with --backend openai, the tokenizer's)")
+    g.add_argument("--tokenizer", metavar="DIR|MODEL_ID",
+                   help="the tokenizer that counts ShareGPT tokens and, with --backend "
+                        "openai, gives the vocabulary (default: that of the model the server "
+                        "names: its directory, a catalogue model in the cache, or a Hugging "
+                        "Face model id)")
     g.add_argument("--sharegpt-output-len", type=int,
                    help="output length for every ShareGPT request (default: its answer's length)")
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default: %(default)s)")
@@ -126,20 +131,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def bench(args) -> dict:
+    """Every run's results; each run's summary block prints as it ends (on stderr under
+    --json, whose stdout is the JSON alone)."""
     from pdserve.benchmarks.serve.load import sweep
+    from pdserve.benchmarks.serve.report import summary_block
 
     backend = make_backend(args)
+    target = args.url if args.backend == "openai" else args.server
+    rows: list[dict] = []
     try:
         limits = await backend.limits()
-        runs = await sweep(backend, make_workload(args, limits), args.rates, args.arrival,
-                           args.max_concurrency, args.seed, args.warmup)
+
+        def report(run) -> None:
+            rows.append(run_row(run, args, args.ttft_slo_ms, args.tpot_slo_ms))
+            print(summary_block(rows[-1], f"{args.backend} {target} ({limits.model})"),
+                  file=sys.stderr if args.json else sys.stdout, flush=True)
+
+        await sweep(backend, make_workload(args, limits), args.rates, args.arrival,
+                    args.max_concurrency, args.seed, args.warmup, on_run=report)
     finally:
         await backend.close()
     return {
-        "backend": args.backend, "target": args.url if args.backend == "openai" else args.server,
-        "model": limits.model, "workload": workload_info(args),
+        "backend": args.backend, "target": target, "model": limits.model,
+        "workload": workload_info(args),
         "objectives": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
-        "runs": [run_row(r, args, args.ttft_slo_ms, args.tpot_slo_ms) for r in runs],
+        "runs": rows,
     }
 
 
@@ -167,7 +183,8 @@ def _bench_and_report(args) -> int:
 
     result = uvloop.run(bench(args))
     rows = result["runs"]
-    emit(result, args, [sweep_table(rows, f"{args.backend} {result['target']} ({result['model']})")])
+    title = f"{args.backend} {result['target']} ({result['model']})"
+    emit(result, args, [sweep_table(rows, title)] if len(rows) > 1 else [])  # runs side by side
     if args.plot:
         from pdserve.benchmarks.serve.plot import plot_sweep
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.benchmarks.serve.metrics import RequestResult, run_duration
+from pdserve.benchmarks.serve.progress import RunProgress
 from pdserve.benchmarks.serve.workload import BenchRequest, arrival_offsets
 
 
@@ -38,13 +39,10 @@ class Run:
 async def run_load(backend, requests: list[BenchRequest], rate: float, arrival: str = "poisson",
                    max_concurrency: int | None = None, seed: int = 0,
                    desc: str = "bench serve") -> Run:
-    from tqdm import tqdm
-
     offsets = arrival_offsets(len(requests), rate, arrival, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     loop = asyncio.get_running_loop()
-    progress = tqdm(total=len(requests), desc=desc, unit="req", file=sys.stderr, leave=False,
-                    disable=None)  # None: shown on a terminal only
+    progress = RunProgress(len(requests), desc)
     start = loop.time()
 
     async def one(req: BenchRequest, offset: float) -> RequestResult:
@@ -54,7 +52,7 @@ async def run_load(backend, requests: list[BenchRequest], rate: float, arrival: 
         else:
             async with limit:
                 result = await backend.send(req)
-        progress.update(1)
+        progress.add(result.ok)
         return result
 
     try:
@@ -79,10 +77,12 @@ async def warm_up(backend, requests: list[BenchRequest], count: int) -> None:
 
 async def sweep(backend, workload_for, rates: list[float], arrival: str = "poisson",
                 max_concurrency: int | None = None, seed: int = 0, warmup: int = 1,
-                label: str = "bench serve") -> list[Run]:
+                label: str = "bench serve", on_run: Callable[[Run], None] | None = None
+                ) -> list[Run]:
     """Warm up once, then one run per rate, one after the other (each drains before the
     next starts). `workload_for(key)` gives the requests: key "warmup", then the rate's
-    index, so every run gets prompts of its own that no prefix cache has seen."""
+    index, so every run gets prompts of its own that no prefix cache has seen. `on_run`
+    sees each run as it ends (a report that should not wait for the whole sweep)."""
     if warmup:
         await warm_up(backend, workload_for("warmup"), warmup)
     runs = []
@@ -90,4 +90,6 @@ async def sweep(backend, workload_for, rates: list[float], arrival: str = "poiss
         desc = f"{label} @ {rate:g} req/s" + (f", <= {max_concurrency} in flight" if max_concurrency else "")
         runs.append(await run_load(backend, workload_for(i), rate, arrival, max_concurrency,
                                    seed, desc))
+        if on_run is not None:
+            on_run(runs[-1])
     return runs

@@ -1,5 +1,6 @@
-"""Human-readable tables of benchmark results (the JSON holds everything; these hold what
-a reader compares first)."""
+"""Human-readable benchmark results (the JSON holds everything; these hold what a reader
+compares first): one block per run in the layout of vLLM's `benchmark_serving`, so the
+numbers read side by side with its, and tables across runs and systems."""
 
 from __future__ import annotations
 
@@ -13,6 +14,43 @@ def _f(value, digits: int = 1) -> str:
 
 def _rate(value) -> str:
     return "inf" if value is None else f"{value:g}"
+
+
+BLOCK_WIDTH = 50
+LATENCIES = (("ttft_ms", "TTFT", "Time to First Token"),
+             ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
+             ("itl_ms", "ITL", "Inter-token Latency"))
+
+
+def summary_block(row: dict, target: str) -> str:
+    """One run (a row of `runs.run_row`): requests, tokens and throughputs, then TTFT,
+    TPOT and ITL mean, median and p99 in ms ("-": no value, e.g. no request completed)."""
+    def line(name: str, value) -> str:
+        text = "-" if value is None else f"{value:.2f}" if isinstance(value, float) else value
+        return f"{name + ':':<40} {text}"
+
+    lines = [f"{' Serving Benchmark Result ':=^{BLOCK_WIDTH}}",
+             line("Target", target),
+             line("Request rate (req/s)", _rate(row["request_rate"])),
+             line("Max concurrency", row["max_concurrency"] or "-"),
+             line("Successful requests", row["completed"]),
+             line("Failed requests", row["failed"]),
+             line("Benchmark duration (s)", float(row["duration_s"])),
+             line("Total input tokens", row["input_tokens"]),
+             line("Total generated tokens", row["output_tokens"]),
+             line("Request throughput (req/s)", row["request_throughput"]),
+             line("Output token throughput (tok/s)", row["output_throughput"]),
+             line("Total token throughput (tok/s)", row["total_token_throughput"])]
+    if "goodput" in row:
+        lines.append(line("Request goodput (req/s)", row["goodput"]))
+    for key, short, name in LATENCIES:
+        stats = row[key]
+        lines += [f"{name:-^{BLOCK_WIDTH}}", line(f"Mean {short} (ms)", stats["mean"]),
+                  line(f"Median {short} (ms)", stats["median"]),
+                  line(f"P99 {short} (ms)", stats["p99"])]
+    if row.get("errors"):
+        lines += [f"{'Errors':-^{BLOCK_WIDTH}}", *row["errors"]]
+    return "\n".join([*lines, "=" * BLOCK_WIDTH])
 
 
 def sweep_table(rows: list[dict], title: str) -> Table:

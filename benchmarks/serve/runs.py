@@ -33,16 +33,22 @@ def _served_dir(model: str) -> str | None:
     return str(found) if found else None
 
 
-def _count_tokens(args, limits):
-    path = args.tokenizer or _served_dir(limits.model)
-    if path is None:
-        print("pdserve bench serve: no tokenizer (give --tokenizer); estimating 4 characters "
-              "per token", file=sys.stderr)
-        return lambda text: max(1, len(text) // 4)
-    from pdserve.router.tokenizer import PromptTokenizer
+def load_tokenizer(args, limits):
+    """The tokenizer of `--tokenizer`, else of the model the server names: a directory, a
+    catalogue model converted in this machine's cache, or a Hugging Face model id. Only a
+    `--tokenizer` is fetched from the hub; the server's model is looked for on this machine
+    (the hub's cache included), so an offline run is not held up by the hub's retries. None
+    when none loads."""
+    source = args.tokenizer or limits.model
+    if not source:
+        return None
+    from transformers import AutoTokenizer
 
-    tokenizer = PromptTokenizer(path)
-    return lambda text: len(tokenizer.encode(text))
+    try:
+        return AutoTokenizer.from_pretrained(_served_dir(source) or source,
+                                             local_files_only=not args.tokenizer)
+    except (OSError, ValueError):  # no such directory or model id, or no tokenizer in it
+        return None
 
 
 def make_workload(args, limits):
@@ -51,12 +57,24 @@ def make_workload(args, limits):
         return args.warmup if key == "warmup" else args.num_prompts
 
     if args.dataset:
-        pairs, count = wl.read_sharegpt(args.dataset), _count_tokens(args, limits)
+        pairs, tokenizer = wl.read_sharegpt(args.dataset), load_tokenizer(args, limits)
+        if tokenizer is None:
+            print(f"pdserve bench serve: no tokenizer for {args.tokenizer or limits.model!r} "
+                  "(give --tokenizer); estimating 4 characters per token", file=sys.stderr)
+
+        def count(text: str) -> int:
+            return len(tokenizer.encode(text)) if tokenizer else max(1, len(text) // 4)
+
         return lambda key: wl.sample_sharegpt(pairs, size(key), count, f"{args.seed}-{key}",
                                               limits.max_model_len or 0, args.sharegpt_output_len)
-    vocab = args.vocab_size or limits.vocab_size
-    if not vocab:
-        raise SystemExit("pdserve bench serve: synthetic prompts need --vocab-size")
+    vocab = args.vocab_size or limits.vocab_size  # the server's, over gRPC
+    if not vocab:  # an OpenAI server does not say: its model's tokenizer does
+        tokenizer = load_tokenizer(args, limits)
+        if tokenizer is None:
+            raise SystemExit(f"pdserve bench serve: synthetic prompts need the vocabulary, and "
+                             f"no tokenizer of {args.tokenizer or limits.model!r} loads; give "
+                             "--tokenizer DIR|MODEL_ID or --vocab-size N")
+        vocab = len(tokenizer)
     longest = args.input_len[1] + args.output_len[1]
     if limits.max_model_len and longest > limits.max_model_len:
         raise SystemExit(f"pdserve bench serve: --input-len {args.input_len[1]} + --output-len "

@@ -23,11 +23,11 @@ OK = grpc.StatusCode.OK
 
 @pytest.mark.parametrize("fields,named", [
     (dict(prompt=""), "prompt"),
-    (dict(prompt_token_ids=[5] * MAX_LEN), "prompt of 512 tokens"),
+    (dict(prompt_token_ids=[5] * MAX_LEN), "(512 in the prompt, 16 in the completion)"),
     (dict(prompt_token_ids=[5, VOCAB]), "512"),
     (dict(prompt_token_ids=[5, -1]), "-1"),
     (dict(prompt="hi", max_tokens=0), "max_tokens"),
-    (dict(prompt="hi", max_tokens=MAX_LEN + 1), "max_tokens"),
+    (dict(prompt="hi", max_tokens=MAX_LEN + 1), "513 in the completion"),
     (dict(prompt="hi", temperature=-0.5), "temperature"),
     (dict(prompt="hi", temperature=float("nan")), "temperature"),
     (dict(prompt="hi", top_p=0.0), "top_p"),

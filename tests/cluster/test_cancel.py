@@ -13,7 +13,7 @@ import pytest
 from pdserve.client import AsyncClient
 from pdserve.proto import pdserve_pb2
 from pdserve.runtime.server import channel
-from tests.cluster.conftest import SLOW
+from tests.cluster.conftest import HELD, SLOW
 from tests.cluster.nodes import (GREEDY, full, gate_open, load, open_gates, run, stopped_at,
                                  wait_for, wait_pools_full, worker_stub)
 
@@ -72,33 +72,28 @@ def test_cancel_during_remote_send_frees_pages_on_every_node(fault_cluster, phas
 
 @pytest.mark.parametrize("how", ["disconnect", "abort"])
 def test_cancel_while_decoding_frees_pages_on_every_node(fault_cluster, how):
-    """A request that finished before the cancel reached it tests nothing (the tiny model
-    decodes its 400 tokens in well under a second, and a loaded machine can starve this
-    client that long): then a fresh one tries again, up to three times."""
-    async def attempt(request_id: str):
+    """The decode node holds a `held-` request's stream at its gate after the first token,
+    so the cancel lands mid-generation however slow this machine is (the tiny model could
+    otherwise finish its 400 tokens before a starved client cancels)."""
+    request_id = f"{HELD}decoding-{how}"
+
+    async def go():
         async with AsyncClient(fault_cluster.address("main")) as client:
             stream = client.responses(PROMPT, request_id=request_id, max_tokens=400, **GREEDY)
-            got = []
             async for msg in stream:
-                got += msg.token_ids
-                if len(got) >= 3:
-                    break
-            running = sum([(await load(fault_cluster.address(d))).num_running
-                           for d in ("d1", "d2")])
-            caught = running == 1
+                assert msg.token_ids
+                break
+            node = await stopped_at(fault_cluster, "stream", request_id, ("d1", "d2"))
+            running = (await load(fault_cluster.address(node))).num_running
             if how == "abort":
-                caught = await client.abort(request_id) and caught
+                assert await client.abort(request_id)
             await stream.aclose()
-        return caught, await wait_pools_full(fault_cluster.workers)
+            await gate_open(fault_cluster.address(node), "stream", request_id)
+        return running, await wait_pools_full(fault_cluster.workers)
 
-    tries = []
-    for i in range(3):
-        caught, reports = run(attempt(f"decoding-{how}-{i}"))
-        assert all(full(r) for r in reports), reports
-        tries.append(caught)
-        if caught:
-            break
-    assert tries[-1], f"the request ended before its cancel in all {len(tries)} tries"
+    running, reports = run(go())
+    assert running == 1
+    assert all(full(r) for r in reports), reports
 
 
 def test_parked_reservation_abort_and_lease_expiry_on_the_worker_api(fault_cluster):

@@ -2,7 +2,8 @@
 prefill + decode gives the tokens of the same conversation templated by hand, bad messages
 are refused naming the value while other requests go on, a served conversation stops at an
 end-of-turn token that is not the eos, and `pdserve chat` carries the conversation from turn
-to turn (with the real SmolLM2 model, it knows the capital of France)."""
+to turn (with the real SmolLM2 model, it knows the capital of France), its stdout the
+answers alone (tests/cluster/test_chat_terminal.py runs it on a terminal)."""
 
 from __future__ import annotations
 
@@ -111,11 +112,11 @@ def router_requests(cluster) -> list[dict]:
             if r["logger"] == "pdserve.request"]
 
 
-def greedy_answers(cluster, *conversations: list[dict]) -> list[str]:
+def greedy_answers(cluster, *conversations: list[dict], max_tokens: int = 6) -> list[str]:
     async def ask():
         async with AsyncClient(cluster.grpc) as client:
-            return [(await client.generate(messages=c, temperature=0.0, max_tokens=6)).text
-                    for c in conversations]
+            return [(await client.generate(messages=c, temperature=0.0,
+                                           max_tokens=max_tokens)).text for c in conversations]
 
     return run(ask())
 
@@ -149,9 +150,12 @@ def test_pdserve_chat_goes_on_after_an_error_and_forgets_on_reset(cluster):
     out = pdserve_chat(cluster.grpc, [too_long, "name a fox", "/reset", "name a fox", "/exit",
                                       "never sent"], "--temperature", "0", "--max-tokens", "6")
     assert out.returncode == 0, out.stderr
-    assert out.stderr == ("error: INVALID_ARGUMENT: messages of 32769 characters are longer than "
-                          "the model's context can hold (at most 32768 characters)\n")
-    assert out.stdout == f"{answer}\n{answer}\n"
+    assert out.stderr.splitlines() == [
+        "error: INVALID_ARGUMENT: messages of 32769 characters are longer than the model's "
+        "context can hold (at most 32768 characters)",
+        "[answer cut at --max-tokens 6]", "conversation forgotten",
+        "[answer cut at --max-tokens 6]"]
+    assert out.stdout == f"{answer}\n{answer}\n"  # the answers and nothing else
     turns = wait_until(lambda: router_requests(cluster)[seen:] if
                        len(router_requests(cluster)) >= seen + 3 else None, "the chat's requests")
     one_turn = len(PromptTokenizer(cluster.model).chat_ids([user("name a fox")]))

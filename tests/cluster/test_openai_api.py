@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of a running router, through the official `openai` client:
 streamed chat completions and completions match the non-streamed answer and the gRPC one,
-and failures come back in OpenAI's error shape with the HTTP status of their gRPC status."""
+and failures come back in OpenAI's error shape with the HTTP status of their gRPC status.
+A colocated node (`pdserve serve --http-port`) serves the same API from one process."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import openai
 import pytest
 
 from pdserve.client import AsyncClient
-from tests.cluster.nodes import run, sample, wait_until
+from pdserve.procs import NodeProcess, free_port
+from tests.cluster.nodes import WORKER_FLAGS, run, sample, scrape, wait_until
 
 GREEDY = dict(temperature=0.0, max_tokens=6, extra_body={"ignore_eos": True})
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a fox"}]
@@ -152,3 +154,41 @@ def test_a_client_that_leaves_mid_stream_aborts_the_request_on_every_node(cluste
     logged = [json.loads(line) for line in c.log_lines("router") if "leaves-early" in line]
     assert [r["outcome"] for r in logged] == ["cancelled"]
     assert logged[0]["completion_tokens"] < 400
+
+
+@pytest.fixture(scope="module")
+def serve_http(tiny_model, tmp_path_factory):
+    """One `pdserve serve` node with its OpenAI API on, serving the tiny model as `foo`:
+    (the node, the API's base URL)."""
+    port = free_port()
+    node = NodeProcess(["serve", "--model", tiny_model, "--host", "127.0.0.1", "--port", "0",
+                        "--http-port", str(port), "--served-model-name", "foo", *WORKER_FLAGS],
+                       log=tmp_path_factory.mktemp("serve-http") / "serve.log")
+    try:
+        node.wait_ready()
+        yield node, f"http://127.0.0.1:{port}"
+    finally:
+        node.stop()
+
+
+def test_serve_answers_the_openai_api_itself_under_its_served_name(serve_http, tiny_model):
+    node, http = serve_http
+    prompt = "the quick brown fox"
+    with openai.OpenAI(base_url=http + "/v1", api_key="unused", max_retries=0, timeout=60) as api:
+        listed = [m.id for m in api.models.list().data]
+        whole = api.completions.create(model="foo", prompt=prompt, **GREEDY)
+        chunks = list(api.completions.create(model="foo", prompt=prompt, stream=True, **GREEDY))
+        with pytest.raises(openai.NotFoundError):  # the directory is no longer its name
+            api.completions.create(model=tiny_model, prompt=prompt, max_tokens=2)
+
+    async def grpc_side():
+        async with AsyncClient(node.address) as client:
+            answer = await client.generate(prompt, temperature=0.0, max_tokens=6, ignore_eos=True)
+            return answer, await client.models()
+
+    answer, models = run(grpc_side())
+    assert listed == ["foo"] and [m.id for m in models] == ["foo"]
+    assert whole.model == "foo" and whole.usage.completion_tokens == 6
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks) == answer.text
+    # /metrics beside the API samples the node's own gauges (its pool: WORKER_FLAGS' pages)
+    assert sample(scrape(http + "/metrics"), "pdserve_kv_pages_total", role="both") == 256

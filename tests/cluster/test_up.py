@@ -2,18 +2,25 @@
 + decode) uses under 5% of one core in total (CPU time, not wall time: another load on the
 machine does not change it). How soon it answers is printed, not asserted: on a loaded
 machine any bound fails, and time bounds belong to benchmarks. It keys its nodes itself: a
-fresh cluster key in a private file, removed at exit, and the API key given."""
+fresh cluster key in a private file, removed at exit, and the API key given. Its ready line
+names the gRPC and the OpenAI address; it takes common worker flags itself and hints at `--`
+for the rest; `make serve ARGS=...` reaches it."""
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
+
+import openai
+import pytest
 
 from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION
 from pdserve.client import AsyncClient
 from pdserve.procs import NodeProcess
+from pdserve.cli import build_parser
 from pdserve.up import UpConfig, kv_share, node_args
 from tests.cluster.nodes import run
 
@@ -36,7 +43,8 @@ def cpu_seconds(pids: list[int]) -> float:
 
 def test_up_answers_and_idles_under_5_percent_of_a_core(tiny_model, tmp_path):
     start = time.monotonic()
-    node = NodeProcess(["up", "--model", tiny_model, "--port", "0"], log=tmp_path / "up.log")
+    node = NodeProcess(["up", "--model", tiny_model, "--port", "0", "--http-port", "0"],
+                       log=tmp_path / "up.log")
     try:
         node.wait_ready()
 
@@ -118,7 +126,7 @@ def test_up_keys_its_nodes_with_a_fresh_private_cluster_key_removed_at_exit(tiny
     from pdserve.runtime.server import channel
 
     (tmp_path / "api.key").write_text("sk-up-test\n")
-    node = NodeProcess(["up", "--model", tiny_model, "--port", "0", "--device", "cpu",
+    node = NodeProcess(["up", "--model", tiny_model, "--port", "0", "--http-port", "0", "--device", "cpu",
                         "--api-key-file", str(tmp_path / "api.key")], log=tmp_path / "up.log")
     try:
         node.wait_ready()
@@ -158,3 +166,71 @@ def test_up_keys_its_nodes_with_a_fresh_private_cluster_key_removed_at_exit(tiny
     finally:
         node.stop()
     assert not any(Path(p).exists() for p in secret_files), "key files left behind"
+
+
+def test_up_names_both_front_doors_and_gives_both_workers_its_flags_and_the_name(tiny_model, tmp_path):
+    """The ready line names the gRPC and the OpenAI address; the OpenAI one serves the model
+    as --served-model-name, refusing the directory's name; both workers built their KV
+    pools in the dtype and pages `up` was given, under that name (their own log lines)."""
+    node = NodeProcess(["up", "--model", tiny_model, "--port", "0", "--http-port", "0",
+                        "--device", "cpu", "--dtype", "float32", "--page-size", "8",
+                        "--num-pages", "64", "--served-model-name", "foo"], log=tmp_path / "up.log")
+    try:
+        node.wait_ready()
+        doors = re.search(r"router on (\S+:\d+) \(gRPC\), OpenAI API on (http://\S+:\d+/v1)",
+                          node.ready_line)
+        assert doors and doors.group(1) == node.address, node.ready_line
+        with openai.OpenAI(base_url=doors.group(2), api_key="unused", max_retries=0,
+                           timeout=60) as api:
+            assert [m.id for m in api.models.list().data] == ["foo"]
+            out = api.completions.create(model="foo", prompt="hello", max_tokens=2,
+                                         temperature=0, extra_body={"ignore_eos": True})
+            with pytest.raises(openai.NotFoundError):
+                api.completions.create(model=tiny_model, prompt="hello", max_tokens=2)
+        assert out.model == "foo" and out.usage.completion_tokens == 2
+
+        async def grpc_models():
+            async with AsyncClient(node.address) as client:
+                return await client.models()
+
+        assert [m.id for m in run(grpc_models())] == ["foo"]
+    finally:
+        node.stop()
+    pools = re.findall(r"KV cache: \d+ tokens of (\S+) in (\w+) \((\d+) pages of (\d+),",
+                       (tmp_path / "up.log").read_text())
+    assert pools == [("foo", "float32", "64", "8")] * 2, pools
+
+
+def test_up_serves_the_openai_api_on_8000_by_default_and_0_picks_a_free_port():
+    assert build_parser().parse_args(["up"]).http_port == 8000
+    assert build_parser().parse_args(["up", "--http-port", "0"]).http_port == 0
+
+
+@pytest.mark.parametrize("argv", [["--lease-ms", "5000"], ["--no-prefix-cache"],
+                                  ["--max-num-batched-tokens=512"]])
+def test_a_worker_flag_up_does_not_take_is_refused_naming_the_double_dash(argv, capsys):
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["up", "--dtype", "float32", *argv])
+    flag = argv[0].split("=")[0]
+    assert refused.value.code == 2
+    assert f"{flag} is a worker flag" in capsys.readouterr().err
+    # after `--` the same flag goes to both workers
+    assert build_parser().parse_args(["up", "--", *argv]).worker_args == ["--", *argv]
+
+
+def test_ups_worker_flags_reach_both_workers_and_the_flags_after_the_double_dash_win():
+    config = UpConfig(model="m", device="cpu", page_size=8, kv_cache_mb=64, max_num_seqs=4,
+                      extra=["--", "--page-size", "16", "--no-prefix-cache"])
+    args = node_args(config, 1001, 1002, 1003, ["--cluster-key-file", "k"], [])
+    for role in ("prefill", "decode"):
+        parsed = build_parser().parse_args(args[role])
+        assert (parsed.page_size, parsed.kv_cache_mb, parsed.max_num_seqs) == (16, 64, 4)
+        assert not parsed.enable_prefix_cache
+        assert "--kv-cache-memory-fraction" not in args[role]  # the user sized the pools
+
+
+def test_make_serve_passes_args_to_up():
+    root = Path(__file__).resolve().parents[2]
+    plan = subprocess.run(["make", "--no-print-directory", "-n", "serve", "ARGS=--dtype bfloat16 --http-port 0"],
+                          cwd=root, capture_output=True, text=True, check=True).stdout
+    assert plan.splitlines()[-1] == ".venv/bin/pdserve up --dtype bfloat16 --http-port 0"

@@ -5,10 +5,12 @@ the file's commands, environment, volumes, discovery targets and health checks f
 The mapping from containers to local processes:
 - `${VAR}`, `${VAR:-default}`, `${VAR-default}`, `${VAR:+alt}`, `${VAR:?error}` are
   interpolated from `variables` as compose would from the shell or `.env`.
-- Each service's container port (its PDSERVE_PORT) becomes a free port on 127.0.0.1, and
-  every `SERVICE:PORT` in its environment or command (including inside
-  `dns:///SERVICE:PORT`) is rewritten to `127.0.0.1:FREEPORT`: the service name resolves
-  to the loopback address, as compose's DNS resolves it to the container.
+- The pdserve services are those built from deploy/Dockerfile; others (Prometheus) are
+  not run. Each container port a node serves (its PDSERVE_PORT, PDSERVE_HTTP_PORT and
+  PDSERVE_METRICS_PORT) becomes a free port on 127.0.0.1, and every `SERVICE:PORT` in its
+  environment or command (including inside `dns:///SERVICE:PORT`) is rewritten to
+  `127.0.0.1:FREEPORT`: the service name resolves to the loopback address, as compose's
+  DNS resolves it to the container.
 - A volume `SRC:TARGET` is a path mapping: values that start with TARGET start with SRC
   instead (a named volume becomes a fresh directory). So is a secret a service lists:
   `/run/secrets/NAME` (or its `target`) maps to the file of the top-level secret NAME,
@@ -16,7 +18,10 @@ The mapping from containers to local processes:
 - The image's ENTRYPOINT `pdserve` is `python -m pdserve.cli`, and its `PDSERVE_*`
   variables (the Dockerfile's ENV) are each service's, under the service's own
   `environment`. `image_dirs` maps directories the image holds (its PDSERVE_CACHE, with the
-  model converted at build time) to local directories standing in for them.
+  model converted and the C kernels compiled at build time: `run_kernel_step`) to local
+  directories standing in for them. The image has no C compiler, and neither has a
+  service here: its PATH is the virtualenv's bin alone (the image's PATH starts with its
+  virtualenv) and CC is unset.
 - Nothing is downloaded: pip has no index (PIP_NO_INDEX) and Hugging Face is offline, so a
   service that would fetch its model at start fails instead, as the files promise it won't.
 - Services start in `depends_on` order; `condition: service_healthy` waits until the
@@ -42,6 +47,12 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "deploy" / "docker-compose.yml"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+VENV_BIN = str(Path(sys.executable).parent)  # `python`, as the image's PATH finds it
+KERNEL_COMMAND = "python -m pdserve.engine.native"  # compiles every C kernel into the cache
+
+# The variables that set the ports a node listens on (the flags --port, --http-port and
+# --metrics-port).
+PORT_VARIABLES = ("PDSERVE_PORT", "PDSERVE_HTTP_PORT", "PDSERVE_METRICS_PORT")
 
 _VAR = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-+?])([^}]*))?\}|\$(\w+)")
 
@@ -81,6 +92,17 @@ def load_compose(variables: dict[str, str]) -> dict:
     return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), variables)
 
 
+def nodes(compose: dict) -> dict[str, dict]:
+    """The services that run the pdserve image (built from deploy/Dockerfile)."""
+    return {name: spec for name, spec in compose["services"].items()
+            if spec.get("build", {}).get("dockerfile") == "deploy/Dockerfile"}
+
+
+def served_ports(spec: dict) -> dict[str, int]:
+    """The container ports a node's environment makes it listen on, by variable."""
+    return {v: int(spec["environment"][v]) for v in PORT_VARIABLES if v in spec["environment"]}
+
+
 def dockerfile_steps() -> list[tuple[str, str]]:
     """(instruction, argument text) of every Dockerfile instruction in order, continuations
     joined, comments left out."""
@@ -95,6 +117,24 @@ def dockerfile_instruction(name: str) -> str:
     found = [text for instruction, text in dockerfile_steps() if instruction == name]
     assert found, f"no {name} in {DOCKERFILE}"
     return found[-1]
+
+
+def kernel_step() -> int:
+    """The index in dockerfile_steps() of the RUN step that compiles the C kernels."""
+    found = [i for i, (instruction, text) in enumerate(dockerfile_steps())
+             if instruction == "RUN" and KERNEL_COMMAND in text]
+    assert len(found) == 1, f"{len(found)} RUN steps run {KERNEL_COMMAND!r} in {DOCKERFILE}"
+    return found[0]
+
+
+def run_kernel_step(cache: Path) -> subprocess.CompletedProcess:
+    """The Dockerfile's kernel step, its shell command as written, run here as the build
+    runs it: `python` is the virtualenv's, and the image's PDSERVE_CACHE is `cache`."""
+    text = dockerfile_steps()[kernel_step()][1]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    env = {**base, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", "PDSERVE_CACHE": str(cache)}
+    return subprocess.run(["/bin/sh", "-c", text], cwd=cache, env=env, capture_output=True,
+                          text=True, timeout=600)
 
 
 def image_environment(until: int | None = None) -> dict[str, str]:
@@ -147,11 +187,13 @@ class LocalCompose:
         self.workdir = workdir
         self.image_dirs = image_dirs or {}
         self.services: dict[str, LocalService] = {}
-        specs = self.compose["services"]
-        self.ports = {name: (int(spec["environment"]["PDSERVE_PORT"]), free_port())
-                      for name, spec in specs.items()}
+        # service -> variable -> (container port, local port)
+        self.port_map = {name: {v: (inner, free_port()) for v, inner in served_ports(spec).items()}
+                         for name, spec in nodes(self.compose).items()}
+        self.ports = {name: ports["PDSERVE_PORT"] for name, ports in self.port_map.items()}
         self.addresses = {f"{name}:{inner}": f"127.0.0.1:{outer}"
-                          for name, (inner, outer) in self.ports.items()}
+                          for name, ports in self.port_map.items()
+                          for inner, outer in ports.values()}
 
     def _paths(self, spec: dict) -> dict[str, str]:
         paths = {}
@@ -185,14 +227,19 @@ class LocalCompose:
         paths = self._paths(spec)
         image = {k: self.rewrite_paths(v, self.image_dirs) for k, v in image_environment().items()}
         env = {k: self.rewrite(str(v), paths) for k, v in spec["environment"].items()}
-        env["PDSERVE_PORT"] = str(self.ports[name][1])
-        base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+        env.update((v, str(outer)) for v, (_, outer) in self.port_map[name].items())
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") and k != "CC"}
+        base["PATH"] = VENV_BIN  # no cc or gcc: the image has no compiler
         offline = {"PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1"}
         return {**base, **offline, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
                 **image, **env}
 
+    def local_address(self, name: str, variable: str) -> str:
+        """Where node `name` serves the port `variable` sets (one of PORT_VARIABLES)."""
+        return f"127.0.0.1:{self.port_map[name][variable][1]}"
+
     def order(self) -> list[str]:
-        specs, done = self.compose["services"], []
+        specs, done = nodes(self.compose), []
         while len(done) < len(specs):
             ready = [n for n, s in specs.items()
                      if n not in done and all(d in done for d in s.get("depends_on", {}))]
@@ -201,7 +248,7 @@ class LocalCompose:
         return done
 
     def up(self, timeout_s: float = 180.0) -> None:
-        specs = self.compose["services"]
+        specs = nodes(self.compose)
         deadline = time.monotonic() + timeout_s
         for name in self.order():
             for dep, how in specs[name].get("depends_on", {}).items():

@@ -1,5 +1,5 @@
-"""Fixtures for the deployment tests: the image's model cache, standing in for the model the
-Dockerfile converts at build time, the key files an operator makes once (the compose
+"""Fixtures for the deployment tests: the image's cache, standing in for the model the
+Dockerfile converts and the C kernels it compiles at build time, the key files an operator makes once (the compose
 secrets), and the compose services running as local processes with their defaults (see
 compose_local.py)."""
 
@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from pdserve.models.catalogue import CARD_FILE, DEFAULT_MODEL
-from tests.deploy.compose_local import LocalCompose, image_environment
+from tests.deploy.compose_local import LocalCompose, image_environment, run_kernel_step
 
 # Compose variables, as a user would put them in `.env`: small settings for a shared
 # two-core machine. No MODEL_DIR: the services serve the image's model.
@@ -23,11 +23,14 @@ VARIABLES = {"NUM_THREADS": "1", "KV_CACHE_MB": "16"}
 def image_cache(tiny_model, tmp_path_factory) -> str:
     """A local stand-in for the image's PDSERVE_CACHE: the default model converted into it,
     as the Dockerfile's build step leaves it (here the tiny checkpoint under the default
-    model's name and card, so nothing is downloaded)."""
+    model's name and card, so nothing is downloaded), and the C kernels compiled into it by
+    the Dockerfile's own kernel step."""
     cache = tmp_path_factory.mktemp("image-cache")
     converted = cache / "models" / DEFAULT_MODEL
     shutil.copytree(tiny_model, converted)
     (converted / CARD_FILE).write_text(json.dumps({"name": DEFAULT_MODEL}))
+    built = run_kernel_step(cache)
+    assert built.returncode == 0, built.stdout + built.stderr
     return str(cache)
 
 

@@ -1,5 +1,6 @@
 """Reading deploy/k8s/: every YAML document of every manifest file, the optional ones in
-its subdirectories included (`kubectl apply -f deploy/k8s/` applies only the top level)."""
+its subdirectories included (kustomization.yaml lists only the top level), and not
+kustomization.yaml itself (kustomize's, not a Kubernetes object)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import yaml
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+KUSTOMIZATION = K8S_DIR / "kustomization.yaml"
 
 # A commented-out YAML line: `# key:`, `# key: value` or `# - key: value` (prose comments
 # never start with a bare key and a colon).
@@ -17,7 +19,7 @@ _COMMENTED_YAML = re.compile(r"^(\s*)# (\s*(?:- )?\w+:(?: |$).*)$")
 
 def documents(top_level_only: bool = False) -> list[tuple[Path, dict]]:
     paths = K8S_DIR.glob("*.yaml") if top_level_only else K8S_DIR.rglob("*.yaml")
-    return [(path, doc) for path in sorted(paths)
+    return [(path, doc) for path in sorted(paths) if path != KUSTOMIZATION
             for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 

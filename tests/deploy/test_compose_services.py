@@ -6,18 +6,22 @@ through the published router port streams an answer made by prefill and decode."
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
+import urllib.request
 from pathlib import Path
 
 from pdserve.models.catalogue import DEFAULT_MODEL
 from pdserve.client import AsyncClient
-from tests.deploy.compose_local import PDSERVE, REPO, LocalCompose, image_environment
+from tests.deploy.compose_local import (PDSERVE, REPO, LocalCompose, image_environment, nodes,
+                                        served_ports)
 from tests.deploy.conftest import VARIABLES
 
 
 def test_every_service_starts_from_its_command_and_environment_and_turns_healthy(compose):
-    assert set(compose.services) == set(compose.compose["services"])
+    assert set(compose.services) == set(nodes(compose.compose))
+    assert set(compose.compose["services"]) - set(compose.services) == {"prometheus"}
     for name, service in compose.services.items():
         result = service.healthcheck()
         assert result.returncode == 0, f"{name}: {result.stdout}{result.stderr}"
@@ -27,7 +31,7 @@ def test_every_service_starts_from_its_command_and_environment_and_turns_healthy
 def test_router_streams_an_answer_through_dns_discovered_prefill_and_decode(compose, keys):
     router = compose.services["router"]
     container_ports = [int(p.rsplit(":", 1)[-1]) for p in router.spec["ports"]]
-    assert container_ports == [compose.ports["router"][0]], "publish the port the router serves"
+    assert compose.ports["router"][0] in container_ports, "publish the gRPC port the router serves"
 
     async def ask():
         async with AsyncClient(router.address, api_key=keys["api"]) as client:
@@ -46,6 +50,47 @@ def test_router_streams_an_answer_through_dns_discovered_prefill_and_decode(comp
     assert route.prefill_endpoint == compose.services["prefill"].address
     assert route.decode_endpoint == compose.services["decode"].address
     assert not route.remote_send_skipped
+
+
+def get(url: str, api_key: str | None = None) -> tuple[int, str]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def declared_ports(spec: dict) -> set[int]:
+    """The container ports a service publishes (`ports`) or exposes (`expose`)."""
+    published = {int(str(p).rsplit(":", 1)[-1]) for p in spec.get("ports", [])}
+    return published | {int(p) for p in spec.get("expose", [])}
+
+
+def test_every_declared_port_is_served_and_answers(compose, keys):
+    """The router's OpenAI port answers /v1/models (with the API key) and /metrics; each
+    worker's metrics port answers /metrics, and its kernels are the image's, built at build
+    time: no service here has a compiler."""
+    for name, spec in nodes(compose.compose).items():
+        served = served_ports(spec)
+        assert declared_ports(spec) == set(served.values()), f"{name} declares what it serves"
+        wanted = {"PDSERVE_HTTP_PORT"} if name == "router" else {"PDSERVE_METRICS_PORT"}
+        assert wanted <= set(served), f"{name} serves no {wanted}"
+        for variable in served:
+            url = f"http://{compose.local_address(name, variable)}"
+            if variable == "PDSERVE_PORT":
+                continue  # gRPC: its health check, above
+            status, body = get(f"{url}/metrics")
+            assert status == 200 and f'pdserve_node_info{{model="{DEFAULT_MODEL}",role="{name}"}}' \
+                in body, f"{name} {variable}: {status} {body[:300]}"
+            if variable == "PDSERVE_HTTP_PORT":
+                assert get(f"{url}/v1/models")[0] == 401, "the OpenAI API asks for the key"
+                status, body = get(f"{url}/v1/models", keys["api"])
+                assert status == 200 and json.loads(body)["data"][0]["id"] == DEFAULT_MODEL
+            else:
+                assert 'pdserve_c_kernels{reason="",state="c"} 1.0' in body, \
+                    f"{name} took the torch path: " + compose.services[name].log_path.read_text()[-2000:]
 
 
 def test_every_service_serves_the_default_model_from_the_image_cache(compose, image_cache, keys):
@@ -78,7 +123,7 @@ def test_model_dir_is_mounted_read_only_at_its_own_path_and_served(tiny_model, t
     from pdserve.models_cli import resolve_model
 
     stack = LocalCompose({**VARIABLES, "MODEL_DIR": tiny_model}, tmp_path)
-    for name, spec in stack.compose["services"].items():
+    for name, spec in nodes(stack.compose).items():
         assert spec["volumes"] == [f"{tiny_model}:{tiny_model}:ro"], name
         env = stack.environment(name)
         assert env["PDSERVE_MODEL"] == tiny_model, name

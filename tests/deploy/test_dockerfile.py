@@ -4,14 +4,19 @@ the default model converted at build time into the cache the image's nodes read.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from pdserve.models.catalogue import DEFAULT_MODEL
-from tests.deploy.compose_local import (DOCKERFILE, REPO, dockerfile_instruction,
-                                        dockerfile_steps, image_environment)
+from tests.deploy.compose_local import (DOCKERFILE, REPO, VENV_BIN, dockerfile_instruction,
+                                        dockerfile_steps, image_environment, kernel_step,
+                                        load_compose, nodes, served_ports)
 
 
 def run_step(words: str) -> int:
@@ -88,3 +93,102 @@ def test_conversion_step_runs_with_only_models_on_the_path(tmp_path, image_cache
     result = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def stages() -> dict[str, tuple[str, list[tuple[int, str, str]]]]:
+    """Every stage of the Dockerfile: name -> (the stage it starts FROM, its steps as
+    (index in dockerfile_steps(), instruction, text))."""
+    found: dict[str, tuple[str, list]] = {}
+    name = ""
+    for i, (instruction, text) in enumerate(dockerfile_steps()):
+        if instruction == "FROM":
+            words = text.split()
+            name = words[-1] if len(words) >= 3 and words[-2].upper() == "AS" else f"#{i}"
+            found[name] = (words[0], [])
+        elif name:
+            found[name][1].append((i, instruction, text))
+    return found
+
+
+def runtime_uid() -> int:
+    """The uid the Dockerfile gives its `pdserve` user."""
+    runs = "\n".join(text for instruction, text in dockerfile_steps() if instruction == "RUN")
+    return int(re.search(r"useradd --uid (\d+) .* pdserve$", runs, re.M).group(1))
+
+
+def test_image_compiles_the_kernels_after_the_source_in_a_stage_it_leaves_behind():
+    steps = dockerfile_steps()
+    build = kernel_step()
+    text = steps[build][1]
+    assert run_step("pip install --no-deps /src") < build, "the kernels come from the source"
+    user_step = max(i for i, (instruction, _) in enumerate(steps) if instruction == "USER")
+    assert build < user_step
+    # Into the cache the nodes read at run time, readable by any user (the compiler leaves
+    # the libraries readable by their owner alone).
+    assert "PDSERVE_CACHE=" not in text, "the step must use the image's PDSERVE_CACHE"
+    assert image_environment(until=build)["PDSERVE_CACHE"] == image_environment()["PDSERVE_CACHE"]
+    assert 'chmod -R a+rX "${PDSERVE_CACHE}/kernels"' in text
+    # A stage of its own has the compiler; the image is built FROM the stage before it and
+    # copies only the kernels, owned by the runtime user.
+    all_stages = stages()
+    (kernels,) = [n for n, (_, s) in all_stages.items() if build in [i for i, _, _ in s]]
+    _, (parent, final_steps) = list(all_stages.items())[-1]
+    compiler = [n for n, (_, s) in all_stages.items()
+                if any(re.search(r"apt-get install .*\bgcc\b", t) for _, _, t in s)]
+    assert compiler == [kernels] and all_stages[kernels][0] == parent != kernels
+    copies = [t for _, instruction, t in final_steps if instruction == "COPY"]
+    assert copies == [f"--from={kernels} --chown=pdserve:pdserve ${{PDSERVE_CACHE}}/kernels "
+                      "${PDSERVE_CACHE}/kernels"]
+
+
+def test_kernels_built_by_the_image_step_load_as_the_runtime_user_without_a_compiler(
+        image_cache):
+    """The conftest ran the step's own command into `image_cache`. A copy as the final stage
+    makes it (owned by the runtime user) loads every kernel as that user (when the test
+    runs as root) with no compiler on PATH, while an empty cache finds none."""
+    from pdserve.engine import native
+
+    built = sorted(p.name for p in Path(image_cache, "kernels").iterdir())
+    assert len(built) == len(native.WRAPPERS), built
+    for path in Path(image_cache, "kernels").iterdir():
+        assert path.stat().st_mode & 0o444 == 0o444, f"{path} is not readable by every user"
+    uid = runtime_uid()
+    with tempfile.TemporaryDirectory() as d:
+        os.chmod(d, 0o755)
+        image, empty = Path(d, "image"), Path(d, "empty")
+        shutil.copytree(Path(image_cache, "kernels"), image / "kernels")  # COPY keeps modes
+        empty.mkdir()
+        if os.geteuid() == 0:
+            for path in [image, image / "kernels", *(image / "kernels").iterdir()]:
+                os.chown(path, uid, uid)
+        code = ("from pdserve.engine import native; s = native.build_all(); "
+                "print(s.state, s.reason)")
+        setpriv = shutil.which("setpriv")  # util-linux
+        as_user = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] \
+            if os.geteuid() == 0 and setpriv else []
+        answers = {}
+        for name, cache in (("image", image), ("empty", empty)):
+            env = {"PATH": VENV_BIN, "PDSERVE_CACHE": str(cache), "HOME": str(cache)}
+            result = subprocess.run([*as_user, sys.executable, "-c", code], cwd=d, env=env,
+                                    capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, result.stderr
+            answers[name] = result.stdout.split()
+    assert answers == {"image": ["c"], "empty": ["torch", "no_compiler"]}
+
+
+def test_cuda_variant_runs_every_worker_on_the_gpu(monkeypatch):
+    from pdserve.cli import build_parser
+
+    (cuda_env,) = [t for _, i, t in stages()["base-cuda"][1] if i == "ENV"]
+    env = dict(word.split("=", 1) for word in shlex.split(cuda_env))
+    assert env["PDSERVE_DEVICE"] == "cuda"
+    monkeypatch.setenv("PDSERVE_DEVICE", env["PDSERVE_DEVICE"])
+    for role in ("prefill", "decode", "serve"):
+        assert build_parser().parse_args([role]).device == "cuda", role
+    assert "PDSERVE_DEVICE" not in image_environment(), "the CPU image keeps the CPU default"
+
+
+def test_image_exposes_every_port_the_compose_nodes_serve():
+    exposed = {int(p) for p in dockerfile_instruction("EXPOSE").split()}
+    for name, spec in nodes(load_compose({})).items():
+        assert set(served_ports(spec).values()) <= exposed, name

@@ -16,7 +16,8 @@ import pytest
 
 from tests.certs import CA
 from tests.cluster.nodes import WORKER_FLAGS, Cluster
-from tests.deploy.compose_local import REPO, dockerfile_instruction, health_command, load_compose
+from tests.deploy.compose_local import (PORT_VARIABLES, REPO, dockerfile_instruction,
+                                        health_command, load_compose, nodes)
 from tests.deploy.manifests import by_kind, containers
 
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
@@ -30,7 +31,7 @@ def dockerfile_healthcheck() -> list[str]:
 def declared_health_checks() -> dict[str, list[str]]:
     """Every health check of deploy/ as a local command line, keyed by where it is declared."""
     tests = {"Dockerfile HEALTHCHECK": ["CMD", *dockerfile_healthcheck()]}
-    for name, spec in load_compose({})["services"].items():
+    for name, spec in nodes(load_compose({})).items():
         tests[f"compose {name}"] = spec["healthcheck"]["test"]
     for component, container in containers():
         for kind in PROBES:
@@ -71,7 +72,10 @@ def test_kubernetes_probes_pass_on_the_matching_running_nodes(compose):
         service = compose.services[component]  # the compose service of the same role
         env = {**config, **{e["name"]: e.get("value") for e in container.get("env", [])}}
         assert int(env["PDSERVE_PORT"]) == compose.ports[component][0]
-        assert [p["containerPort"] for p in container["ports"]] == [int(env["PDSERVE_PORT"])]
+        # The ports it declares are those it serves, the same as compose's node of its role.
+        served = {v: int(env[v]) for v in PORT_VARIABLES if v in env}
+        assert sorted(p["containerPort"] for p in container["ports"]) == sorted(served.values())
+        assert served == {v: inner for v, (inner, _) in compose.port_map[component].items()}
         for kind in PROBES:
             probe = container[kind]
             assert probe["timeoutSeconds"] >= 5, f"{component} {kind}: python needs the time"

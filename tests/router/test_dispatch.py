@@ -116,20 +116,26 @@ def test_abort_during_remote_send_reaches_prefill_and_decode():
     run(go())
 
 
-def test_decode_failure_is_unavailable_naming_the_node():
+def test_decode_failure_is_unavailable_naming_the_node_in_the_log_only(caplog):
+    caplog.set_level("INFO", logger="pdserve.router")
+
     async def go():
         p, d = FakeWorker("p"), FakeWorker("d", fail={"StartGeneration": grpc.StatusCode.UNAVAILABLE})
         addr, _, stop = await start_router([p], [d])
         try:
             async with AsyncClient(addr) as client:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await client.generate("hello")
+                    await client.generate("hello", request_id="gone-1")
         finally:
             await stop()
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "decode node 127.0.0.1:" in err.value.details()
+        return err.value
 
-    run(go())
+    err = run(go())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "retry" in err.details() and "gone-1" in err.details(), err.details()
+    assert "127.0.0.1" not in err.details() and "StartGeneration" not in err.details()
+    assert any("gone-1" in r.getMessage() and "StartGeneration on decode node 127.0.0.1:"
+               in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_bad_prompt_is_invalid_argument():
