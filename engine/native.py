@@ -16,7 +16,10 @@ PDSERVE_KERNEL_CFLAGS adds compiler flags after the kernel's own: for example
 
 `build_all()` builds every kernel library of the engine at once: a CPU worker calls it
 before it serves, so no request pays for a compile, and `python -m pdserve.engine.native`
-runs it at image build time (printing each library and where it lies).
+runs it at image build time (printing each library and where it lies). With `--portable`
+it builds for x86-64-v3 (AVX2 and FMA) instead of this CPU, keyed without the CPU: an
+image built on one machine then runs the C kernels on any AVX2 machine with no compiler,
+where a library for the running CPU is neither cached nor buildable.
 The kernels' design notes and measurements: docs/kernels.md.
 """
 
@@ -52,6 +55,10 @@ WRAPPERS = ("pdserve.engine.model.gemm", "pdserve.engine.model.fused",
 _registered: list[KernelLibrary] = []  # every KernelLibrary made, in order
 _built_at: dict[str, Path] = {}  # source -> the shared object loaded
 _unavailable: dict[str, tuple[str, str]] = {}  # source -> (reason, its words): torch path
+PORTABLE_MARCH = "x86-64-v3"
+# What x86-64-v3 code may use, as /proc/cpuinfo names it (abm: lzcnt).
+_PORTABLE_NEEDS = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"}
+_build_portable = False  # set by `main --portable`: build the portable libraries only
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,18 @@ def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
         return None
     # The source and every header beside it in the engine package (what it may #include).
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(_HEADERS.glob("*.h")))
-    key = hashlib.sha256(text + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
-    target = default_cache_dir() / "kernels" / f"{source.stem}-{key}.so"
+    portable_flags = [f"-march={PORTABLE_MARCH}" if f == "-march=native" else f for f in flags]
+
+    def cached(flags: list[str], cpu: str) -> Path:
+        key = hashlib.sha256(text + " ".join(flags).encode() + cpu.encode()).hexdigest()[:16]
+        return default_cache_dir() / "kernels" / f"{source.stem}-{key}.so"
+
+    target = cached(flags, _cpu_id())
+    portable = cached(portable_flags, "portable")
+    if _build_portable:
+        target, flags = portable, portable_flags
+    elif not target.exists() and portable.exists() and _PORTABLE_NEEDS <= set(_cpu_id().split()):
+        target = portable  # an image's build, made for any AVX2 machine
     if not target.exists():  # built before (an image's build step) needs no compiler now
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
@@ -178,9 +195,12 @@ def status() -> KernelStatus:
     return KernelStatus("torch" if len(missing) == len(_registered) else "partial", reason, detail)
 
 
-def main() -> int:
-    """`python -m pdserve.engine.native`: build every library, say what and where; exit 1
-    if one could not be built (0 when PDSERVE_NO_C_KERNELS turns them off)."""
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdserve.engine.native [--portable]`: build every library (for this CPU, or
+    for any x86-64-v3 one), say what and where; exit 1 if one could not be built (0 when
+    PDSERVE_NO_C_KERNELS turns them off)."""
+    global _build_portable
+    _build_portable = "--portable" in (sys.argv[1:] if argv is None else argv)
     result = build_all()
     for kernels in _registered:
         where = _built_at.get(str(kernels.source))

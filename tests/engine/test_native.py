@@ -93,3 +93,33 @@ def test_without_a_compiler_the_build_command_says_why_and_fails(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "torch path: no C compiler" in out.stdout.splitlines()[-1], out.stdout
     assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").glob("*.so"))
+
+
+# A CPU this machine is not: another native key, but every x86-64-v3 feature (or not).
+_OTHER_CPU = "flags\t\t: fpu sse4_2 avx avx2 fma bmi1 bmi2 f16c movbe abm another-cpu"
+_LOAD_ON = ("import sys; from pdserve.engine import native; native._cpu_id = lambda: sys.argv[1]; "
+            "s = native.build_all(); print(s.state, sorted(p.name for p in native._built_at.values()))")
+
+
+def test_a_portable_build_serves_another_avx2_cpu_without_a_compiler(tmp_path):
+    """What an image does: its build machine makes the x86-64-v3 libraries; a node on
+    another CPU, with no compiler, loads them instead of falling back to torch."""
+    import os
+
+    import pdserve.engine
+
+    out = subprocess.run([sys.executable, "-m", "pdserve.engine.native", "--portable"], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PDSERVE_CACHE": str(tmp_path)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    portable = sorted(p.name for p in (tmp_path / "kernels").glob("*.so"))
+    assert len(portable) == len(list(__import__("pathlib").Path(pdserve.engine.__file__).parent.rglob("*.c")))
+    no_cc = {**os.environ, "PDSERVE_CACHE": str(tmp_path), "PATH": str(tmp_path / "no-such-bin")}
+    no_cc.pop("CC", None)
+    other = subprocess.run([sys.executable, "-c", _LOAD_ON, _OTHER_CPU], capture_output=True, text=True,
+                           timeout=300, env=no_cc)
+    assert other.returncode == 0, other.stderr
+    assert other.stdout.split(" ", 1) == ["c", f"{portable}\n"], other.stdout
+    # A CPU without AVX2 must not load them: the torch path, saying why.
+    old = subprocess.run([sys.executable, "-c", _LOAD_ON, _OTHER_CPU.replace(" avx2", "")],
+                         capture_output=True, text=True, timeout=300, env=no_cc)
+    assert old.stdout.split(" ", 1) == ["torch", "[]\n"], old.stdout + old.stderr
