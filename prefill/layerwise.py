@@ -38,6 +38,7 @@ Invariants (the whole-window path's, per span):
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -48,6 +49,15 @@ import numpy as np
 from pdserve.kvtransfer.plan import plan_transfer
 from pdserve.prefill.device import bind_device, kv_stored, on_gpu
 from pdserve.prefill.layer_stream import LayerStream, Span, StreamFailed
+
+
+def on_loop(future: Future) -> asyncio.Future:
+    """A stream's end as a future of the running loop. Its StreamFailed counts as seen: an
+    aborted send's end may never be awaited (only a fence reads it), and asyncio would log
+    "exception was never retrieved" for each such one."""
+    ended = asyncio.wrap_future(future)
+    ended.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return ended
 
 
 class LayerSends:
@@ -103,6 +113,11 @@ class LayerSends:
                 stream.error = why
             self._cond.notify()
         return stream.future
+
+    async def stopped(self, stream: LayerStream, why: str) -> None:
+        """`abort`, awaited from the loop: once no WRITE of the stream is in flight (its
+        StreamFailed is the abort asked for)."""
+        await asyncio.wait([on_loop(self.abort(stream, why))])
 
     def drop(self, stream: LayerStream) -> None:
         """Forget a stream that was never aimed (its request writes the whole window)."""

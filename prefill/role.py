@@ -49,7 +49,7 @@ from pdserve.kvtransfer.plan import plan_transfer
 from pdserve.kvtransfer.window import resolve_kv_window
 from pdserve.prefill.capability import SpentLeases, check_capability
 from pdserve.prefill.config import PrefillConfig
-from pdserve.prefill.layerwise import LayerSends, StreamFailed
+from pdserve.prefill.layerwise import LayerSends, StreamFailed, on_loop
 from pdserve.prefill.peers import DecodePeer, DecodePeers
 from pdserve.prefill.requests import OverlappedSend, PrefillLoad, RemoteSend, SendResult, Window
 from pdserve.prefill.sending import (Sending, delivered_of, landed, resolve, tell_no_write, write_window,
@@ -142,7 +142,7 @@ class PrefillRole:
             resolve(sending.window, RequestAborted(
                 f"RemoteSend of {request_id!r} aborted while waiting for its KV window"))
         if sending.stream is not None:  # its source pages go only once no WRITE reads them
-            await asyncio.wait([asyncio.wrap_future(self.layers.abort(sending.stream, "aborted"))])
+            await self.layers.stopped(sending.stream, "aborted")
         if not sending.writing or sending.stream is not None:
             await self.engine.abort(request_id)
         return True
@@ -218,7 +218,7 @@ class PrefillRole:
         its pages released, and its decode node told if nothing was written."""
         if stream is not None:
             self.layers.drop(stream)
-            await asyncio.wait([asyncio.wrap_future(self.layers.abort(stream, "the send ended"))])
+            await self.layers.stopped(stream, "the send ended")
         del self.in_flight[request_id]
         self._ended[request_id] = landed(sending)
         while len(self._ended) > _MAX_ENDED:
@@ -241,7 +241,7 @@ class PrefillRole:
             self.layers.drop(stream)
             return dst_slots
         sending.stream, sending.writing = stream, True  # from here the stream owns the notices
-        sending.write = asyncio.wrap_future(stream.future)
+        sending.write = on_loop(stream.future)
         self.layers.aim(stream, peer.agent_name, peer.layout, window.begin, end, dst_slots,
                         min(deadline, window.lease_deadline), no_write_tag(request_id, window.lease_id))
         return dst_slots
@@ -249,7 +249,7 @@ class PrefillRole:
     async def _finish_stream(self, sending: Sending, tag: bytes, src_slots: list[int]):
         """The rest of a layer-wise window and its notification, awaited to the end."""
         try:
-            await asyncio.shield(asyncio.wrap_future(self.layers.finish(sending.stream, tag, src_slots)))
+            await asyncio.shield(on_loop(self.layers.finish(sending.stream, tag, src_slots)))
         except StreamFailed as err:
             if sending.aborted:
                 raise RequestAborted(f"RemoteSend aborted during its layer-wise write: {err}") from None
