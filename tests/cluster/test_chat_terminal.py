@@ -43,6 +43,7 @@ class Terminal:
         os.close(slave)
         self.master, self.read_to = master, 0
         self.decoder, self.printed = codecs.getincrementaldecoder("utf-8")("replace"), ""
+        self.ended = False  # the chat closed the terminal: nothing more will come
 
     @property
     def text(self) -> str:
@@ -54,14 +55,15 @@ class Terminal:
             try:
                 self.printed += self.decoder.decode(os.read(self.master, 65536))
             except OSError:  # the chat ended and closed the terminal
-                time.sleep(timeout_s)
+                self.ended = True
 
     def expect(self, pattern: str, timeout_s: float = 120) -> re.Match:
         """The first match of regex `pattern` past what was read before; fails after
         `timeout_s` showing what came."""
         deadline = time.monotonic() + timeout_s
         while not (found := re.compile(pattern).search(self.text, self.read_to)):
-            assert time.monotonic() < deadline, f"no {pattern!r} in {self.text[self.read_to:]!r}"
+            assert not self.ended and time.monotonic() < deadline, \
+                f"no {pattern!r} in {self.text[self.read_to:]!r}"
             self._read(0.05)
         self.read_to = found.end()
         return found

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.client import AsyncClient
 from pdserve.router.config import RouterConfig
-from tests.router.fake_worker import FakeWorker, run, start_router
+from tests.router.fake_worker import FakeWorker, reached, run, start_router
 
 
 def test_no_limit_is_the_default():
@@ -28,10 +28,7 @@ def test_a_generation_with_no_token_by_the_limit_fails_naming_the_flag():
             async with AsyncClient(addr) as client:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await client.generate("hello", request_id="quiet-1", timeout=60)
-            for _ in range(200):  # the Abort is sent in the background
-                if "quiet-1" in d.aborted:
-                    break
-                await asyncio.sleep(0.05)
+            await reached(lambda: "quiet-1" in d.aborted, "the Abort (sent in the background) at D")
             return err.value, d.aborted, dispatcher.registry.decode[0].routable
         finally:
             await stop()
