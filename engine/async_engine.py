@@ -3,8 +3,9 @@
 Invariants:
 - Only the engine thread touches the Engine, from building it on (its entry points assert
   so, engine/owner_thread.py). Everything else reaches it through the command queue (`run`
-  and the methods below), executed between steps. The one exemption is `capacity`, fixed
-  when the Engine is built and frozen: a role sizes a request by it without waiting a step.
+  and the methods below), executed between steps. The exemptions are `capacity`, fixed
+  when the Engine is built and frozen: a role sizes a request by it without waiting a step,
+  and `step_load`, an immutable snapshot each schedule replaces whole (load reports).
 - The thread sleeps on a condition variable while there is nothing to do (no commands,
   no unfinished sequences), so an idle server uses no CPU.
 - Every stream ends: with the finished output, with an "abort" output when the request is
@@ -66,6 +67,12 @@ class AsyncEngine:
         finally:  # this thread ends: the next thread to enter the Engine owns it (tests count its pages)
             self.engine.unbind_thread()
 
+    @property
+    def step_load(self):
+        """The engine's last published StepLoad (engine/step_budget.py): immutable, so it
+        is read from any thread, as `capacity` is."""
+        return self.engine.scheduler.load
+
     # ---- asyncio side ------------------------------------------------------------------
     async def run(self, fn, *args):
         """`fn(engine, *args)` on the engine thread, between steps; its result or exception."""
@@ -74,10 +81,13 @@ class AsyncEngine:
         self._submit(fn, args, loop, future)
         return await future
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False):
-        """Deltas of a new request, ending with its finished output."""
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       prefill_only: bool = False, cache_salt: str = ""):
+        """Deltas of a new request, ending with its finished output; `cache_salt`: whose
+        cached pages it may share (engine/prefix_cache.py)."""
         def add(engine):
-            engine.add_request(request_id, prompt_ids, params, prefill_only=prefill_only)
+            engine.add_request(request_id, prompt_ids, params, prefill_only=prefill_only,
+                               cache_salt=cache_salt)
 
         async for out in self._stream(request_id, add):
             yield out

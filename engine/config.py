@@ -42,6 +42,10 @@ class EngineConfig:
     max_num_batched_tokens: int = _flag(2048, "token budget of one engine step (prefill "
                                               "chunks and decodes)")
     max_num_seqs: int = _flag(64, "sequences running at once")
+    decode_itl_target_ms: float | None = _flag(
+        None, "while decodes run, prompt tokens (chunks) per step are cut so the step stays "
+              "within this inter-token latency, by the measured step cost (default: twice the "
+              "measured decode step, at least 50 ms; 0: no cut, the whole step budget)", type=float)
     dtype: str = _flag("float32", "weights and KV dtype", choices=DTYPES)
     attention_backend: str = _flag("auto", "attention kernels: torch (CPU), triton (GPU), or auto: "
                                            "triton on a CUDA device, else torch",
@@ -77,6 +81,8 @@ class EngineConfig:
             bad("kv_cache_memory_fraction", self.kv_cache_memory_fraction, "in (0, 1)")
         if self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
+        if self.decode_itl_target_ms is not None and self.decode_itl_target_ms < 0:
+            bad("decode_itl_target_ms", self.decode_itl_target_ms, "None, 0 (off) or > 0")
         if self.max_num_seqs < 1:
             bad("max_num_seqs", self.max_num_seqs, ">= 1")
         if self.dtype not in DTYPES:

@@ -49,6 +49,7 @@ from .prefix_cache import PrefixCache, extend_page_keys
 from .sampler import SamplingRow, sample
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
+from .step_budget import StepBudget
 
 
 class UnknownRequest(ValueError):
@@ -81,7 +82,8 @@ class Engine(SingleThreaded):
         )
         self.pool = PagePool(self.num_pages, self.page_size)
         self.prefix_cache = PrefixCache(self.pool, config.enable_prefix_cache)
-        self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_batched_tokens, config.max_num_seqs)
+        self.step_budget = StepBudget.for_target_ms(config.decode_itl_target_ms)
+        self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_batched_tokens, config.max_num_seqs, self.step_budget)
         self.runner = ModelRunner(m, self.kv_cache, self.page_size, config.resolved_attention_backend, config.device,
                                   config.max_num_seqs, self.max_model_len, config.cuda_graphs)
         self.eos_token_ids = _eos_token_ids(c, self.tokenizer)
@@ -109,25 +111,27 @@ class Engine(SingleThreaded):
 
     # ---- entering requests -------------------------------------------------------------
     @entry_point
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False) -> None:
-        request = self._new_request(request_id, prompt_token_ids, params, prefill_only)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    prefill_only: bool = False, cache_salt: str = "") -> None:
+        request = self._new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt)
         self.requests[request_id] = request
         # Samples after the first wait for its prefill, then find the prompt's full pages
         # in the prefix cache instead of computing them again.
         self.scheduler.add(request.seqs[0])
 
     @entry_point
-    def prepare_receive(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_window_end: int) -> Reservation:
+    def prepare_receive(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                        kv_window_end: int, cache_salt: str = "") -> Reservation:
         """Reserve slots for the KV of positions [matched, kv_window_end) and park the
         request. `matched` comes from the prefix cache, using at most end-1 tokens, so at
         least one position is always received. Raises OutOfPages when it cannot hold it."""
         if not isinstance(kv_window_end, int) or not 0 <= kv_window_end < len(prompt_token_ids or []):
             raise ValueError(f"kv_window_end must be in [0, {len(prompt_token_ids or [])}), got {kv_window_end!r}")
-        request = self._new_request(request_id, prompt_token_ids, params, False)
+        request = self._new_request(request_id, prompt_token_ids, params, False, cache_salt)
         seq = request.seqs[0]
         ps = self.page_size
         max_pages = max(0, kv_window_end - 1) // ps
-        extend_page_keys(seq.page_keys, seq.token_ids, ps, max_pages)
+        extend_page_keys(seq.page_keys, seq.token_ids, ps, max_pages, cache_salt)
         seq.pages = self.prefix_cache.match(seq.page_keys[:max_pages])
         matched = len(seq.pages) * ps
         try:
@@ -183,7 +187,7 @@ class Engine(SingleThreaded):
         seq = request.seqs[0]
         return seq.slots(0, seq.num_tokens, self.page_size)
 
-    def _new_request(self, request_id, prompt_token_ids, params, prefill_only) -> Request:
+    def _new_request(self, request_id, prompt_token_ids, params, prefill_only, cache_salt="") -> Request:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt = list(prompt_token_ids or [])
@@ -199,7 +203,9 @@ class Engine(SingleThreaded):
             raise ValueError(f"prompt of {len(prompt)} tokens needs more than the {self.num_pages} KV pages of this engine")
         params.validate(self.vocab_size, self.max_model_len)
         self._arrivals += 1
-        request = Request(request_id, prompt, params, prefill_only, self._arrivals)
+        if not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        request = Request(request_id, prompt, params, prefill_only, self._arrivals, cache_salt=cache_salt)
         for i in range(1 if prefill_only else params.n):
             seq = Sequence(request, i, list(prompt), len(prompt))
             if params.seed is not None:
@@ -241,6 +247,7 @@ class Engine(SingleThreaded):
             sampling = [s for s, w in zip(seqs, wants) if w]
             if sampling:
                 self._sample(sampling, logits)
+            self.step_budget.observe(batch.num_decodes, batch.num_prefill_tokens, time.perf_counter() - now)
             for seq in seqs:
                 request = seq.request
                 if request.prefill_only and seq.num_computed == seq.num_tokens:
@@ -305,7 +312,7 @@ class Engine(SingleThreaded):
         full = min(seq.num_computed // self.page_size, len(seq.pages))
         if full <= seq.num_published:
             return
-        extend_page_keys(seq.page_keys, seq.token_ids, self.page_size, full)
+        extend_page_keys(seq.page_keys, seq.token_ids, self.page_size, full, seq.request.cache_salt)
         for p in range(seq.num_published, full):
             self.prefix_cache.publish(seq.pages[p], seq.page_keys[p])
         seq.num_published = full
@@ -333,12 +340,8 @@ class Engine(SingleThreaded):
 
 
 def _eos_token_ids(hf_config, tokenizer) -> set[int]:
-    ids = set()
     eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(eos)
+    ids = {eos} if isinstance(eos, int) else set(eos or ())
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

@@ -2,6 +2,7 @@
 
 A full page's key chains the key of the page before it with the page's own token ids, so
 equal keys mean equal whole prefixes, and a match is always a run of pages from position 0.
+A request's cache salt seeds the chain, so only requests with the same salt share pages.
 Invariants:
 - Only full pages whose KV is completely computed are published; a page's content never
   changes while it is published (sequences only write positions past their cached prefix).
@@ -16,10 +17,15 @@ from __future__ import annotations
 from .page_pool import PagePool
 
 
-def extend_page_keys(keys: list[int], token_ids: list[int], page_size: int, num_pages: int) -> None:
-    """Extend `keys` (chained keys of the first full pages of `token_ids`) to `num_pages`."""
+def extend_page_keys(keys: list[int], token_ids: list[int], page_size: int, num_pages: int,
+                     salt: str = "") -> None:
+    """Extend `keys` (chained keys of the first full pages of `token_ids`) to `num_pages`.
+    A non-empty `salt` (the request's cache salt) seeds the chain: equal tokens under other
+    salts never share a key, so a request can neither hit nor probe another salt's pages.
+    The empty salt gives the unsalted keys."""
+    seed = ("cache_salt", salt) if salt else None
     for p in range(len(keys), num_pages):
-        parent = keys[-1] if keys else None
+        parent = keys[-1] if keys else seed
         keys.append(hash((parent, tuple(token_ids[p * page_size : (p + 1) * page_size]))))
 
 

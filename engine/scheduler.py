@@ -2,7 +2,10 @@
 
 Policy, in the order `schedule()` applies it:
 1. Running sequences first, oldest first. Each gets the rest of its uncomputed tokens (1
-   for a decode, a chunk for a prefill) within the step's token budget. When the pool
+   for a decode, a chunk for a prefill) within the step's token budget; the budget keeps
+   one token for every running decode, and while decodes run, prompt tokens (chunks and
+   new prompts alike) stay within the step budget's prefill cap (engine/step_budget.py),
+   so a long prompt never stalls the streams. When the pool
    cannot hold its new tokens, a prefill chunk shrinks to what fits; if nothing fits, the
    newest running sequence is preempted (its pages freed, its KV recomputed later) until
    it does. The oldest sequence is never preempted for a newer one, so some sequence
@@ -24,6 +27,7 @@ from pdserve.arith import ceil_div
 from .page_pool import PagePool
 from .prefix_cache import PrefixCache, extend_page_keys
 from .sequence import Sequence, Status
+from .step_budget import StepBudget, StepLoad
 
 
 @dataclass
@@ -32,13 +36,17 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     # Sequences that can never fit in the pool; the engine finishes them with "length".
     too_long: list[Sequence] = field(default_factory=list)
+    num_decodes: int = 0  # sequences computing their last token (what the step budget models)
+    num_prefill_tokens: int = 0
 
     def __len__(self) -> int:
         return len(self.seqs)
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, cache: PrefixCache, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, pool: PagePool, cache: PrefixCache, max_num_batched_tokens: int, max_num_seqs: int,
+                 step_budget: StepBudget | None = None):
+        self.step_budget = step_budget or StepBudget(0)
         self.pool = pool
         self.cache = cache
         self.page_size = pool.page_size
@@ -47,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.load = StepLoad()  # replaced whole by each schedule(): any thread may read it
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -63,26 +72,40 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        decodes_left = sum(1 for s in self.running if _decoding(s))
+        prompts = self.waiting or decodes_left < len(self.running)
+        cap = self.step_budget.prefill_cap(decodes_left) if prompts else None
+        self.load = self.step_budget.load(decodes_left, self._prompt_backlog() if prompts else 0)
+        prefill_left = budget if cap is None else cap
         i = 0
         ps = self.page_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            decoding = _decoding(seq)
+            if decoding:
+                decodes_left -= 1
+                num_new = 1
+            else:  # a prompt chunk: within the cap, and leaving a token per decode after it
+                num_new = min(seq.num_tokens - seq.num_computed, budget - decodes_left, prefill_left)
+                if num_new <= 0:
+                    i += 1  # it waits a step; it keeps its pages
+                    continue
             # Most steps a decode's page has room: no pool call (this loop runs per sequence).
             if seq.num_computed + num_new > len(seq.pages) * ps:
                 num_new = self._fit_running(seq, num_new, i, batch)
             if num_new == 0:
                 break  # seq itself was preempted or is too long; it was the last one
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            self._add(batch, seq, num_new)
             budget -= num_new
+            if not decoding:
+                prefill_left -= num_new
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.pages:
                 self._match_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            num_new = min(seq.num_tokens - seq.num_computed, budget, prefill_left)
             if self._pages_needed(seq, num_new) > self.pool.num_free_pages():
                 if not self.running and not batch.seqs and self._never_fits(seq, num_new):
                     self.waiting.popleft()
@@ -95,10 +118,24 @@ class Scheduler:
             self._grow(seq, num_new)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            self._add(batch, seq, num_new)
             budget -= num_new
+            prefill_left -= num_new
         return batch
+
+    def _prompt_backlog(self) -> int:
+        """Prompt tokens still to compute here, before this step."""
+        return sum(s.num_tokens - s.num_computed for s in self.running if not _decoding(s)) + \
+            sum(s.num_tokens - s.num_computed for s in self.waiting)
+
+    @staticmethod
+    def _add(batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+        if _decoding(seq):
+            batch.num_decodes += 1
+        else:
+            batch.num_prefill_tokens += num_new
 
     def _fit_running(self, seq: Sequence, num_new: int, index: int, batch: ScheduledBatch) -> int:
         """Pages for `num_new` tokens of running[index], shrinking a prefill chunk or
@@ -137,7 +174,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         # At least one token is always computed: its logits give the next token.
         max_pages = (seq.num_tokens - 1) // self.page_size
-        extend_page_keys(seq.page_keys, seq.token_ids, self.page_size, max_pages)
+        extend_page_keys(seq.page_keys, seq.token_ids, self.page_size, max_pages, seq.request.cache_salt)
         seq.pages = self.cache.match(seq.page_keys[:max_pages])
         seq.num_computed = len(seq.pages) * self.page_size
         seq.num_published = len(seq.pages)
@@ -165,3 +202,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+
+def _decoding(seq: Sequence) -> bool:
+    """Computes its last token to sample the next: a stream whose gaps the step budget
+    keeps (a prefill-only request's last prompt token is a prompt token)."""
+    return seq.num_tokens - seq.num_computed == 1 and not seq.request.prefill_only

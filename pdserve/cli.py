@@ -76,6 +76,7 @@ def _add_node_flags(p: argparse.ArgumentParser, port: int | None = None,
     from pdserve.models_cli import add_model_flag
     from pdserve.runtime.auth import APIKeyConfig
     from pdserve.runtime.cluster_key import ClusterKeyConfig
+    from pdserve.runtime.http_limits import HTTPConfig
     from pdserve.runtime.logs import LogConfig
     from pdserve.runtime.options import add_options
     from pdserve.runtime.server import ServerConfig
@@ -86,6 +87,8 @@ def _add_node_flags(p: argparse.ArgumentParser, port: int | None = None,
     add_options(p, LogConfig)
     add_options(p.add_argument_group("TLS (runtime/tls.py; all optional, default plaintext)"),
                 TLSConfig)
+    add_options(p.add_argument_group("HTTP port (runtime/http.py: OpenAI API, /metrics)"),
+                HTTPConfig)
     g = p.add_argument_group("authentication (runtime/auth.py; default open)")
     add_options(g, ClusterKeyConfig)
     if api_key:
@@ -95,10 +98,11 @@ def _add_node_flags(p: argparse.ArgumentParser, port: int | None = None,
 def _start_node(args, role: str):
     """Set up what every server process needs before it serves: TLS, logging, and its keys
     (`role`: the caller role its channels present, router or worker)."""
-    from pdserve.credentials import configure_server_keys, configure_tls
+    from pdserve.credentials import configure_http, configure_server_keys, configure_tls
     from pdserve.runtime.logs import setup_logging
 
     configure_tls(args)
+    configure_http(args)
     setup_logging(args.log_format, args.log_level)
     configure_server_keys(args, role)
 

@@ -77,12 +77,15 @@ def sampling_params(**kwargs) -> pdserve_pb2.SamplingParams:
 
 def generate_request(prompt: str | list[int] | None = None, *,
                      messages: list[dict] | None = None, request_id: str = "",
-                     kv_window_end: int | None = None, **sampling) -> pdserve_pb2.GenerateRequest:
+                     kv_window_end: int | None = None, cache_salt: str = "",
+                     **sampling) -> pdserve_pb2.GenerateRequest:
     """A GenerateRequest of exactly one of `prompt` (text or token ids) or `messages`.
-    A message's missing role or content stays unset: the server names it."""
+    A message's missing role or content stays unset: the server names it. `cache_salt`:
+    only requests with the same salt (and tenant) share cached prompt prefixes."""
     if (prompt is None) == (messages is None):
         raise TypeError("give exactly one of prompt or messages")
-    msg = pdserve_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling))
+    msg = pdserve_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling),
+                                      cache_salt=cache_salt)
     if messages is not None:
         msg.messages.extend(chat_message(m) for m in messages)
     elif isinstance(prompt, str):
@@ -177,9 +180,15 @@ class AsyncClient:
     # ---- the rest ----------------------------------------------------------------------
     async def abort(self, request_id: str) -> bool:
         """Stop a running request (its stream ends with finish_reason "abort"); whether the
-        server knew it."""
+        server knew it. A router answers NOT_FOUND for an id this key's tenant has not in
+        flight: that is False here."""
         request = pdserve_pb2.AbortRequest(request_id=request_id)
-        return (await self._unary(self.stub.Abort, request)).found
+        try:
+            return (await self._unary(self.stub.Abort, request)).found
+        except PdserveError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
 
     async def models(self) -> list[Model]:
         """The model served (one: pdserve serves one model per deployment)."""

@@ -24,7 +24,7 @@ or no CUDA build of torch it reads a few files and imports nothing (`default_dev
 
 Credentials: `up` makes a fresh random cluster key for its three nodes, so Worker calls
 are authenticated with no set-up; with `--api-key`/`--api-key-file` its router requires
-that key from clients. Keys reach the children only as files readable by this user alone
+those keys (one per tenant) from clients. Keys reach the children only as files readable by this user alone
 (mode 0600), never on a command line, and the files are removed when `up` exits. The
 children get no key variables from our environment: their flags say it all.
 """
@@ -131,9 +131,10 @@ def _secret_file(value: str, keys: list[str]) -> str:
 
 def up(config: UpConfig) -> int:
     keys: list[str] = []
-    api_key = config.api.load()  # a bad key file fails here, before anything starts
+    api_keys = config.api.tenants()  # a bad key file fails here, before anything starts
     cluster = ["--cluster-key-file", _secret_file(secrets.token_hex(32), keys)]
-    api = ["--api-key-file", _secret_file(api_key, keys)] if api_key else []
+    api = ["--api-key-file", _secret_file("\n".join(f"{t}:{k}" for t, k in api_keys.items()),
+                                          keys)] if api_keys else []
     procs: list[NodeProcess] = []
     stopping = False
 

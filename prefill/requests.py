@@ -32,6 +32,7 @@ class RemoteSend:
     kv_window_end: int  # Python-style
     window: Window
     timeout_s: float | None = None  # the caller's deadline
+    cache_salt: str = ""  # whose cached pages its prefill may use (engine/prefix_cache.py)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class OverlappedSend:
     prompt_token_ids: list[int]
     kv_window_end: int  # Python-style; the rest of the window comes by deliver_window
     timeout_s: float | None = None
+    cache_salt: str = ""
 
 
 @dataclass

@@ -30,6 +30,7 @@ class Sending:
     delivered: tuple[Window, DecodePeer] | None = None
     write: asyncio.Future | None = None  # the write, once it began
     stream: object = None  # its prefill/layer_stream.LayerStream, once aimed at the window
+    cache_salt: str = ""  # the request's: its prefill matches and publishes pages under it
 
 
 def writer_threads(device: str) -> ThreadPoolExecutor:

@@ -54,13 +54,14 @@ class PrefillService:
             prompt = list(request.prompt_token_ids)
             if request.window_follows:
                 result = await self.role.remote_send_overlapped(OverlappedSend(
-                    request.request_id, prompt, request.kv_window_end, context.time_remaining()))
+                    request.request_id, prompt, request.kv_window_end, context.time_remaining(),
+                    request.cache_salt))
             else:
                 info = PeerInfo.from_pb(request.decode_transfer_info) \
                     if request.HasField("decode_transfer_info") else None
                 result = await self.role.remote_send(RemoteSend(
                     request.request_id, prompt, request.kv_window_end,
-                    window_from_pb(request, info), context.time_remaining()))
+                    window_from_pb(request, info), context.time_remaining(), request.cache_salt))
         except BaseException as err:
             outcome = record_failure("prefill", request.request_id, err,
                                      remote_send_s=time.perf_counter() - started)

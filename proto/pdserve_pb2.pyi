@@ -143,20 +143,22 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "kv_window_end")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "kv_window_end", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_END_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     kv_window_end: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -177,7 +179,7 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ...) -> None: ...
 
 class PrepareReceiveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_window_end", "lease_ms", "local_prefill", "writer_address")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_window_end", "lease_ms", "local_prefill", "writer_address", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +187,7 @@ class PrepareReceiveRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     WRITER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -192,7 +195,8 @@ class PrepareReceiveRequest(_message.Message):
     lease_ms: int
     local_prefill: bool
     writer_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., lease_ms: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., writer_address: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., lease_ms: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., writer_address: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrepareReceiveResponse(_message.Message):
     __slots__ = ("request_id", "prefix_matched_length", "kv_window_end", "kv_append_metadata", "lease_id", "lease_ms", "decode_agent_name", "lease_expires_unix_ms", "capability", "issued_unix_ms", "queued_ms")
@@ -271,7 +275,7 @@ class TransferInfo(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., model_hash: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RemoteSendRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "decode_transfer_info", "lease_expires_unix_ms", "window_follows", "lease_remaining_ms", "capability", "lease_ms", "issued_unix_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "decode_transfer_info", "lease_expires_unix_ms", "window_follows", "lease_remaining_ms", "capability", "lease_ms", "issued_unix_ms", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +291,7 @@ class RemoteSendRequest(_message.Message):
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     ISSUED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_window_begin: int
@@ -302,7 +307,8 @@ class RemoteSendRequest(_message.Message):
     capability: bytes
     lease_ms: int
     issued_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_transfer_info: _Optional[_Union[TransferInfo, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., window_follows: _Optional[bool] = ..., lease_remaining_ms: _Optional[int] = ..., capability: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., issued_unix_ms: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_transfer_info: _Optional[_Union[TransferInfo, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., window_follows: _Optional[bool] = ..., lease_remaining_ms: _Optional[int] = ..., capability: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., issued_unix_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RemoteSendWindow(_message.Message):
     __slots__ = ("request_id", "kv_window_begin", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "lease_expires_unix_ms", "lease_remaining_ms", "capability", "lease_ms", "issued_unix_ms")
@@ -383,7 +389,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "num_running", "num_parked", "free_pages", "total_pages", "requests_total", "prefix_hit_tokens_total", "remote_sends_total", "last_kv_window_begin", "leases_expired_total", "kv_bytes_sent_total", "num_quarantined", "late_writes_total", "fenced_writers", "fenced_pages", "identity", "max_lease_ms")
+    __slots__ = ("role", "num_running", "num_parked", "free_pages", "total_pages", "requests_total", "prefix_hit_tokens_total", "remote_sends_total", "last_kv_window_begin", "leases_expired_total", "kv_bytes_sent_total", "num_quarantined", "late_writes_total", "fenced_writers", "fenced_pages", "identity", "max_lease_ms", "num_decoding", "prompt_backlog_tokens", "decode_step_ms", "prompt_token_ms", "itl_target_ms")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_PARKED_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +407,11 @@ class LoadReport(_message.Message):
     FENCED_PAGES_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     MAX_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BACKLOG_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_TARGET_MS_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_parked: int
@@ -418,7 +429,12 @@ class LoadReport(_message.Message):
     fenced_pages: int
     identity: TransferInfo
     max_lease_ms: int
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_parked: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., remote_sends_total: _Optional[int] = ..., last_kv_window_begin: _Optional[int] = ..., leases_expired_total: _Optional[int] = ..., kv_bytes_sent_total: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., late_writes_total: _Optional[int] = ..., fenced_writers: _Optional[_Iterable[str]] = ..., fenced_pages: _Optional[int] = ..., identity: _Optional[_Union[TransferInfo, _Mapping]] = ..., max_lease_ms: _Optional[int] = ...) -> None: ...
+    num_decoding: int
+    prompt_backlog_tokens: int
+    decode_step_ms: float
+    prompt_token_ms: float
+    itl_target_ms: float
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_parked: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., remote_sends_total: _Optional[int] = ..., last_kv_window_begin: _Optional[int] = ..., leases_expired_total: _Optional[int] = ..., kv_bytes_sent_total: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., late_writes_total: _Optional[int] = ..., fenced_writers: _Optional[_Iterable[str]] = ..., fenced_pages: _Optional[int] = ..., identity: _Optional[_Union[TransferInfo, _Mapping]] = ..., max_lease_ms: _Optional[int] = ..., num_decoding: _Optional[int] = ..., prompt_backlog_tokens: _Optional[int] = ..., decode_step_ms: _Optional[float] = ..., prompt_token_ms: _Optional[float] = ..., itl_target_ms: _Optional[float] = ...) -> None: ...
 
 class FenceRequest(_message.Message):
     __slots__ = ("request_id", "lease_id")

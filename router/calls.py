@@ -58,7 +58,7 @@ class NodeCalls:
         words for a refusal, what happened and what to do for a node gone. The call and the
         node's address go to the log with the request id (`detail`), not to the client."""
         if state.aborted:
-            return DispatchError(grpc.StatusCode.CANCELLED, f"request {state.request_id} aborted")
+            return DispatchError(grpc.StatusCode.CANCELLED, f"request {state.client_id} aborted")
         code = err.code()
         client_deadline = state.deadline is not None and time.monotonic() >= state.deadline
         if code in NODE_GONE_CODES and not client_deadline:
@@ -67,7 +67,7 @@ class NodeCalls:
         detail = f"{call} on {endpoint.role} node {endpoint.address}: {err.code().name}: " \
                  f"{err.details()}"
         log.info("request %s: %s", state.request_id, detail)
-        return DispatchError(code, _client_message(code, err.details(), state.request_id),
+        return DispatchError(code, _client_message(code, err.details(), state.client_id),
                              detail=detail)
 
     # ---- step 1: PrepareReceive --------------------------------------------------------
@@ -79,7 +79,8 @@ class NodeCalls:
         request = pdserve_pb2.PrepareReceiveRequest(
             request_id=state.request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             kv_window_end=kv_window_end, lease_ms=self.config.lease_ms, local_prefill=local,
-            writer_address=writer.address if writer is not None else "")
+            writer_address=writer.address if writer is not None else "",
+            cache_salt=state.cache_salt)
         state.local = local
         state.holders.add(decode)
         try:
@@ -110,7 +111,7 @@ class NodeCalls:
             kv_window_begin=prep.prefix_matched_length, kv_window_end=prep.kv_window_end,
             kv_append_metadata=prep.kv_append_metadata, lease_id=prep.lease_id,
             decode_agent_name=prep.decode_agent_name, decode_address=decode.address,
-            **_lease_fields(reserved))
+            cache_salt=state.cache_salt, **_lease_fields(reserved))
         # Never past the lease: D no longer waits for the KV after it ends.
         timeout = min(state.timeout(self.config.remote_send_timeout_s),
                       reserved.lease_ends - time.monotonic())
@@ -125,6 +126,9 @@ class NodeCalls:
                 reply = await prefill.stub.RemoteSend(request, timeout=timeout)
             except grpc.aio.AioRpcError as err:  # timed only if it outlived the lease
                 prefill.send_ended(token, err.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
+                raise
+            except asyncio.CancelledError:  # else its start ages on: the node looks saturated
+                prefill.send_ended(token, timed=False)
                 raise
             prefill.send_ended(token)
             state.kv_write_pending = False  # P answered: its writes landed, notification sent
@@ -150,7 +154,7 @@ class NodeCalls:
         prefill.in_flight += 1
         request = pdserve_pb2.RemoteSendRequest(
             request_id=state.request_id, prompt_token_ids=prompt_token_ids, kv_window_end=end,
-            window_follows=True)
+            window_follows=True, cache_salt=state.cache_salt)
         call = prefill.stub.RemoteSend(
             request, timeout=state.timeout(self.config.remote_send_timeout_s))
         return EarlySend(prefill, asyncio.ensure_future(call), prefill.send_started())
@@ -182,9 +186,10 @@ class NodeCalls:
             **_lease_fields(reserved))
         state.kv_write_pending = True  # from here P may write D's reservation
         try:
-            try:
-                await prefill.stub.DeliverWindow(window, timeout=state.timeout(
-                    self.config.prepare_timeout_s))
+            try:  # not past the lease either: a stopped P would hold it to its whole bound
+                await prefill.stub.DeliverWindow(window, timeout=max(0.0, min(
+                    state.timeout(self.config.prepare_timeout_s),
+                    reserved.lease_ends - time.monotonic())))
             except grpc.aio.AioRpcError:
                 pass  # the RemoteSend itself ends with what went wrong
             # Never wait past the lease, as a sequential RemoteSend's deadline would not.
@@ -225,7 +230,8 @@ class NodeCalls:
         StartGeneration, so the request costs one call."""
         prepare = pdserve_pb2.PrepareReceiveRequest(
             request_id=state.request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
-            kv_window_end=0, lease_ms=self.config.lease_ms, local_prefill=True)
+            kv_window_end=0, lease_ms=self.config.lease_ms, local_prefill=True,
+            cache_salt=state.cache_salt)
         return pdserve_pb2.StartGenerationRequest(request_id=state.request_id, prepare=prepare)
 
     async def start(self, decode: Endpoint, state: RequestState,
@@ -252,11 +258,11 @@ class NodeCalls:
                      "%s", state.request_id, limit.limit_s, decode.address)
             self.abort_later(decode, state.request_id, settled=not state.kv_write_pending)
             if first:
-                raise limit.no_token(state.request_id) from None
+                raise limit.no_token(state.client_id) from None
             usage = pdserve_pb2.Usage(prompt_tokens=state.prompt_tokens,
                                       cached_prompt_tokens=state.route.prefix_matched_length)
             self._finish_usage(state, usage, first)
-            for msg in tally.ending(state.request_id, usage):
+            for msg in tally.ending(state.client_id, usage):
                 yield msg
         finally:
             call.cancel()

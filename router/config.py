@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.runtime.options import option
+from pdserve.router.turns import parse_weights
 from pdserve.runtime.server import ServerConfig
 
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
@@ -56,6 +57,10 @@ class RouterConfig:
     prefix_load_tokens: int = option(
         128, "prefix_aware: one queued request on a node weighs as much as this many prompt "
              "tokens it would have to prefill")
+    shared_prefix_cache: bool = option(
+        False, "let tenants share cached prompt prefixes (salted by the request's cache_salt "
+               "only); by default each tenant's prefix cache is its own, so no tenant can "
+               "learn another's prompts from cache hits (router/cache_salt.py)")
     min_remote_prefill_tokens: int = option(
         0, "selective disaggregation: when the decode node lacks at most this many tokens of "
            "the KV window (after its cached prefix), it prefills the prompt itself instead "
@@ -66,6 +71,13 @@ class RouterConfig:
     prefill_saturated_wait_fraction: float = option(
         0.5, "a prefill node whose recent RemoteSends took at least this share of the lease, "
              "and that has work queued, is saturated: the decode node prefills instead; 0 = never")
+    disagg_policy: str = option(
+        "steady", "when every prefill node is saturated: steady = the decode node prefills a "
+                  "prompt only while no stream runs there and it would finish no later than a "
+                  "prefill node, else the request waits here; throughput = the decode node "
+                  "always takes it (more requests per second; its streams' token gaps grow up "
+                  "to its --decode-itl-target-ms) (router/selective.py)",
+        choices=["steady", "throughput"])
     auto_max_tail: float = option(
         0.5, "--kv-window-end auto: largest fraction of the prompt the decode node prefills "
              "itself")
@@ -96,6 +108,18 @@ class RouterConfig:
     max_queue_wait_s: float = option(
         60.0, "longest a request waits for its turn (a dispatch slot here, KV pages on a decode "
               "node), within its own deadline; then RESOURCE_EXHAUSTED (HTTP 429, Retry-After)")
+    max_queued_requests_per_tenant: int = option(
+        0, "requests of one tenant (its API key, --api-key-file) waiting for a turn; more get "
+           "RESOURCE_EXHAUSTED; 0 = no bound but --max-queued-requests. Turns go round the "
+           "tenants with requests waiting, so no tenant's flood delays another's by more than "
+           "a turn per tenant (router/turns.py)")
+    tenant_weights: str = option(
+        "", "turns in a row a tenant takes when slots free, as TENANT=W,...; a tenant not "
+            "named takes 1", metavar="TENANT=W,...")
+    tenant_token_rate: float = option(
+        0.0, "tokens per second one tenant may ask for (each request's prompt + max_tokens x "
+             "n), in bursts of up to 10 s of it; past it RESOURCE_EXHAUSTED saying when to "
+             "retry; 0 = no limit (router/token_rate.py)")
     health_interval_s: float = option(
         1.0, "how often a node that failed is health-checked until it passes")
 
@@ -115,6 +139,11 @@ class RouterConfig:
                              f"{self.generation_timeout_s}")
         if self.lease_ms <= 0:
             raise ValueError(f"lease_ms must be > 0, got {self.lease_ms}")
+        if self.max_queued_requests_per_tenant < 0 or self.tenant_token_rate < 0:
+            raise ValueError("max_queued_requests_per_tenant and tenant_token_rate must be >= 0 "
+                             f"(0: no limit), got {self.max_queued_requests_per_tenant}, "
+                             f"{self.tenant_token_rate}")
+        parse_weights(self.tenant_weights)
         if self.max_concurrent_requests < 1 or self.max_queued_requests < 0:
             raise ValueError("max_concurrent_requests must be >= 1 and max_queued_requests "
                              f">= 0, got {self.max_concurrent_requests}, "

@@ -29,7 +29,8 @@ import grpc
 from pdserve.arith import ceil_div
 from pdserve.proto import pdserve_pb2
 from pdserve.router import selective
-from pdserve.router.admission import Admission
+from pdserve.router.admission import Admission, admission_tokens
+from pdserve.router.cache_salt import effective_salt
 from pdserve.router.calls import NodeCalls
 from pdserve.router.config import RouterConfig
 from pdserve.router.registry import Endpoint, NoEndpointError, WorkerRegistry
@@ -51,20 +52,36 @@ class Dispatcher:
         self.load_monitor = None  # router/load.py; told when requests arrive
 
     @property
-    def active(self) -> dict[str, RequestState]:
+    def active(self) -> dict[tuple[str, str], RequestState]:  # by (tenant, client's id)
         return self.admission.active
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: pdserve_pb2.SamplingParams, kv_window_end: int | None,
-                       timeout_s: float | None = None
+                       timeout_s: float | None = None, *, cache_salt: str = "",
+                       tenant: str = "default"
                        ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-        state = self.admission.admit(request_id, timeout_s)
+        """`tenant`'s request (runtime/tenants.py): its id is scoped to the tenant, and it
+        waits for the tenant's turn (router/admission.py)."""
+        state = self.admission.admit(request_id, timeout_s, tenant,
+                                     admission_tokens(prompt_token_ids, sampling))
         try:
+            state.cache_salt = effective_salt(state.tenant, cache_salt,
+                                              self.config.shared_prefix_cache)
             async with self.admission.turn(state):
                 state.check_aborted()
                 async for msg in self._run(state, prompt_token_ids, sampling, kv_window_end):
+                    msg.request_id = state.client_id  # the nodes know its node-side id
                     yield msg
                 state.holders.clear()  # finished normally: D freed or cached everything
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # the client went away: nobody to tell
+                raise
+            # A node call was cancelled under the request: gRPC would end the client's call
+            # with no status at all, and the client would wait for its deadline.
+            log.warning("request %s: a call to a node was cancelled under it", state.request_id)
+            raise DispatchError(grpc.StatusCode.UNAVAILABLE, f"a node serving request "
+                                f"{state.client_id} stopped answering before it finished; "
+                                "retry the request") from None
         finally:
             self.admission.leave(state)
             self.calls.release(state)
@@ -73,8 +90,21 @@ class Dispatcher:
         state.prompt_tokens = len(prompt_token_ids)
         if self.load_monitor is not None:
             self.load_monitor.mark_busy()
-        first = self.registry.pick("decode", prompt_token_ids)
-        plan = self._plan(prompt_token_ids, kv_window_end, first)
+        salt = state.cache_salt  # every prefix match and record of it is under its salt
+        first = self.registry.pick("decode", prompt_token_ids, cache_salt=salt)
+        plan = self._plan(prompt_token_ids, kv_window_end, first, salt)
+        waited = time.monotonic()
+        while plan.wait:  # steady: every side saturated; the reports tell when one frees
+            if time.monotonic() - waited >= self.config.max_queue_wait_s:
+                plan = selective.Plan(0, 0, True, "prefill_saturated")  # D, chunked, at last
+                break
+            await asyncio.sleep(state.timeout(self.config.load_interval_s))
+            state.check_aborted()
+            first = self.registry.pick("decode", prompt_token_ids, cache_salt=salt)
+            plan = self._plan(prompt_token_ids, kv_window_end, first, salt)
+        state.queue_s += time.monotonic() - waited
+        if plan.local and first is not None and first.steps is not None:
+            first.steps.prompt_backlog_tokens += len(prompt_token_ids)  # until D's next report
         if plan.local:  # one call; on a node gone or full, the ordinary path tries others
             started = False
             try:
@@ -91,7 +121,7 @@ class Dispatcher:
                 first = None
         early = prefill = None
         if not plan.local and plan.end > 0:  # picked first: D's reservation names its writer
-            prefill = self._next_prefill(prompt_token_ids, [])
+            prefill = self._next_prefill(prompt_token_ids, [], salt)
             # Overlap only where D has room now: a request that will wait in D's line for
             # pages would have P prefill it for nothing (its window would come too late).
             if prefill is not None and self.config.overlap_prefill and \
@@ -114,8 +144,8 @@ class Dispatcher:
                                                      sampling, prefill, early)
             elif early is not None:
                 await self._cancel_early(state, early)
-            self._record_route(state, reserved, sent, plan)
-            decode.prefixes.insert(prompt_token_ids)  # what D will have cached
+            state.record_route(reserved.prep, sent, plan.reason)
+            decode.prefixes.insert(prompt_token_ids, salt)  # what D will have cached
             state.check_aborted()
             request = self.calls.start_request(state, reserved, sent)
             async for msg in self._start(decode, state, request, prompt_token_ids, sampling):
@@ -146,13 +176,14 @@ class Dispatcher:
         async for msg in self.calls.start(decode, state, request):
             yield msg
 
-    def _plan(self, prompt_token_ids, kv_window_end, decode) -> selective.Plan:
+    def _plan(self, prompt_token_ids, kv_window_end, decode, salt: str) -> selective.Plan:
         c = self.config
         return selective.plan(prompt_token_ids, c.kv_window_end if kv_window_end is None
                               else kv_window_end, decode, self.registry.usable("prefill"),
                               self.registry.usable("decode"), c.min_remote_prefill_tokens,
                               c.prefill_saturated_queue, c.auto_max_tail,
-                              c.prefill_saturated_wait_fraction * c.lease_ms / 1000)
+                              c.prefill_saturated_wait_fraction * c.lease_ms / 1000, salt,
+                              steady=c.disagg_policy == "steady")
 
     async def _run_local(self, state, decode, prompt_token_ids, sampling, plan):
         """D prefills the whole prompt, in one call."""
@@ -163,7 +194,7 @@ class Dispatcher:
         state.holders.add(decode)  # from the call on, D may hold the request
         decode.in_flight += 1
         try:
-            decode.prefixes.insert(prompt_token_ids)
+            decode.prefixes.insert(prompt_token_ids, state.cache_salt)
             request = self.calls.start_local_request(state, prompt_token_ids, sampling)
             async for msg in self.calls.start(decode, state, request):
                 yield msg
@@ -188,7 +219,8 @@ class Dispatcher:
                         decode, first = first, None
                     else:
                         decode = self.registry.pick("decode", prompt_token_ids,
-                                                    exclude=tried + list(state.maybe_reserved))
+                                                    exclude=tried + list(state.maybe_reserved),
+                                                    cache_salt=state.cache_salt)
                 except NoEndpointError:
                     if not errors:
                         raise
@@ -209,7 +241,7 @@ class Dispatcher:
             full = [e for e in errors if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
             if full and state.deadline is not None and time.monotonic() + backoff >= state.deadline:
                 raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"request {state.request_id} ran out of its deadline while "
+                                    f"request {state.client_id} ran out of its deadline while "
                                     f"waiting for KV pages ({full[-1].message})")
             if not full or time.monotonic() + backoff > give_up:
                 raise (full or errors)[-1]
@@ -236,7 +268,8 @@ class Dispatcher:
                                                          prompt_token_ids)
                 state.route.prefill_cached_tokens = reply.prefill_cached_tokens
                 state.prefill_s, state.transfer_s = reply.prefill_s, reply.transfer_s
-                prefill.prefixes.insert(prompt_token_ids[:reserved.prep.kv_window_end])
+                prefill.prefixes.insert(prompt_token_ids[:reserved.prep.kv_window_end],
+                                        state.cache_salt)
                 return reserved, True
             except DispatchError as err:
                 early = None
@@ -246,7 +279,7 @@ class Dispatcher:
                 # unless P answered without writing.
                 await self.calls.abort(decode, state.request_id, err.settled,
                                        reserved.prep.lease_id)
-                prefill = self._next_prefill(prompt_token_ids, tried)
+                prefill = self._next_prefill(prompt_token_ids, tried, state.cache_salt)
                 log.warning("%s; %s", err.detail,
                             f"retrying on prefill node {prefill.address}" if prefill else
                             f"decode node {decode.address} prefills the prompt itself")
@@ -268,11 +301,11 @@ class Dispatcher:
         return await self.calls.prepare(decode, state, prompt_token_ids, sampling, 0,
                                         local=True), False
 
-    def _next_prefill(self, prompt_token_ids, tried) -> Endpoint | None:
+    def _next_prefill(self, prompt_token_ids, tried, salt: str) -> Endpoint | None:
         if len(tried) >= self.config.max_prefill_attempts:
             return None
         try:
-            return self.registry.pick("prefill", prompt_token_ids, exclude=tried)
+            return self.registry.pick("prefill", prompt_token_ids, exclude=tried, cache_salt=salt)
         except NoEndpointError:
             return None
 
@@ -280,30 +313,19 @@ class Dispatcher:
         await self.calls.cancel_early(state, early)
         state.route.prefill_endpoint = ""
 
-    @staticmethod
-    def _record_route(state: RequestState, reserved: Reserved, sent: bool, plan) -> None:
-        route, prep = state.route, reserved.prep
-        route.prefix_matched_length = prep.prefix_matched_length
-        route.kv_window_begin = prep.prefix_matched_length
-        route.kv_window_end = prep.kv_window_end
-        route.remote_send_skipped = not sent
-        if not sent:
-            route.prefill_endpoint = ""
-            route.prefill_cached_tokens = 0
-            route.skip_reason = route.skip_reason or plan.reason or "requested"
-
     # ---- aborts and shutdown ------------------------------------------------------------
-    async def abort(self, request_id: str) -> bool:
-        """Abort on every node holding the request. The stream then ends with
+    async def abort(self, request_id: str, tenant: str = "default") -> bool:
+        """Abort `tenant`'s request on every node holding it; False when the tenant has no
+        such request (another tenant's is none of its own). The stream then ends with
         finish_reason "abort" (or CANCELLED if it had not started generating)."""
-        state = self.admission.active.get(request_id)
+        state = self.admission.find(tenant, request_id)
         if state is None:
             return False
         state.aborted = True
         # Holders stay recorded: a call still in flight may create state after this Abort
         # lands, and the stream's end aborts them again (Abort is idempotent).
         settled = not state.kv_write_pending
-        await asyncio.gather(*(self.calls.abort(e, request_id, settled)
+        await asyncio.gather(*(self.calls.abort(e, state.request_id, settled)
                                for e in list(state.holders)))
         return True
 

@@ -59,6 +59,7 @@ class LoadMonitor:
         endpoint.reported_queue = report.num_running + report.num_parked
         endpoint.in_flight_at_report = mine
         endpoint.free_pages, endpoint.total_pages = report.free_pages, report.total_pages
+        endpoint.steps = report  # its step fields: router/selective.py weighs them
         self.registry.check_lease(endpoint, report.max_lease_ms)
         if report.total_pages:
             endpoint.prefixes.capacity = report.total_pages  # at most what the node can cache

@@ -4,9 +4,10 @@ the same event loop as the gRPC server.
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events
 with `"stream": true`, ending with `data: [DONE]`), GET /v1/models, GET /metrics,
 GET /health.
-With an API key (`--api-key`, the same as the gRPC API's), every route but /health and
+With API keys (`--api-key`, the same as the gRPC API's), every route but /health and
 /metrics needs `Authorization: Bearer <key>`, compared in constant time; without it the
-answer is 401 with OpenAI's error body and `WWW-Authenticate: Bearer`, never the key.
+answer is 401 with OpenAI's error body and `WWW-Authenticate: Bearer`, never the key. The
+key names the caller's tenant (runtime/tenants.py): its request ids and turns are its own.
 
 Invariants:
 - A request goes through the same `Dispatcher.generate` as a gRPC `Generate`, so it is
@@ -32,21 +33,24 @@ from aiohttp import web
 from pdserve.proto import pdserve_pb2
 from pdserve.router import validation
 from pdserve.router.openai_protocol import (
-    ChoiceLogprobs, OpenAIError, chat_prompt, chunk, completion_prompt, invalid, now,
-    sampling_from_body, usage_body)
-from pdserve.runtime import auth, metrics
-from pdserve.runtime.errors import RETRY_AFTER_S, NodeError
+    ChoiceLogprobs, OpenAIError, cache_salt_from_body, chat_prompt, chunk, completion_prompt,
+    invalid, now, sampling_from_body, usage_body)
+from pdserve.runtime import auth, metrics, tenants
+from pdserve.runtime.errors import NodeError, retry_after_of
 from pdserve.runtime.observe import StreamObserver
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers hold no key
+TENANT = web.RequestKey("tenant", str)  # the caller's, from its API key
 
 
 def _as_openai_error(err: BaseException, chat: bool) -> OpenAIError:
     if isinstance(err, OpenAIError):
         return err
     if isinstance(err, NodeError):  # a dispatch failure, no node left, ...
-        return OpenAIError.from_status(err.code, err.message, chat)
+        error = OpenAIError.from_status(err.code, err.message, chat)
+        error.retry_after_s = retry_after_of(err)
+        return error
     raise err
 
 
@@ -57,8 +61,9 @@ class OpenAIFrontend:
     worker samples its gauges then)."""
 
     def __init__(self, dispatcher, tokenizer, model_id: str, registry=None,
-                 api_key: str | None = None, role: str = "router", refresh=None) -> None:
-        self.api_key = api_key  # None: no key needed
+                 api_keys: tenants.KeyRing | None = None, role: str = "router",
+                 refresh=None) -> None:
+        self.api_keys = api_keys  # None: no key needed, every caller is the tenant `default`
         self.dispatcher = dispatcher
         self.role, self.refresh = role, refresh
         self.tokenizer = tokenizer  # router.tokenizer.PromptTokenizer
@@ -80,14 +85,14 @@ class OpenAIFrontend:
     @web.middleware
     async def _errors_and_counts(self, request: web.Request, handler):
         try:
-            self._authenticate(request)
+            request[TENANT] = self._authenticate(request)
             response = await handler(request)
         except OpenAIError as err:
             response = web.json_response(err.body(), status=err.status)
             if err.status == 401:
                 response.headers["WWW-Authenticate"] = "Bearer"
             elif err.status == 429:  # full or waited too long: come back, do not hammer
-                response.headers["Retry-After"] = str(RETRY_AFTER_S)
+                response.headers["Retry-After"] = str(retry_after_of(err))
         except web.HTTPException as err:  # unknown path, wrong method
             response = web.json_response(
                 OpenAIError(err.status, f"{request.method} {request.path}: {err.reason}").body(),
@@ -97,15 +102,18 @@ class OpenAIFrontend:
         metrics.HTTP_REQUESTS.labels(path=path, status=str(response.status)).inc()
         return response
 
-    def _authenticate(self, request: web.Request) -> None:
-        if self.api_key is None or request.path in OPEN_PATHS:
-            return
+    def _authenticate(self, request: web.Request) -> str:
+        """The caller's tenant, by its key; 401 without a valid one."""
+        if self.api_keys is None or request.path in OPEN_PATHS:
+            return tenants.DEFAULT
         scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             raise OpenAIError(401, "You didn't provide an API key: send it as `Authorization: "
                                    "Bearer <key>`.", code="missing_api_key")
-        if not auth.api_key_matches(presented.strip(), self.api_key):
+        tenant = self.api_keys.tenant_of(presented.strip())
+        if tenant is None:
             raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return tenant
 
     # ---- simple routes ------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -149,6 +157,7 @@ class OpenAIFrontend:
                 ids = completion_prompt(body, self.tokenizer.encode)
                 default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
             sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max)
+            cache_salt = cache_salt_from_body(body)
             if body.get("user"):  # OpenAI's end-user id: on the request's log line
                 observer.fields["user"] = body["user"]
             if chat:  # stops at the template's end of turn, as a gRPC conversation does
@@ -163,7 +172,9 @@ class OpenAIFrontend:
             observer.finish("not_found" if err.status == 404 else err.code or "invalid_argument",
                             error=err.message)
             raise
-        messages = observer.watch(self.dispatcher.generate(request_id, ids, sampling, None))
+        messages = observer.watch(self.dispatcher.generate(request_id, ids, sampling, None,
+                                                           tenant=request[TENANT],
+                                                           cache_salt=cache_salt))
         async with contextlib.aclosing(messages):
             try:
                 first = await anext(messages, None)
@@ -290,6 +301,6 @@ async def start_router_http(config, dispatcher, tokenizer, registry):
 
     metrics.NODE.info({"role": "router", "model": tokenizer.card.model})
     frontend = OpenAIFrontend(dispatcher, tokenizer, tokenizer.card.model, registry,
-                              api_key=auth.current().api_key)
+                              api_keys=auth.current().api_keys)
     return await start_http(frontend.app(), config.server.host, config.http_port,
                             "router OpenAI API and /metrics")

@@ -36,7 +36,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 # parameters"). Implemented: what both endpoints take, then each one's own.
 IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
                "stream_options", "logprobs", "user",
-               "top_k", "min_p", "ignore_eos", "stop_token_ids"}  # pdserve's (vLLM's) extras
+               "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt"}  # pdserve's (vLLM's) extras
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of"},
                     True: {"messages", "max_completion_tokens", "top_logprobs",
                            "parallel_tool_calls"}}
@@ -106,6 +106,16 @@ def check_fields(body: dict, chat: bool) -> None:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid(f"user must be a string, got {user!r:.80}", "user")
+
+
+def cache_salt_from_body(body: dict) -> str:
+    """The request's `cache_salt` (vLLM's extra; router/cache_salt.py): absent or null is
+    "", any value given must be a non-empty string."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise invalid(f"cache_salt must be a non-empty string if given, got {salt!r:.80}",
+                      "cache_salt")
+    return salt or ""
 
 
 def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int) -> pdserve_pb2.SamplingParams:

@@ -1,6 +1,7 @@
 """Dispatch policies: which endpoint of a pool serves the next request.
 
-A policy is any object with `pick(endpoints, prompt_token_ids) -> Endpoint`; `endpoints`
+A policy is any object with `pick(endpoints, prompt_token_ids, cache_salt="") -> Endpoint`
+(the salt: whose cached prefixes the request may use, router/cache_salt.py); `endpoints`
 is never empty (the registry only asks when some endpoint is usable). Prefill and decode
 pools each get their own (`--prefill-policy`, `--decode-policy`):
 
@@ -27,7 +28,8 @@ from typing import Protocol, Sequence
 
 
 class Policy(Protocol):
-    def pick(self, endpoints: Sequence, prompt_token_ids: Sequence[int]): ...
+    def pick(self, endpoints: Sequence, prompt_token_ids: Sequence[int],
+             cache_salt: str = ""): ...
 
 
 class RoundRobin:
@@ -36,7 +38,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, endpoints: Sequence, prompt_token_ids: Sequence[int]):
+    def pick(self, endpoints: Sequence, prompt_token_ids: Sequence[int], cache_salt: str = ""):
         return endpoints[next(self._counter) % len(endpoints)]
 
 
@@ -51,7 +53,7 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, endpoints: Sequence, prompt_token_ids: Sequence[int]):
+    def pick(self, endpoints: Sequence, prompt_token_ids: Sequence[int], cache_salt: str = ""):
         key = lambda e: (e.queue, -e.free_pages)  # noqa: E731
         best = min(key(e) for e in endpoints)
         return _first_in_turn([e for e in endpoints if key(e) == best], self._counter)
@@ -68,13 +70,13 @@ class PrefixAware:
         self._least_loaded = LeastLoaded()
         self._counter = itertools.count()
 
-    def pick(self, endpoints: Sequence, prompt_token_ids: Sequence[int]):
+    def pick(self, endpoints: Sequence, prompt_token_ids: Sequence[int], cache_salt: str = ""):
         queues = [e.queue for e in endpoints]
         if max(queues) - min(queues) > self.balance_abs and \
                 max(queues) > self.balance_rel * min(queues):
             return self._least_loaded.pick(endpoints, prompt_token_ids)
         n = len(prompt_token_ids)
-        cost = {id(e): n - min(e.prefixes.match(prompt_token_ids), n)
+        cost = {id(e): n - min(e.prefixes.match(prompt_token_ids, cache_salt), n)
                 + self.load_tokens * e.queue for e in endpoints}
         best = min(cost.values())
         return _first_in_turn([e for e in endpoints if cost[id(e)] == best], self._counter)

@@ -4,7 +4,8 @@ Nodes cache KV by full pages, keyed by the chain of the tokens before it; the ro
 that with one hash per `block` tokens (the node's page size), chained so a block's hash
 stands for the whole prefix up to its end. Each prompt the router sends to a node is
 recorded there (what it will have cached afterwards); `match` counts the leading blocks of a
-prompt the node is believed to hold.
+prompt the node is believed to hold. A request's cache salt (router/cache_salt.py) seeds the
+chain as it seeds the nodes' page keys: a prompt matches only what was recorded under its salt.
 
 It is only a guess, like SGLang's cache-aware tree or llm-d's prefix scorer: the node may
 have evicted pages, or another router may have filled them. Nothing depends on it for
@@ -31,25 +32,26 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _hashes(self, tokens: Sequence[int]) -> Iterator[int]:
-        h = 0
+    def _hashes(self, tokens: Sequence[int], salt: str) -> Iterator[int]:
+        h = hash(("cache_salt", salt)) if salt else 0
         b = self.block
         for start in range(0, len(tokens) - b + 1, b):
             h = hash((h, tuple(tokens[start:start + b])))
             yield h
 
-    def match(self, tokens: Sequence[int]) -> int:
-        """Tokens of the longest recorded prefix of `tokens` (a multiple of `block`)."""
+    def match(self, tokens: Sequence[int], salt: str = "") -> int:
+        """Tokens of the longest prefix of `tokens` recorded under `salt` (a multiple of
+        `block`)."""
         n = 0
-        for h in self._hashes(tokens):
+        for h in self._hashes(tokens, salt):
             if h not in self._blocks:
                 break
             n += 1
         return n * self.block
 
-    def insert(self, tokens: Sequence[int]) -> None:
-        """Record that the node now holds every full block of `tokens`."""
-        for h in self._hashes(tokens):
+    def insert(self, tokens: Sequence[int], salt: str = "") -> None:
+        """Record that the node now holds every full block of `tokens`, under `salt`."""
+        for h in self._hashes(tokens, salt):
             self._blocks[h] = None
             self._blocks.move_to_end(h)
         while len(self._blocks) > self.capacity:

@@ -24,8 +24,9 @@ other's load without sharing any state.
 Health: when a call fails in a way that may mean the node is gone, `report_failure` checks
 the node's gRPC health service at once; while the check fails the endpoint is not
 routable, and it is checked again every `health_interval_s` until it passes (then its
-channel is reopened, so no reconnect backoff of the dead connection delays it). A node
-that is draining answers NOT_SERVING and is left alone the same way.
+channel is reopened, so no reconnect backoff of the dead connection delays it; calls still
+in flight on the old one run to their own end first). A node that is draining answers
+NOT_SERVING and is left alone the same way.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ from pdserve.router.policies import Policy
 from pdserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger("pdserve.router")
+# A replaced channel waits this long for its calls in flight: past every deadline the router
+# gives a call (70 s by default at most); only a stream with no deadline is cut then.
+RETIRED_CHANNEL_GRACE_S = 3600.0
 
 
 @dataclass(eq=False)
@@ -67,6 +71,7 @@ class Endpoint:
     free_pages: int = 0
     total_pages: int = 0
     send_latency_s: float = 0.0  # prefill: recent RemoteSends, arrival to reply (moving average)
+    steps: object = None  # decode: its last report's step fields (LoadReport 18-22), or None
     _sends: dict = field(default_factory=dict, repr=False)  # RemoteSends in flight -> started
     prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
@@ -75,6 +80,7 @@ class Endpoint:
     _monitor_stub: pdserve_pb2_grpc.WorkerStub | None = field(default=None, repr=False)
     _watch: asyncio.Task | None = field(default=None, repr=False)  # health checks while down
     _probe: asyncio.Task | None = field(default=None, repr=False)  # identity of a static node
+    _retiring: set = field(default_factory=set, repr=False)  # replaced channels' closes
 
     @property
     def queue(self) -> int:
@@ -136,6 +142,17 @@ class Endpoint:
             self._monitor_channel = channel(self.address, own_connections=True)
             self._monitor_stub = pdserve_pb2_grpc.WorkerStub(self._monitor_channel)
         return self._monitor_stub
+
+    def reopen(self) -> None:
+        """Fresh channels for the calls to come; the old ones close once their calls in
+        flight end by their own deadlines. Closing cancels them, and a cancelled call ended
+        its request's handler with no status: the client waited for its deadline."""
+        for ch in (self._channel, self._monitor_channel):
+            if ch is not None:
+                closing = asyncio.ensure_future(ch.close(grace=RETIRED_CHANNEL_GRACE_S))
+                self._retiring.add(closing)
+                closing.add_done_callback(self._retiring.discard)
+        self._channel = self._monitor_channel = None
 
     async def close(self) -> None:
         for ch in (self._channel, self._monitor_channel):
@@ -274,14 +291,15 @@ class WorkerRegistry:
                 self._admit_all()
             return
 
-    def pick(self, role: str, prompt_token_ids: Sequence[int], exclude=()) -> Endpoint:
+    def pick(self, role: str, prompt_token_ids: Sequence[int], exclude=(),
+             cache_salt: str = "") -> Endpoint:
         pool = [e for e in (self.prefill if role == "prefill" else self.decode)
                 if e.usable and e not in exclude]
         if not pool:
             raise NoEndpointError(f"no {role} node can take this request now ("
                                   + ("every one tried failed" if exclude else
                                      "none is up and healthy") + "); retry shortly")
-        return self._policies[role].pick(pool, prompt_token_ids)
+        return self._policies[role].pick(pool, prompt_token_ids, cache_salt)
 
     def report_failure(self, endpoint: Endpoint, reason: str) -> None:
         """A call to `endpoint` failed as if the node were gone: check its health now."""
@@ -294,7 +312,7 @@ class WorkerRegistry:
                 if not endpoint.routable:
                     log.warning("%s node %s passes its health check again", endpoint.role,
                                 endpoint.address)
-                    await endpoint.close()  # a fresh channel, without the dead one's backoff
+                    endpoint.reopen()  # a fresh channel, without the dead one's backoff
                     endpoint.prefixes.clear()  # it may have restarted with an empty cache
                     endpoint.routable = True
                 return

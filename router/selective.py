@@ -19,6 +19,13 @@ The rule, decided per request once the decode node D is picked (`plan`):
    (`--prefill-saturated-wait-fraction` of the lease; `Endpoint.send_wait_s`): a send
    that outlives D's lease is prefill work thrown away, and D prefills the prompt then
    anyway. Once its queue drains, the node gets work again.
+   Under `--disagg-policy steady` (the default) D takes it only while no stream runs
+   there for its prefill to slow, and while it would finish no later than a prefill node:
+   D's predicted time for its prompt backlog plus this prompt (`local_prefill_s`) at most
+   the prefill nodes' `send_wait_s`. Otherwise the request waits at the router (`wait`,
+   at most `--max-queue-wait-s`) and is planned again as reports arrive. `throughput`
+   sends it to D regardless, as before: more requests per second, and token gaps up to
+   D's inter-token latency target (its prefill goes in chunks, engine/step_budget.py).
 A local request reserves nothing up front; D submits it as an ordinary request that
 reuses D's own prefix cache (PrepareReceive `local_prefill`).
 """
@@ -39,6 +46,7 @@ class Plan:
     end: int                  # the same, absolute (-1: out of range, D refuses it)
     local: bool = False       # D prefills the whole prompt; no RemoteSend
     reason: str = ""          # why local (RouteInfo.skip_reason)
+    wait: bool = False        # steady: every side is saturated; plan again later
 
 
 def auto_tail(prompt_len: int, prefill_queue: float, decode_queue: float,
@@ -55,8 +63,9 @@ def _mean_queue(endpoints: Sequence) -> float:
 def plan(prompt_token_ids: Sequence[int], kv_window_end: int | str, decode, prefill_pool: Sequence,
          decode_pool: Sequence, min_remote_prefill_tokens: int = 0,
          prefill_saturated_queue: int = 0, max_tail: float = 0.5,
-         saturated_s: float = 0.0) -> Plan:
-    """The plan for one request on decode node `decode` (see the module docstring)."""
+         saturated_s: float = 0.0, cache_salt: str = "", steady: bool = False) -> Plan:
+    """The plan for one request on decode node `decode` (see the module docstring);
+    `cache_salt`: the request's, under which D's prefix index is consulted."""
     n = len(prompt_token_ids)
     if not prefill_pool:
         return Plan(0, 0, True, "no_prefill")
@@ -71,10 +80,12 @@ def plan(prompt_token_ids: Sequence[int], kv_window_end: int | str, decode, pref
         return Plan(kv_window_end, -1)
     if end == 0:  # a one-token prompt: nothing to send
         return Plan(0, 0, True, "short_window")
-    hit = min(decode.prefixes.match(prompt_token_ids), end - 1)
+    hit = min(decode.prefixes.match(prompt_token_ids, cache_salt), end - 1)
     if end - hit <= min_remote_prefill_tokens:
         return Plan(0, 0, True, "short_window")
     if all(_saturated(e, prefill_saturated_queue, saturated_s) for e in prefill_pool):
+        if steady and not _absorbs(decode, n, prefill_pool):
+            return Plan(kv_window_end, end, wait=True)
         return Plan(0, 0, True, "prefill_saturated")
     return Plan(kv_window_end, end)
 
@@ -84,3 +95,25 @@ def _saturated(endpoint, queue_bound: int, latency_bound_s: float) -> bool:
         return True
     return latency_bound_s > 0 and endpoint.queue > 0 and \
         endpoint.send_wait_s >= latency_bound_s
+
+
+def _absorbs(decode, prompt_len: int, prefill_pool: Sequence) -> bool:
+    """D has no stream its chunks would slow, and would finish prefilling this prompt no
+    later than a prefill node would answer (unmeasured D: yes, so it learns what a prompt
+    costs)."""
+    if decode.steps is not None and decode.steps.num_decoding > 0:
+        return False
+    local_s = local_prefill_s(decode.steps, prompt_len)
+    return local_s is None or local_s <= min(e.send_wait_s for e in prefill_pool)
+
+
+def local_prefill_s(steps, prompt_len: int) -> float | None:
+    """How long a decode node would take to prefill its prompt backlog and then `prompt_len`
+    tokens, in chunks that keep its streams' target gaps; None: unmeasured. `steps`: its
+    last LoadReport (the step fields), or None."""
+    if steps is None or steps.prompt_token_ms <= 0:
+        return None
+    seconds = (steps.prompt_backlog_tokens + prompt_len) * steps.prompt_token_ms / 1e3
+    if steps.num_decoding and steps.itl_target_ms > steps.decode_step_ms:  # chunks share steps
+        seconds *= steps.itl_target_ms / (steps.itl_target_ms - steps.decode_step_ms)
+    return seconds

@@ -1,17 +1,21 @@
 """The router's `pdserve.v1.Generation` service: converts at the edge, dispatches.
 
 Client disconnects cancel the handler; the dispatcher's cleanup then aborts the request
-on every node holding it.
+on every node holding it. Each call belongs to the tenant of its API key (`auth.tenant_of`):
+Generate runs as the tenant's, Abort reaches only the tenant's own requests.
 """
 
 from __future__ import annotations
 
 import uuid
 
+import grpc
+
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router import validation
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.runtime import auth
 from pdserve.runtime.errors import abort_with
 from pdserve.runtime.observe import StreamObserver
 
@@ -31,7 +35,9 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
             await abort_with(context, err)
         window_end = request.kv_window_end if request.HasField("kv_window_end") else None
         stream = self.dispatcher.generate(request_id, ids, sampling, window_end,
-                                          timeout_s=context.time_remaining())
+                                          timeout_s=context.time_remaining(),
+                                          cache_salt=request.cache_salt,
+                                          tenant=auth.tenant_of(context.invocation_metadata()))
         try:
             async for msg in observer.watch(stream):
                 yield name_logprob_tokens(msg, self.tokenizer)
@@ -39,7 +45,14 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
             await abort_with(context, err)
 
     async def Abort(self, request, context):
-        return pdserve_pb2.AbortResponse(found=await self.dispatcher.abort(request.request_id))
+        """NOT_FOUND unless the caller's tenant has the request in flight: an id of another
+        tenant's, finished or never sent all get the same answer, so none shows it exists."""
+        tenant = auth.tenant_of(context.invocation_metadata())
+        if not await self.dispatcher.abort(request.request_id, tenant):
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no request {request.request_id!r} of yours is in flight "
+                                "(finished, never sent, or sent with another API key)")
+        return pdserve_pb2.AbortResponse(found=True)
 
     async def GetModelInfo(self, request, context):
         card = self.tokenizer.card

@@ -75,6 +75,12 @@ def status_of(err: BaseException) -> grpc.StatusCode | None:
 RETRY_AFTER_S = 1  # a caller refused for load waits this long (s) before trying again
 
 
+def retry_after_of(err: BaseException) -> int:
+    """Whole seconds a caller refused by `err` should wait: its own `retry_after_s` where
+    it knows (a token rate refills at a known pace), else RETRY_AFTER_S."""
+    return getattr(err, "retry_after_s", None) or RETRY_AFTER_S
+
+
 async def abort_with(context: grpc.aio.ServicerContext, err: BaseException) -> None:
     """End the call with `err`'s status and message; re-raise an error that has none. A
     refusal for load (RESOURCE_EXHAUSTED) says when to try again, as HTTP's Retry-After
@@ -83,6 +89,7 @@ async def abort_with(context: grpc.aio.ServicerContext, err: BaseException) -> N
     if code is None:
         raise err
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_S)),
-                                       ("grpc-retry-pushback-ms", str(RETRY_AFTER_S * 1000))))
+        wait_s = retry_after_of(err)
+        context.set_trailing_metadata((("retry-after", str(wait_s)),
+                                       ("grpc-retry-pushback-ms", str(wait_s * 1000))))
     await context.abort(code, str(err))

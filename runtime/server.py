@@ -50,8 +50,14 @@ class ServerConfig:
 def new_server() -> grpc.aio.Server:
     """A server whose port no second process can share while it lives (no SO_REUSEPORT,
     which gRPC turns on by default): whoever answers at a node's address is that node, or
-    took the port after it died (decode/fence.py relies on it)."""
-    return grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)],
+    took the port after it died (decode/fence.py relies on it).
+
+    No BDP probing: it widens each stream's receive window to megabytes, which a call
+    refused before it is read (runtime/auth.py) still fills. 16 unauthenticated 60 MB calls
+    then cost 7-38 MB; at the fixed 64 KB window, about 1 MB. The messages a node takes
+    are small (the KV moves over NIXL), so the fixed window costs them nothing."""
+    return grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0),
+                                                   ("grpc.http2.bdp_probe", 0)],
                            interceptors=[auth.AuthInterceptor()])
 
 

@@ -11,11 +11,13 @@ and opens channels (`runtime.server`) needs no TLS arguments threaded through it
 - `router_names`/`worker_names`: with mutual TLS, the certificate names (CN or SAN) a
   Worker caller must have to act as a router or a worker; any other CA-signed certificate
   is refused (runtime/auth.py). Without them, any certificate `ca` signed may make every call.
-Without a config everything is plaintext, as before.
+The HTTP port (runtime/http.py) serves HTTPS with the same certificate
+(`http_ssl_context`). Without a config everything is plaintext, as before.
 """
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,3 +108,20 @@ def channel_credentials() -> grpc.ChannelCredentials | None:
         return None
     return grpc.ssl_channel_credentials(
         root_certificates=_read(c.ca), private_key=_read(c.key), certificate_chain=_read(c.cert))
+
+
+def http_ssl_context() -> ssl.SSLContext | None:
+    """The HTTP port's TLS (runtime/http.py): this node's certificate, or None without one.
+    It asks for client certificates exactly when the gRPC port does
+    (`--tls-require-client-cert`): a node closed to callers without a CA-signed certificate
+    opens no second door. A router's clients are usually people with an API key, so a
+    router normally serves server-authenticated TLS and checks the key."""
+    c = _config
+    if not c.cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(c.cert, c.key)
+    if c.require_client_cert:
+        context.load_verify_locations(c.ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

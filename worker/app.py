@@ -26,6 +26,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.warm_up import warm_up
 from pdserve.kvtransfer.agent import TransferAgent
 from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.net_devices import bind_to_host
 from pdserve.models.catalogue import served_name
 from pdserve.prefill.role import PrefillRole
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
@@ -69,6 +70,7 @@ async def build_node(config: WorkerConfig, gates: Gates | None = None) -> Node:
              kv_cache.shape[0] * page_size, model_name(config),
              config.engine.dtype, kv_cache.shape[0], page_size,
              kv_cache.numel() * kv_cache.element_size() >> 20, sizing)
+    bind_to_host(config.server.host)  # UCX listens only where the node's ports do
     # A decode node receives: over TCP (another host) each write's bytes land only as its
     # UCX worker progresses, so NIXL's own thread (asleep in poll() between events: 1.3% of a
     # core idle) moves them at the link's rate, where the agent's 10 ms poll capped a link

@@ -82,12 +82,20 @@ class WorkerService(pdserve_pb2_grpc.WorkerServicer):
         free, total = await node.engine.run(lambda e: (e.num_free_pages(), e.num_total_pages()))
         max_lease_ms = node.decode.config.max_lease_ms if node.decode is not None else 0
         return load_report(node.role, [r.load() for r in node.roles], free_pages=free,
-                           total_pages=total, max_lease_ms=max_lease_ms, identity=self.identity)
+                           total_pages=total, max_lease_ms=max_lease_ms, identity=self.identity,
+                           **step_fields(node.engine.step_load))
 
     async def _require(self, service, rpc: str, context) -> None:
         if service is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 f"{rpc}: this is a {self.node.role} node")
+
+
+def step_fields(load) -> dict:
+    """The engine's StepLoad (engine/step_budget.py) as LoadReport fields, in ms."""
+    return dict(num_decoding=load.decodes, prompt_backlog_tokens=load.prompt_backlog_tokens,
+                decode_step_ms=load.decode_step_s * 1e3, prompt_token_ms=load.prompt_token_s * 1e3,
+                itl_target_ms=load.itl_target_s * 1e3)
 
 
 def load_report(role: str, loads: list, **node_fields) -> pdserve_pb2.LoadReport:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import asdict
 
 from pdserve.benchmarks.model_choice import KNOWN, add_model_flag
 from pdserve.benchmarks.serve import workload as wl
-from pdserve.benchmarks.serve.runs import emit, make_backend, make_workload, run_row, workload_info
+from pdserve.benchmarks.serve.runs import (emit, fixed_objectives, make_backend, make_workload,
+                                          run_row, workload_info)
 
 EXAMPLES = """examples:
   pdserve bench serve --server 127.0.0.1:50051 --num-prompts 50 --request-rate 0.5
@@ -26,6 +28,7 @@ EXAMPLES = """examples:
   pdserve bench serve --backend openai --url http://127.0.0.1:8000
   pdserve bench serve --compare --rates 0.1,0.2,0.4 --output compare.json --plot compare.png
   pdserve bench serve --compare --model bench-random-100m --rates 0.5,1,2
+  pdserve bench serve --compare --compare-peer vllm-pd --rates 0.5,1 --slo-ttft-s 60 --slo-tpot-ms 200
 """
 
 
@@ -90,9 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=1,
                    help="requests sent first and not measured (default: %(default)s)")
 
-    g = p.add_argument_group("objectives (goodput)")
-    g.add_argument("--ttft-slo-ms", type=float, help="a request is good if its TTFT is at most this")
-    g.add_argument("--tpot-slo-ms", type=float, help="... and its TPOT at most this")
+    g = p.add_argument_group("fixed objectives (goodput: requests per second meeting every "
+                             "one given, and their fraction; with --compare, beside the "
+                             "objectives derived from colocated)")
+    g.add_argument("--slo-ttft-s", type=float, help="a request is good if its TTFT is at most this")
+    g.add_argument("--slo-tpot-ms", type=float, help="... and its TPOT at most this")
+    g.add_argument("--slo-itl-p99-ms", type=float,
+                   help="... and the p99 of its own inter-token gaps at most this")
+    g.add_argument("--ttft-slo-ms", type=float, help=argparse.SUPPRESS)  # older spellings
+    g.add_argument("--tpot-slo-ms", type=float, help=argparse.SUPPRESS)
 
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
@@ -120,13 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(e.g. \"--kv-cache-mb 1024\")")
     g.add_argument("--router-args", default="", help="extra flags for both routers, one string")
     g.add_argument("--log-dir", help="where node logs go (default: a temporary directory)")
-    g.add_argument("--compare-peer", choices=["vllm"],
-                   help="also run vLLM's OpenAI server on the same cores, model and dtype "
-                        "(its venv: `make bench-peers`), with the same requests")
+    g.add_argument("--compare-peer", choices=["vllm", "vllm-pd"],
+                   help="also run vLLM on the same cores, model and dtype, with the same "
+                        "requests (its venv: `make bench-peers`): vllm, its OpenAI server on "
+                        "both cores; vllm-pd, its prefill server on A and decode server on B "
+                        "joined by its NixlConnector, behind our proxy")
     g.add_argument("--peer-python", help="the peer's interpreter (default: $PDSERVE_VLLM_PYTHON "
                                          "or .venv-peers/vllm/bin/python)")
     g.add_argument("--peer-kv-cache-gib", type=int, default=4,
-                   help="KV space of the peer (VLLM_CPU_KVCACHE_SPACE; default: %(default)s)")
+                   help="KV space of the peer (VLLM_CPU_KVCACHE_SPACE), split between "
+                        "vllm-pd's two servers (default: %(default)s)")
     return p
 
 
@@ -136,6 +148,7 @@ async def bench(args) -> dict:
     from pdserve.benchmarks.serve.load import sweep
     from pdserve.benchmarks.serve.report import summary_block
 
+    objectives = args.objectives
     backend = make_backend(args)
     target = args.url if args.backend == "openai" else args.server
     rows: list[dict] = []
@@ -143,7 +156,7 @@ async def bench(args) -> dict:
         limits = await backend.limits()
 
         def report(run) -> None:
-            rows.append(run_row(run, args, args.ttft_slo_ms, args.tpot_slo_ms))
+            rows.append(run_row(run, args, objectives))
             print(summary_block(rows[-1], f"{args.backend} {target} ({limits.model})"),
                   file=sys.stderr if args.json else sys.stdout, flush=True)
 
@@ -154,7 +167,7 @@ async def bench(args) -> dict:
     return {
         "backend": args.backend, "target": target, "model": limits.model,
         "workload": workload_info(args),
-        "objectives": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
+        "objectives": asdict(objectives),
         "runs": rows,
     }
 
@@ -164,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     args.rates = args.rates or [args.request_rate]
+    args.objectives = fixed_objectives(args)  # a bad objective stops us before any server starts
+    if args.compare_peer and not args.compare:
+        raise SystemExit(f"pdserve bench serve: --compare-peer {args.compare_peer} needs --compare")
     try:
         if args.compare:
             from pdserve.benchmarks.serve.compare import main_compare

@@ -1,6 +1,7 @@
 """`pdserve bench serve --compare`: 1P1D against two colocated nodes on the same cores, and
 with `--compare-peer vllm` against vLLM's OpenAI server on those cores too
-(`benchmarks.serve.peer_server`).
+(`benchmarks.serve.peer_server`), or with `--compare-peer vllm-pd` against vLLM as 1P1D,
+prefill and decode servers joined by its NixlConnector (`benchmarks.serve.peer_pd`).
 
 The two systems run one after the other, never at once, on the same two cores (see
 `cluster`), against the same requests at the same rates (prompts differ between rates,
@@ -12,9 +13,12 @@ rate first:
 - loose: the same multiples of its p90s.
 Each rate reports both systems and the ratios 1P1D / colocated of p90 TPOT
 (`tpot_p90_ratio`, lower is better for 1P1D) and of goodput under each objective
-(`goodput_ratio_strict`, `goodput_ratio_loose`, higher is better). With the peer,
-each rate also has `vs_vllm`: each pdserve system's goodput (strict, loose) and request
-throughput over vLLM's. A ratio whose denominator is 0 (or missing) is null.
+(`goodput_ratio_strict`, `goodput_ratio_loose`, higher is better). Fixed objectives
+(`--slo-*`) give each system's `goodput` and `goodput_fraction` and the ratio
+`goodput_ratio_fixed`; unlike the derived ones, they compare across days. With a peer,
+each rate also has `vs_vllm` (or `vs_vllm_pd`): each pdserve system's goodput (strict,
+loose, fixed), request throughput and p90 TPOT over the peer's. A ratio whose
+denominator is 0 (or missing) is null.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ import math
 import os
 import shlex
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 from pdserve.benchmarks.serve.metrics import RequestResult, distribution, goodput
 
 NAMES = ("1p1d", "colocated")
-PEER = "vllm"
+PEERS = ("vllm", "vllm-pd")
 TTFT_MULTIPLE = 3.0
 TPOT_MULTIPLE = 1.5
 
@@ -54,34 +59,41 @@ def ratio(x: float | None, y: float | None) -> float | None:
 def compare_rows(rows: dict[str, list[dict]], results: dict[str, list[list[RequestResult]]],
                  objs: dict) -> list[dict]:
     """One entry per rate: both systems' summaries with goodput under each objective,
-    and the ratios first system / second."""
+    and the ratios first system / second; with a peer, each pdserve system over the peer.
+    Rows carrying `goodput` (the fixed `--slo-*` objectives) get that ratio too."""
     a, b = NAMES
+    peer = next((p for p in PEERS if p in rows), None)
     out = []
     for i, (row_a, row_b) in enumerate(zip(rows[a], rows[b])):
-        for name, row in ((a, row_a), (b, row_b)):
+        entry = {"request_rate": row_a["request_rate"], a: row_a, b: row_b}
+        for name in (a, b, *([peer] if peer else [])):
+            row = entry[name] = rows[name][i]
             for kind, o in objs.items():
                 row[f"goodput_{kind}"] = goodput(results[name][i], row["duration_s"],
                                                  o["ttft_ms"] / 1000, o["tpot_ms"] / 1000)
-        entry = {
-            "request_rate": row_a["request_rate"],
-            "tpot_p90_ratio": ratio(row_a["tpot_ms"]["p90"], row_b["tpot_ms"]["p90"]),
-            "goodput_ratio_strict": ratio(row_a["goodput_strict"], row_b["goodput_strict"]),
-            "goodput_ratio_loose": ratio(row_a["goodput_loose"], row_b["goodput_loose"]),
-            a: row_a, b: row_b,
-        }
-        if PEER in rows:
-            peer = entry[PEER] = rows[PEER][i]
-            for kind, o in objs.items():
-                peer[f"goodput_{kind}"] = goodput(results[PEER][i], peer["duration_s"],
-                                                  o["ttft_ms"] / 1000, o["tpot_ms"] / 1000)
-            entry["vs_vllm"] = {name: {
-                "goodput_ratio_strict": ratio(entry[name]["goodput_strict"], peer["goodput_strict"]),
-                "goodput_ratio_loose": ratio(entry[name]["goodput_loose"], peer["goodput_loose"]),
+        kinds = ("strict", "loose", *(["fixed"] if "goodput" in row_a else []))
+        entry["tpot_p90_ratio"] = ratio(row_a["tpot_ms"]["p90"], row_b["tpot_ms"]["p90"])
+        entry.update(_goodput_ratios(row_a, row_b, kinds))
+        if peer:
+            entry[peer_key(peer)] = {name: {
+                **_goodput_ratios(entry[name], entry[peer], kinds),
                 "throughput_ratio": ratio(entry[name]["request_throughput"],
-                                          peer["request_throughput"]),
+                                          entry[peer]["request_throughput"]),
+                "tpot_p90_ratio": ratio(entry[name]["tpot_ms"]["p90"],
+                                        entry[peer]["tpot_ms"]["p90"]),
             } for name in NAMES}
         out.append(entry)
     return out
+
+
+def _goodput_ratios(x: dict, y: dict, kinds) -> dict:
+    key = lambda kind: "goodput" if kind == "fixed" else f"goodput_{kind}"  # noqa: E731
+    return {f"goodput_ratio_{kind}": ratio(x[key(kind)], y[key(kind)]) for kind in kinds}
+
+
+def peer_key(peer: str) -> str:
+    """Where each rate keeps the ratios over the peer: `vs_vllm`, `vs_vllm_pd`."""
+    return "vs_" + peer.replace("-", "_")
 
 
 def default_cores() -> tuple[int, int]:
@@ -101,12 +113,14 @@ def run_system(name: str, args, model: str, cores, log_dir: Path):
     from pdserve.benchmarks.serve.load import sweep
     from pdserve.benchmarks.serve.runs import make_workload, run_row
 
-    if name == PEER:
+    if name in PEERS:
         from pdserve.benchmarks.serve.backends import OpenAIBackend
+        from pdserve.benchmarks.serve.peer_pd import start_vllm_pd
         from pdserve.benchmarks.serve.peer_server import SERVED_NAME, start_vllm_server
 
-        server = start_vllm_server(args.peer_python, model, args.peer_dtype, cores, log_dir,
-                                   args.peer_kv_cache_gib, args.peer_max_model_len)
+        start = start_vllm_pd if name == "vllm-pd" else start_vllm_server
+        server = start(args.peer_python, model, args.peer_dtype, cores, log_dir,
+                       args.peer_kv_cache_gib, args.peer_max_model_len)
         connect = lambda url: OpenAIBackend(url, SERVED_NAME, args.timeout_s)  # noqa: E731
     else:
         server = start_cluster(name, model, cores, log_dir, shlex.split(args.node_args),
@@ -124,7 +138,7 @@ def run_system(name: str, args, model: str, cores, log_dir: Path):
                 await backend.close()
 
         runs = uvloop.run(go())
-    return [run_row(r, args) for r in runs], [r.results for r in runs]
+    return [run_row(r, args, args.objectives) for r in runs], [r.results for r in runs]
 
 
 def headline(table: list[dict], rate: float | None) -> dict | None:
@@ -135,12 +149,13 @@ def headline(table: list[dict], rate: float | None) -> dict | None:
     if row is None:
         raise SystemExit(f"--headline-rate {rate:g} is not one of the swept rates")
     return {k: row[k] for k in ("request_rate", "tpot_p90_ratio", "goodput_ratio_strict",
-                                 "goodput_ratio_loose", "vs_vllm") if k in row}
+                                 "goodput_ratio_loose", "goodput_ratio_fixed",
+                                 *map(peer_key, PEERS)) if k in row}
 
 
 def main_compare(args) -> int:
     from pdserve.benchmarks.model_choice import node_dtype, resolve_or_exit
-    from pdserve.benchmarks.serve.report import compare_table, sweep_table
+    from pdserve.benchmarks.serve.report import compare_table, peer_table, sweep_table
     from pdserve.benchmarks.serve.runs import emit, workload_info
 
     if args.backend != "grpc":
@@ -152,7 +167,7 @@ def main_compare(args) -> int:
     model = resolve_or_exit(args.model, "pdserve bench serve")
     cores = args.cores or default_cores()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-compare-"))
-    names = NAMES + ((PEER,) if args.compare_peer else ())
+    names = NAMES + ((args.compare_peer,) if args.compare_peer else ())
     if args.compare_peer:
         _peer_settings(args, model.dir)
     rows, results = {}, {}
@@ -167,25 +182,34 @@ def main_compare(args) -> int:
                           if args.colocated_nodes == 2 else
                           f"one role-both node on cores {cores[0]},{cores[1]} with 2 threads, "
                           "router on both"),
-            **({PEER: f"vLLM's OpenAI server ({args.peer_dtype}) on cores {cores[0]},{cores[1]}, "
-                      f"{args.peer_kv_cache_gib} GiB KV"} if args.compare_peer else {})},
+            **({args.compare_peer: _peer_system(args, cores)} if args.compare_peer else {})},
         "model": model.record(node_dtype(shlex.split(args.node_args))), "cores": list(cores),
         "workload": {**workload_info(args), "arrival": args.arrival,
                      "rates": [r if math.isfinite(r) else None for r in args.rates],
                      "max_concurrency": args.max_concurrency},
         "node_args": args.node_args, "router_args": args.router_args, "log_dir": str(log_dir),
         "objectives": {"reference": f"colocated at {args.rates[0]:g} req/s",
-                       "ttft_multiple": TTFT_MULTIPLE, "tpot_multiple": TPOT_MULTIPLE, **objs},
+                       "ttft_multiple": TTFT_MULTIPLE, "tpot_multiple": TPOT_MULTIPLE, **objs,
+                       "fixed": asdict(args.objectives)},
         "headline": headline(table, args.headline_rate),
         "results": table,
     }
     emit(out, args, [compare_table(table, NAMES),
-                     *(sweep_table([r[n] for r in table], n) for n in names)])
+                     *(sweep_table([r[n] for r in table], n) for n in names),
+                     *([peer_table(table, names)] if args.compare_peer or args.objectives.given() else [])])
     if args.plot:
         from pdserve.benchmarks.serve.plot import plot_compare
 
         plot_compare(table, NAMES, objs, args.plot)
     return 1 if any(r[n]["completed"] == 0 for r in table for n in names) else 0
+
+
+def _peer_system(args, cores) -> str:
+    kv = f"{args.peer_dtype}, {args.peer_kv_cache_gib} GiB KV"
+    if args.compare_peer == "vllm-pd":
+        return (f"vLLM 1P1D ({kv} split): prefill server on core {cores[0]}, decode server on "
+                f"core {cores[1]}, NixlConnector, our proxy on both (benchmarks.serve.peer_pd)")
+    return f"vLLM's OpenAI server ({kv}) on cores {cores[0]},{cores[1]}"
 
 
 def _peer_settings(args, model_dir: str) -> None:

@@ -9,8 +9,9 @@ Definitions (the same as vLLM's `benchmark_serving`, so numbers compare):
 - E2E latency: from sending the request to the end of its stream.
 - Throughput: completed requests, or output tokens, per second of the run; the run lasts
   from its first send to its last completion.
-- Goodput: completed requests per second whose TTFT and TPOT both meet their objective
-  (a request without a TPOT meets the TPOT objective).
+- Goodput: completed requests per second that meet every objective given: TTFT, TPOT and
+  the p99 of the request's own ITLs (a request without a TPOT or gaps meets those two).
+  Its fraction is over every request sent, failed ones included.
 Failed requests count in `failed` and in nothing else.
 """
 
@@ -47,6 +48,12 @@ class RequestResult:
         return list(np.diff(self.token_times)) if len(self.token_times) > 1 else []
 
     @property
+    def itl_p99(self) -> float | None:
+        """The p99 of this request's own gaps (linear interpolation); None without gaps."""
+        gaps = self.itls
+        return float(np.percentile(gaps, 99)) if gaps else None
+
+    @property
     def e2e(self) -> float:
         return self.end - self.start
 
@@ -66,22 +73,48 @@ def distribution(values_s: list[float]) -> dict[str, float | None]:
     return {"mean": float(ms.mean()), "median": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-def meets(result: RequestResult, ttft_s: float | None, tpot_s: float | None) -> bool:
-    """Whether a completed request meets both objectives (None: no objective)."""
+def meets(result: RequestResult, ttft_s: float | None, tpot_s: float | None,
+          itl_p99_s: float | None = None) -> bool:
+    """Whether a completed request meets every objective (None: no objective)."""
     if not result.ok:
         return False
     if ttft_s is not None and result.ttft is not None and result.ttft > ttft_s:
+        return False
+    if itl_p99_s is not None and (result.itl_p99 or 0.0) > itl_p99_s:
         return False
     tpot = result.tpot
     return tpot_s is None or tpot is None or tpot <= tpot_s
 
 
-def goodput(results: list[RequestResult], duration_s: float,
-            ttft_s: float | None, tpot_s: float | None) -> float:
-    """Requests per second meeting both objectives."""
+def goodput(results: list[RequestResult], duration_s: float, ttft_s: float | None,
+            tpot_s: float | None, itl_p99_s: float | None = None) -> float:
+    """Requests per second meeting every objective."""
     if duration_s <= 0:
         return 0.0
-    return sum(meets(r, ttft_s, tpot_s) for r in results) / duration_s
+    return sum(meets(r, ttft_s, tpot_s, itl_p99_s) for r in results) / duration_s
+
+
+@dataclass(frozen=True)
+class Objectives:
+    """Fixed service-level objectives (`--slo-*`), the same on every day and system."""
+    ttft_s: float | None = None
+    tpot_ms: float | None = None
+    itl_p99_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value is not None and not value > 0:
+                raise ValueError(f"objective {name} must be a positive number, got {value!r}")
+
+    def given(self) -> bool:
+        return any(v is not None for v in vars(self).values())
+
+    def goodput(self, results: list[RequestResult], duration_s: float) -> dict:
+        """`goodput` (req/s), `good_requests` and `goodput_fraction` (of every request sent)."""
+        ms = lambda v: None if v is None else v / 1000  # noqa: E731
+        good = sum(meets(r, self.ttft_s, ms(self.tpot_ms), ms(self.itl_p99_ms)) for r in results)
+        return {"goodput": good / duration_s if duration_s > 0 else 0.0, "good_requests": good,
+                "goodput_fraction": good / len(results) if results else None}
 
 
 def run_duration(results: list[RequestResult]) -> float:

@@ -43,6 +43,9 @@ def summary_block(row: dict, target: str) -> str:
              line("Total token throughput (tok/s)", row["total_token_throughput"])]
     if "goodput" in row:
         lines.append(line("Request goodput (req/s)", row["goodput"]))
+    if "good_requests" in row:
+        lines.append(line("Requests meeting every objective",
+                          f"{row['good_requests']} of {row['num_requests']}"))
     for key, short, name in LATENCIES:
         stats = row[key]
         lines += [f"{name:-^{BLOCK_WIDTH}}", line(f"Mean {short} (ms)", stats["mean"]),
@@ -91,6 +94,27 @@ def compare_table(rows: list[dict], names: tuple[str, str]) -> Table:
             f"{_f(x['goodput_loose'], 3)} | {_f(y['goodput_loose'], 3)}",
             _f(r["tpot_p90_ratio"], 2), _f(r["goodput_ratio_strict"], 2),
             _f(r["goodput_ratio_loose"], 2))
+    return table
+
+
+def peer_table(rows: list[dict], names) -> Table:
+    """Every system at each rate in the units of the issue tables: seconds for TTFT and
+    ITL p99, ms for TPOT; goodput against the fixed objectives, with its fraction."""
+    table = Table(title="all systems (goodput: fixed --slo-* objectives)")
+    for name in ("rate", "system", "done", "req/s", "TTFT s p50/p90", "TPOT ms p50/p90",
+                 "ITL s p99", "goodput req/s", "good"):
+        table.add_column(name, justify="right")
+    s = lambda ms: None if ms is None else ms / 1000  # noqa: E731
+    for r in rows:
+        for name in names:
+            x = r[name]
+            ttft, tpot = x["ttft_ms"], x["tpot_ms"]
+            table.add_row(_rate(r["request_rate"]), name, f"{x['completed']}/{x['num_requests']}",
+                          _f(x["request_throughput"], 3),
+                          f"{_f(s(ttft['median']))} / {_f(s(ttft['p90']))}",
+                          f"{_f(tpot['median'], 0)} / {_f(tpot['p90'], 0)}",
+                          _f(s(x["itl_ms"]["p99"]), 2), _f(x.get("goodput"), 3),
+                          _f(x.get("goodput_fraction"), 2))
     return table
 
 

@@ -91,14 +91,33 @@ def workload_info(args) -> dict:
             "input_len": list(args.input_len), "output_len": list(args.output_len)}
 
 
-def run_row(run, args, ttft_slo_ms=None, tpot_slo_ms=None) -> dict:
-    from pdserve.benchmarks.serve.metrics import goodput, summarize
+def fixed_objectives(args):
+    """The `--slo-*` objectives; the older `--ttft-slo-ms`/`--tpot-slo-ms` fill them in."""
+    from pdserve.benchmarks.serve.metrics import Objectives
+
+    ttft_s, tpot_ms = args.slo_ttft_s, args.slo_tpot_ms
+    if getattr(args, "ttft_slo_ms", None) is not None:
+        if ttft_s is not None:
+            raise SystemExit("pdserve bench serve: give --slo-ttft-s or --ttft-slo-ms, not both")
+        ttft_s = args.ttft_slo_ms / 1000
+    if getattr(args, "tpot_slo_ms", None) is not None:
+        if tpot_ms is not None:
+            raise SystemExit("pdserve bench serve: give --slo-tpot-ms or --tpot-slo-ms, not both")
+        tpot_ms = args.tpot_slo_ms
+    try:
+        return Objectives(ttft_s, tpot_ms, args.slo_itl_p99_ms)
+    except ValueError as err:
+        raise SystemExit(f"pdserve bench serve: {err}") from None
+
+
+def run_row(run, args, objectives=None) -> dict:
+    """One run's summary; with objectives given, its `goodput`, `good_requests` and
+    `goodput_fraction` against them."""
+    from pdserve.benchmarks.serve.metrics import summarize
 
     row = {**run.settings(), **summarize(run.results)}
-    if ttft_slo_ms is not None or tpot_slo_ms is not None:
-        row["goodput"] = goodput(run.results, row["duration_s"],
-                                 None if ttft_slo_ms is None else ttft_slo_ms / 1000,
-                                 None if tpot_slo_ms is None else tpot_slo_ms / 1000)
+    if objectives is not None and objectives.given():
+        row.update(objectives.goodput(run.results, row["duration_s"]))
     if args.per_request:
         row["requests"] = [r.to_dict() for r in run.results]
     return row

@@ -112,3 +112,79 @@ def test_compare_records_the_model_name_directory_and_workers_dtype(tmp_path, mo
                  "--colocated-nodes", "2", "--log-dir", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["systems"]["colocated"].startswith("role both on cores 0 and 1")
+
+
+def test_fixed_objectives_give_each_system_goodput_and_the_ratio_over_vllm_pd():
+    from pdserve.benchmarks.serve.metrics import Objectives
+
+    fixed = Objectives(ttft_s=0.5, tpot_ms=30)
+    colocated = [req(0.2, 0.02), req(0.2, 0.04), req(0.9, 0.01)]  # fixed: 1 of 3
+    disagg = [req(0.3, 0.02)] * 3                                  # fixed: 3 of 3
+    peer = [req(0.2, 0.02), req(0.2, 0.02), req(0.9, 0.05)]        # fixed: 2 of 3
+    results = {"1p1d": [disagg], "colocated": [colocated], "vllm-pd": [peer]}
+    rows = {name: [{**summarize(r, duration_s=10.0), "request_rate": 0.5,
+                    **fixed.goodput(r, 10.0)}] for name, (r,) in results.items()}
+    (row,) = compare_rows(rows, results, objectives(LIGHT))
+    assert row["vllm-pd"]["goodput"] == pytest.approx(0.2)
+    assert row["vllm-pd"]["goodput_fraction"] == pytest.approx(2 / 3)
+    assert row["goodput_ratio_fixed"] == pytest.approx(3.0)       # 1p1d over colocated
+    assert "vs_vllm" not in row
+    assert row["vs_vllm_pd"]["1p1d"]["goodput_ratio_fixed"] == pytest.approx(1.5)
+    assert row["vs_vllm_pd"]["colocated"]["goodput_ratio_fixed"] == pytest.approx(0.5)
+    # p90 of the peer's TPOTs 20, 20, 50 ms: 20 + 0.8 * 30 = 44
+    assert row["vs_vllm_pd"]["1p1d"]["tpot_p90_ratio"] == pytest.approx(20 / 44)
+
+
+def test_compare_with_vllm_pd_records_the_fixed_objectives_and_the_peer(tmp_path, monkeypatch,
+                                                                        capsys):
+    import json
+
+    from pdserve.benchmarks.serve import compare
+    from pdserve.benchmarks.serve.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    served = []
+
+    def run_system(name, args, model, cores, log_dir):
+        served.append(name)
+        rows = [{**summarize(LIGHT, duration_s=10.0), "request_rate": 0.5, "arrival": "poisson",
+                 "max_concurrency": None, **args.objectives.goodput(LIGHT, 10.0)}]
+        return rows, [LIGHT]
+
+    monkeypatch.setattr(compare, "run_system", run_system)
+    monkeypatch.setattr("pdserve.benchmarks.peer.peer_python", lambda flag: tmp_path)
+    assert main(["--compare", "--compare-peer", "vllm-pd", "--model", str(tmp_path),
+                 "--cores", "0,1", "--rates", "0.5", "--log-dir", str(tmp_path), "--json",
+                 "--slo-ttft-s", "0.25", "--slo-tpot-ms", "200"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert served == ["1p1d", "colocated", "vllm-pd"]
+    assert out["objectives"]["fixed"] == {"ttft_s": 0.25, "tpot_ms": 200.0, "itl_p99_ms": None}
+    assert "prefill server on core 0, decode server on core 1" in out["systems"]["vllm-pd"]
+    (row,) = out["results"]
+    assert row["vllm-pd"]["good_requests"] == 2  # LIGHT's TTFTs: 0.1, 0.2, 0.3
+    assert row["vs_vllm_pd"]["1p1d"]["goodput_ratio_fixed"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--compare-peer", "vllm-pd"], "--compare-peer vllm-pd needs --compare"),
+    (["--slo-tpot-ms", "-5"], "tpot_ms must be a positive number, got -5"),
+    (["--slo-ttft-s", "1", "--ttft-slo-ms", "900"], "--slo-ttft-s or --ttft-slo-ms, not both"),
+])
+def test_the_cli_rejects_bad_peer_and_objective_flags_before_starting_anything(argv, message):
+    from pdserve.benchmarks.serve.cli import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
+
+
+def test_the_cli_offers_both_peers_and_reads_the_older_objective_spellings():
+    from pdserve.benchmarks.serve.cli import build_parser
+    from pdserve.benchmarks.serve.runs import fixed_objectives
+
+    parser = build_parser()
+    assert parser.parse_args(["--compare-peer", "vllm-pd"]).compare_peer == "vllm-pd"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--compare-peer", "sglang"])
+    args = parser.parse_args(["--ttft-slo-ms", "1500", "--slo-itl-p99-ms", "1000"])
+    assert fixed_objectives(args).ttft_s == pytest.approx(1.5)
+    assert fixed_objectives(args).itl_p99_ms == 1000

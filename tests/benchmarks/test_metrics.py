@@ -2,7 +2,8 @@
 
 import pytest
 
-from pdserve.benchmarks.serve.metrics import RequestResult, distribution, goodput, meets, summarize
+from pdserve.benchmarks.serve.metrics import (Objectives, RequestResult, distribution, goodput, meets,
+                                              summarize)
 
 
 def timeline(start, token_times, output_tokens=None, ok=True, end=None, prompt_len=10):
@@ -69,3 +70,36 @@ def test_summary_throughput_spans_first_send_to_last_completion():
     assert s["itl_ms"]["p99"] == pytest.approx(1000.0)
     assert s["e2e_ms"]["median"] == pytest.approx(2500.0)
     assert s["errors"] == ["UNAVAILABLE: gone"]
+
+
+def test_a_requests_itl_p99_is_over_its_own_gaps():
+    r = timeline(0.0, [0.1 * i for i in range(1, 102)])   # 100 gaps of 0.1 s
+    slow = timeline(0.0, [0.1, 0.2, 3.2, 3.3])             # gaps 0.1, 3.0, 0.1
+    assert r.itl_p99 == pytest.approx(0.1)
+    assert slow.itl_p99 == pytest.approx(0.1 + 0.98 * 2.9)  # linear between ranks 1 and 2
+    assert timeline(0.0, [0.3]).itl_p99 is None
+
+
+def test_fixed_objectives_count_requests_meeting_every_one_given_over_all_sent():
+    results = [
+        timeline(0.0, [1.0, 1.1, 1.2]),                    # ttft 1, tpot 100 ms, gaps 100 ms
+        timeline(0.0, [70.0, 70.1, 70.2]),                 # ttft 70 s: misses TTFT
+        timeline(0.0, [1.0, 1.5, 2.0]),                    # tpot 500 ms: misses TPOT
+        timeline(0.0, [1.0, 1.01, 1.4]),                   # tpot 200 ms, a 390 ms gap
+        timeline(0.0, [1.0, 1.1], ok=False),               # failed: never good, still counted
+    ]
+    both = Objectives(ttft_s=60, tpot_ms=200)
+    assert both.goodput(results, 10.0) == {"goodput": pytest.approx(0.2), "good_requests": 2,
+                                           "goodput_fraction": pytest.approx(0.4)}
+    with_itl = Objectives(ttft_s=60, tpot_ms=200, itl_p99_ms=300)
+    assert with_itl.goodput(results, 10.0)["good_requests"] == 1
+    assert Objectives(tpot_ms=200).goodput(results, 10.0)["good_requests"] == 3
+    assert Objectives().given() is False and both.given() is True
+    assert Objectives().goodput([], 0.0) == {"goodput": 0.0, "good_requests": 0,
+                                            "goodput_fraction": None}
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan")])
+def test_an_objective_must_be_positive_and_the_error_names_it(bad):
+    with pytest.raises(ValueError, match=r"tpot_ms must be a positive number, got"):
+        Objectives(ttft_s=60, tpot_ms=bad)

@@ -21,3 +21,25 @@ def test_trust_costs_are_measured_against_the_write(tmp_path, monkeypatch, capsy
     for cost in ("clear", "per_request_registration"):
         ratio = ms[cost] / ms["write"]
         assert abs(report[f"{cost}_vs_write"] - ratio) <= 0.01 * ratio + 0.001
+
+
+def test_every_transport_attack_is_printed_with_its_configuration_and_refused(tiny_model, capsys):
+    assert trust.main(["--attacks", "transport", "--model", tiny_model, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["attacks"]
+    assert len(rows) == 5
+    for row in rows:
+        assert row["refused"], row
+        assert "--tls-cert" in row["configuration"] and row["outcome"]
+
+
+def test_every_tenant_attack_is_printed_with_its_configuration_and_refused(tiny_model, capsys):
+    """Bob against alice on one cluster: her request aborted by its id, her id squatted, the
+    prefix cache probed for her secret, her flood against his short requests."""
+    assert trust.main(["--attacks", "tenants", "--model", tiny_model, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["attacks"]
+    assert [r["attack"].split()[1] for r in rows] == ["aborts", "takes", "probes", "queues"]
+    for row in rows:
+        assert row["refused"], row
+        assert "--api-key-file" in row["configuration"] and row["outcome"]
+    # the probe's control: with the operator's --shared-prefix-cache the right guess shows
+    assert "--shared-prefix-cache" in rows[2]["outcome"]

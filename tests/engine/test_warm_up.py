@@ -23,3 +23,10 @@ def test_warm_up_leaves_no_request_page_or_cached_prefix(make_engine, page_size,
     while engine.has_unfinished():
         outs += engine.step()
     assert [o.num_cached_tokens for o in outs if o.finished] == [0]
+
+
+def test_warm_up_leaves_the_step_budget_measures_of_warm_steps_only(make_engine):
+    engine = make_engine()
+    warm_up(engine)
+    budget = engine.step_budget
+    assert budget.decode_step_s(1) > 0 and 0 < budget._prefill[1] <= 2 * engine.page_size

@@ -11,6 +11,7 @@ import pytest
 from pdserve import cli, credentials
 from pdserve.runtime import auth, cluster_key, tls
 from pdserve.runtime.cluster_key import ClusterKey
+from pdserve.runtime.tenants import KeyRing
 
 KEY = "k" * 32
 
@@ -44,7 +45,7 @@ def test_a_server_starts_with_its_role_and_keys(tmp_path):
     args = parse("router", "--decode", "x:1", "--cluster-key-file", str(tmp_path / "cluster.key"),
                  "--api-key-file", str(tmp_path / "api.key"))
     credentials.configure_server_keys(args, "router")
-    assert auth.current() == auth.Settings("router", "sk-router")
+    assert auth.current() == auth.Settings("router", KeyRing({"default": "sk-router"}))
     assert cluster_key.current().token("router") == ClusterKey(KEY.encode()).token("router")
     assert len(auth.outgoing_interceptors()) == 4  # its channels present the router token
 

@@ -88,7 +88,7 @@ def test_client_disconnect_aborts_on_the_decode_node():
         finally:
             await stop()
         assert d.aborted == ["gone"]
-        assert "gone" not in dispatcher.active
+        assert ("default", "gone") not in dispatcher.active
 
     run(go())
 
@@ -220,3 +220,40 @@ def test_the_prefill_is_sent_ahead_only_where_the_decode_node_has_room():
     d.total_pages = 0
     assert _room_for(d, 1000)      # no load report yet: nothing known, overlap as before
     assert _room_for(None, 1000)
+
+
+def _saturate(dispatcher, backlog: int) -> None:
+    """Every prefill node saturated (sends take 20 s, work queued); the decode node has
+    `backlog` prompt tokens to prefill at 5 ms each beside its streams."""
+    from pdserve.proto import pdserve_pb2
+
+    for p in dispatcher.registry.prefill:
+        p.send_latency_s, p.reported_queue = 20.0, 4
+    for d in dispatcher.registry.decode:
+        d.steps = pdserve_pb2.LoadReport(num_decoding=2, prompt_backlog_tokens=backlog,
+                                         decode_step_ms=50, prompt_token_ms=5, itl_target_ms=125)
+
+
+@pytest.mark.parametrize("policy", ["steady", "throughput"])
+def test_when_every_side_is_saturated_steady_waits_and_throughput_sends_to_decode(policy):
+    async def go():
+        p, d = FakeWorker("p"), FakeWorker("d")
+        addr, dispatcher, stop = await start_router([p], [d], disagg_policy=policy,
+                                                    load_interval_s=0.02)
+        _saturate(dispatcher, backlog=10_000)  # D would need 83 s: more than P's 20 s
+        try:
+            async with AsyncClient(addr) as client:
+                call = asyncio.ensure_future(client.generate("hello", request_id="r1"))
+                await asyncio.sleep(0.5)
+                calls_while_saturated = d.rpcs() + p.rpcs()
+                dispatcher.registry.prefill[0].reported_queue = 0  # P's queue drained
+                await call
+        finally:
+            await stop()
+        if policy == "steady":
+            assert calls_while_saturated == []  # it waited at the router, on no node
+            assert p.rpcs() == ["RemoteSend"]
+        else:
+            assert d.calls[0][1].local_prefill and p.rpcs() == []
+
+    run(go())

@@ -97,6 +97,39 @@ def test_a_prefill_node_whose_sends_take_half_the_lease_is_saturated_while_work_
     assert not selective.plan(prompt, -1, d, p, [d], saturated_s=15.0).local
 
 
+def _steps(backlog=0, decodes=4, decode_ms=50.0, token_ms=5.0, target_ms=125.0):
+    from pdserve.proto import pdserve_pb2
+    return pdserve_pb2.LoadReport(num_decoding=decodes, prompt_backlog_tokens=backlog,
+                                  decode_step_ms=decode_ms, prompt_token_ms=token_ms,
+                                  itl_target_ms=target_ms)
+
+
+def test_steady_sends_a_prompt_to_an_idle_decode_node_that_finishes_no_later_than_prefill():
+    prompt = list(range(1000))
+    d, p = _eps(0)[0], _eps(0, role="prefill")
+    p[0].send_latency_s, p[0].reported_queue = 16.0, 3  # saturated: sends take 16 s
+    # D prefills 1000 tokens at 5 ms each in the 75 ms its 125 ms target leaves per 50 ms
+    # decode step: 5 s * 125/75 = 8.3 s, sooner than the prefill node's 16 s; but it has
+    # streams running, which its chunks would slow: the request waits.
+    d.steps = _steps(backlog=0)
+    assert selective.local_prefill_s(d.steps, 1000) == 5.0 * 125 / 75
+    assert selective.plan(prompt, -1, d, p, [d], saturated_s=15.0, steady=True).wait
+    d.steps = _steps(backlog=0, decodes=0)  # no stream: 5 s, it takes the prompt
+    plan = selective.plan(prompt, -1, d, p, [d], saturated_s=15.0, steady=True)
+    assert plan.local and plan.reason == "prefill_saturated"
+    d.steps = _steps(backlog=3000, decodes=0)  # 20 s with what it already has: it waits
+    plan = selective.plan(prompt, -1, d, p, [d], saturated_s=15.0, steady=True)
+    assert plan.wait and not plan.local
+    # Throughput sends it to D regardless; an unmeasured D is tried, so it learns.
+    assert selective.plan(prompt, -1, d, p, [d], saturated_s=15.0).local
+    d.steps = None
+    assert selective.plan(prompt, -1, d, p, [d], saturated_s=15.0, steady=True).local
+    d.steps = _steps(backlog=10**6)  # a prefill node with room takes it, as always
+    p[0].reported_queue = 0
+    assert selective.plan(prompt, -1, d, p, [d], saturated_s=15.0, steady=True) == \
+        selective.Plan(-1, 999)
+
+
 def test_a_send_still_in_flight_counts_as_slow_as_it_is_old(monkeypatch):
     """A queue that grows shows before any of its sends ends."""
     import pdserve.router.registry

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from pdserve.decode.requests import DecodeLoad
+from pdserve.engine.step_budget import StepLoad
 from pdserve.prefill.requests import PrefillLoad
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.worker.node import Node
@@ -41,6 +42,9 @@ class Context:
 
 
 class Engine:
+    step_load = StepLoad(decodes=3, prompt_backlog_tokens=700, decode_step_s=0.05,
+                         prompt_token_s=0.004, itl_target_s=0.125)
+
     async def run(self, fn):
         return fn(self)
 
@@ -141,6 +145,9 @@ def test_the_load_of_a_both_node_carries_every_field_of_both_roles():
     assert (report.role, report.free_pages, report.total_pages, report.max_lease_ms) == \
         ("both", 48, 64, 5000)
     assert report.identity.agent_name == "both-agent" and report.identity.model_hash == "abc"
+    assert (report.num_decoding, report.prompt_backlog_tokens) == (3, 700)
+    assert [round(v, 3) for v in (report.decode_step_ms, report.prompt_token_ms,
+                                  report.itl_target_ms)] == [50, 4, 125]
 
 
 def test_a_load_field_the_report_lacks_is_an_error_not_a_value_lost():

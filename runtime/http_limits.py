@@ -1,0 +1,49 @@
+"""The HTTP port's limits and TLS choice (`HTTPConfig`, the `--http-*` flags and
+`--plain-http`), set once per process at start and read by runtime/http.py when it serves.
+
+Apart from runtime/http.py so the command line builds its flags without aiohttp, which
+only a server install has (the light client parses the same `pdserve` commands).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.runtime.options import option
+
+
+@dataclass(frozen=True)
+class HTTPConfig:
+    http_header_timeout_s: float = option(
+        10.0, "HTTP port: seconds a connection has to send a request's headers, and may stay "
+              "idle between requests, before it is closed")
+    http_body_timeout_s: float = option(
+        30.0, "HTTP port: seconds a request's body may take to arrive; then 408")
+    http_max_connections: int = option(
+        1024, "HTTP port: open connections at most; a new one beyond it is closed at once")
+    plain_http: bool = option(
+        False, "serve the HTTP port (OpenAI API, /metrics) as plain HTTP even with --tls-cert "
+               "(default: HTTPS whenever --tls-cert is set, so the API key never crosses in "
+               "clear)")
+
+    def validate(self) -> None:
+        for name in ("http_header_timeout_s", "http_body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got "
+                                 f"{getattr(self, name)}")
+        if self.http_max_connections < 1:
+            raise ValueError(f"--http-max-connections must be >= 1, got "
+                             f"{self.http_max_connections}")
+
+
+_config = HTTPConfig()
+
+
+def configure(config: HTTPConfig) -> None:
+    global _config
+    config.validate()
+    _config = config
+
+
+def current() -> HTTPConfig:
+    return _config

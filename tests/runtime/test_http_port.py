@@ -1,0 +1,191 @@
+"""The HTTP port (runtime/http.py) on a real aiohttp server in this event loop, reached by
+raw sockets: HTTPS whenever a TLS certificate is configured (plain HTTP refused unless
+`--plain-http`), client certificates exactly when the gRPC port asks for them, a header
+timeout that ends a slow-header client, a body timeout, a connection limit, and the API key
+checked before a body is read."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+
+import pytest
+
+from pdserve.router.openai_http import OpenAIFrontend
+from pdserve.runtime import auth, http, http_limits, tls
+from pdserve.runtime.http import HTTPConfig, metrics_app, start_http
+from tests.certs import CA
+
+GET = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+GENEROUS_S = 30.0  # bounds on time-outs the server enforces, far above them
+
+
+@pytest.fixture(autouse=True)
+def fresh_settings(monkeypatch):
+    monkeypatch.setattr(tls, "_config", tls.TLSConfig())
+    monkeypatch.setattr(http_limits, "_config", HTTPConfig())
+    monkeypatch.setattr(auth, "_settings", auth.Settings())
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("http-certs")
+    ca = CA()
+    server, client = ca.issue("router.pdserve"), ca.issue("client.pdserve", hosts=False)
+    for name, data in (("ca.pem", ca.cert), ("node.pem", server.cert), ("node-key.pem", server.key),
+                       ("client.pem", client.cert), ("client-key.pem", client.key)):
+        (d / name).write_bytes(data)
+    return d
+
+
+def client_context(certs, with_cert: bool = False) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    if with_cert:
+        context.load_cert_chain(certs / "client.pem", certs / "client-key.pem")
+    return context
+
+
+async def serve(app=None):
+    runner = await start_http(app or metrics_app(), "127.0.0.1", 0, "test")
+    return runner, runner.addresses[0][1]
+
+
+async def ask(port: int, request: bytes = GET, context: ssl.SSLContext | None = None) -> bytes:
+    """The first bytes of the answer to `request`, b"" when the server closes without one."""
+    try:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=context, server_hostname="localhost" if context else None)
+        writer.write(request)
+        answer = await asyncio.wait_for(reader.read(64), GENEROUS_S)
+        writer.close()
+        return answer
+    except (ConnectionError, ssl.SSLError):
+        return b""
+
+
+async def closed_within(reader: asyncio.StreamReader, timeout_s: float) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(1), timeout_s) == b""
+    except ConnectionError:
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
+def test_with_a_certificate_the_port_answers_https_only_unless_plain_http_is_asked(certs):
+    tls.configure(tls.TLSConfig(cert=str(certs / "node.pem"), key=str(certs / "node-key.pem")))
+
+    async def main():
+        runner, port = await serve()
+        try:
+            assert (await ask(port, context=client_context(certs))).startswith(b"HTTP/1.1 200")
+            assert not (await ask(port)).startswith(b"HTTP/")  # plain: no HTTP answer
+        finally:
+            await runner.cleanup()
+        http.configure(HTTPConfig(plain_http=True))
+        runner, port = await serve()
+        try:
+            assert (await ask(port)).startswith(b"HTTP/1.1 200")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_the_http_port_asks_client_certificates_exactly_when_the_grpc_port_does(certs):
+    tls.configure(tls.TLSConfig(cert=str(certs / "node.pem"), key=str(certs / "node-key.pem"),
+                                ca=str(certs / "ca.pem"), require_client_cert=True))
+
+    async def main():
+        runner, port = await serve()
+        try:
+            assert not (await ask(port, context=client_context(certs))).startswith(b"HTTP/")
+            answer = await ask(port, context=client_context(certs, with_cert=True))
+            assert answer.startswith(b"HTTP/1.1 200")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_client_sending_its_headers_a_byte_at_a_time_is_disconnected_after_the_timeout():
+    http.configure(HTTPConfig(http_header_timeout_s=1.0))
+
+    async def main():
+        runner, port = await serve()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            loop = asyncio.get_running_loop()
+            started, closed = loop.time(), False
+            for byte in GET[:-2] * 100:  # never ends its headers
+                try:
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                except ConnectionError:
+                    closed = True
+                    break
+                if await closed_within(reader, 0.1):
+                    closed = True
+                    break
+                assert loop.time() - started < GENEROUS_S, "still open long past the timeout"
+            assert closed
+            assert (await ask(port)).startswith(b"HTTP/1.1 200")  # others still served
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_body_that_does_not_arrive_within_the_body_timeout_gets_408():
+    http.configure(HTTPConfig(http_body_timeout_s=1.0))
+    app = OpenAIFrontend(None, None, "m").app()
+
+    async def main():
+        runner, port = await serve(app)
+        try:
+            answer = await ask(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                     b"Content-Length: 100\r\n\r\n{")
+            assert answer.startswith(b"HTTP/1.1 408")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_connections_beyond_the_limit_are_closed_at_once():
+    http.configure(HTTPConfig(http_max_connections=2))
+
+    async def main():
+        runner, port = await serve()
+        try:
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            assert await closed_within(reader, GENEROUS_S)
+            held[0][1].close()
+            await held[0][1].wait_closed()
+            for _ in range(100):  # the server notices the close on its next turn
+                if len(runner.server.connections) < 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await ask(port)).startswith(b"HTTP/1.1 200")
+            held[1][1].close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_without_the_api_key_a_post_is_refused_before_its_body_is_read():
+    auth.configure(None, "sk-right")
+    app = OpenAIFrontend(None, None, "m", api_keys=auth.current().api_keys).app()
+
+    async def main():
+        runner, port = await serve(app)
+        try:  # announces 60 MB and sends 1 KB of it: the 401 does not wait for the rest
+            answer = await ask(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                     b"Content-Length: 62914560\r\n\r\n" + b"x" * 1024)
+            assert answer.startswith(b"HTTP/1.1 401")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
