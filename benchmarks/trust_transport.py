@@ -39,24 +39,24 @@ def _certificate(d: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
 
-async def _with_peak_rss(pid: int, attack) -> tuple[float, float, list]:
+async def with_peak_rss(pid: int, attack) -> tuple[float, float, list]:
     """The process's RSS when `attack(measured)` set `measured` (its warm-up done), its
     peak until the attack ended, and the attack's results."""
     measured = asyncio.Event()
     task = asyncio.ensure_future(attack(measured))
     await asyncio.wait([task, asyncio.ensure_future(measured.wait())],
                        return_when=asyncio.FIRST_COMPLETED)
-    before = peak = _rss_mb(pid)
+    before = peak = rss_mb(pid)
     while not task.done():
         await asyncio.sleep(0.02)
-        peak = max(peak, _rss_mb(pid))
+        peak = max(peak, rss_mb(pid))
     return before, peak, task.result()
 
 
@@ -120,7 +120,7 @@ async def big_generate(t: Target) -> dict:
             measured.set()
             return await asyncio.gather(*(one() for _ in range(PARALLEL)))
 
-    before, peak, codes = await _with_peak_rss(t.router.proc.pid, attack)
+    before, peak, codes = await with_peak_rss(t.router.proc.pid, attack)
     return {"attack": f"{PARALLEL} parallel unauthenticated {BIG >> 20} MB Generate calls of garbage",
             "refused": set(codes) == {"UNAUTHENTICATED"} and peak - before < RSS_BOUND_MB,
             "outcome": f"{sorted(set(codes))}; router RSS {before:.0f} -> peak {peak:.0f} MB"}
@@ -151,7 +151,7 @@ async def big_post(t: Target) -> dict:
         measured.set()
         return await asyncio.gather(*(one() for _ in range(PARALLEL)))
 
-    before, peak, answers = await _with_peak_rss(t.router.proc.pid, attack)
+    before, peak, answers = await with_peak_rss(t.router.proc.pid, attack)
     return {"attack": f"{PARALLEL} parallel unauthenticated {BIG >> 20} MB HTTP POSTs",
             "refused": set(answers) == {"HTTP/1.1 401"} and peak - before < RSS_BOUND_MB,
             "outcome": f"{sorted(set(answers))}; router RSS {before:.0f} -> peak {peak:.0f} MB"}
@@ -183,9 +183,14 @@ async def slow_headers(t: Target) -> dict:
             "outcome": f"all closed by the router after {min(held):.1f}-{max(held):.1f} s"}
 
 
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses of the TCP and UDP sockets process `pid` listens on (`ss`)."""
+    out = subprocess.run(["ss", "-Hltunp"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[4] for line in out.splitlines() if f"pid={pid}," in line]
+
+
 def listeners(t: Target) -> dict:
-    out = subprocess.run(["ss", "-Hltunp"], capture_output=True, text=True).stdout
-    found = {name: [line.split()[4] for line in out.splitlines() if f"pid={node.proc.pid}," in line]
+    found = {name: listening_addresses(node.proc.pid)
              for name, node in (("decode", t.decode), ("router", t.router))}
     outside = [a for addrs in found.values() for a in addrs
                if re.sub(r":\d+$", "", a) not in (HOST, f"[::ffff:{HOST}]")]

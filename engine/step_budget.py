@@ -15,8 +15,9 @@ a, b and c then turned a single cold step into nonsense slopes.
 The target is `--decode-itl-target-ms`, or by default `TARGET_FACTOR` times the predicted
 decode-only step of the current batch but never under `MIN_DEFAULT_TARGET_S`: below that,
 chunks would shrink to a few tokens, costing prefill throughput for gaps nobody reads
-slower (and a tiny model's schedule would follow timing noise). The prefill cap is what the target leaves after the
-decodes, divided by `c`. Only running sums are kept: microseconds a step.
+slower (and a tiny model's schedule would follow timing noise). The prefill cap is what
+the target leaves after the decodes, divided by `c`. Only running sums are kept:
+microseconds a step.
 Invariants: with no decode running the cap is None (the whole step budget: nothing to
 protect); otherwise it is at least `MIN_CHUNK` tokens, so a prompt always progresses, and
 `PROBE_CHUNK` until decode steps and `MIN_MEASURED_PROMPT_TOKENS` prompt tokens were

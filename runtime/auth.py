@@ -254,8 +254,8 @@ def _refusing(handler: grpc.RpcMethodHandler | None, refusal: Refusal) -> grpc.R
     """A handler that refuses before the request is read, whatever the RPC's kind (an RPC
     this server does not serve included: refused, not UNIMPLEMENTED). As a stream-request
     handler with no deserializer that never reads, grpc neither buffers nor parses the
-    message: 16 unauthenticated 60 MB calls cost the server 800 MB when it parsed them
-    before refusing, and garbage got UNKNOWN (DecodeError) instead of UNAUTHENTICATED."""
+    message, so an unauthenticated caller costs no memory for it and garbage bytes get
+    UNAUTHENTICATED, not a parse error (docs/operations.md, Transport limits)."""
     async def refuse(requests, context):  # a coroutine: grpc awaits it, reads nothing
         await context.abort(*refusal)
 

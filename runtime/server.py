@@ -53,9 +53,9 @@ def new_server() -> grpc.aio.Server:
     took the port after it died (decode/fence.py relies on it).
 
     No BDP probing: it widens each stream's receive window to megabytes, which a call
-    refused before it is read (runtime/auth.py) still fills. 16 unauthenticated 60 MB calls
-    then cost 7-38 MB; at the fixed 64 KB window, about 1 MB. The messages a node takes
-    are small (the KV moves over NIXL), so the fixed window costs them nothing."""
+    refused before it is read (runtime/auth.py) still fills; the fixed 64 KB window bounds
+    what an unauthenticated caller costs. The messages a node takes are small (the KV moves
+    over NIXL), so the fixed window costs them nothing."""
     return grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0),
                                                    ("grpc.http2.bdp_probe", 0)],
                            interceptors=[auth.AuthInterceptor()])

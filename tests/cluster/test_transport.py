@@ -11,11 +11,11 @@ import asyncio
 import re
 import secrets
 import ssl
-import subprocess
 
 import grpc
 import pytest
 
+from pdserve.benchmarks.trust_transport import listening_addresses, with_peak_rss
 from pdserve.procs import free_port
 from tests.certs import CA
 from tests.cluster.nodes import WORKER_FLAGS, Cluster, run
@@ -51,27 +51,6 @@ def secured(tiny_model, tmp_path_factory):
         yield c
     finally:
         c.stop()
-
-
-def rss_mb(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
-async def peak_growth_mb(pid: int, attack) -> tuple[float, list]:
-    """How far the process's RSS rose while `attack(measured)` ran, from when it set
-    `measured` (its warm-up done), and its results."""
-    measured = asyncio.Event()
-    task = asyncio.ensure_future(attack(measured))
-    await asyncio.wait([task, asyncio.ensure_future(measured.wait())],
-                       return_when=asyncio.FIRST_COMPLETED)
-    before = peak = rss_mb(pid)
-    while not task.done():
-        await asyncio.sleep(0.02)
-        peak = max(peak, rss_mb(pid))
-    return peak - before, task.result()
 
 
 async def http_answer(port: int, request: bytes, context=None, server_hostname=None) -> bytes:
@@ -118,7 +97,8 @@ def test_unauthenticated_60_mb_generate_calls_are_refused_before_they_are_read(s
             measured.set()
             return await asyncio.gather(*(one(garbage) for _ in range(PARALLEL)))
 
-    growth, codes = run(peak_growth_mb(pid, attack), timeout_s=300)
+    before, peak, codes = run(with_peak_rss(pid, attack), timeout_s=300)
+    growth = peak - before
     assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}, codes
     assert growth < RSS_GROWTH_BOUND_MB, f"the router grew {growth:.0f} MB"
 
@@ -151,7 +131,8 @@ def test_an_unauthenticated_60_mb_post_is_refused_with_401_unbuffered(secured):
         measured.set()
         return await asyncio.gather(*(one() for _ in range(PARALLEL)))
 
-    growth, answers = run(peak_growth_mb(pid, attack), timeout_s=300)
+    before, peak, answers = run(with_peak_rss(pid, attack), timeout_s=300)
+    growth = peak - before
     assert all(a.startswith(b"HTTP/1.1 401") for a in answers), {a[:20] for a in answers}
     assert growth < RSS_GROWTH_BOUND_MB, f"the router grew {growth:.0f} MB"
 
@@ -181,15 +162,9 @@ def test_a_client_sending_headers_a_byte_at_a_time_is_disconnected_by_the_header
     assert held >= HEADER_TIMEOUT_S * 0.9  # the timeout is the configured one, not a close at once
 
 
-def listeners(pid: int) -> list[str]:
-    """The local addresses of the TCP and UDP sockets process `pid` listens on (`ss`)."""
-    out = subprocess.run(["ss", "-Hltunp"], capture_output=True, text=True, check=True).stdout
-    return [line.split()[4] for line in out.splitlines() if f"pid={pid}," in line]
-
-
 def test_no_listener_of_a_node_is_bound_outside_its_host(secured):
     for name, least in (("decode", 3), ("router", 2)):  # decode: gRPC, /metrics, UCX
-        found = listeners(secured.nodes[name].proc.pid)
+        found = listening_addresses(secured.nodes[name].proc.pid)
         assert len(found) >= least, (name, found)
         hosts = {re.sub(r":\d+$", "", a) for a in found}
         assert hosts <= {"127.0.0.1", "[::ffff:127.0.0.1]"}, (name, found)

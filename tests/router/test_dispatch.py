@@ -241,10 +241,21 @@ def test_when_every_side_is_saturated_steady_waits_and_throughput_sends_to_decod
         addr, dispatcher, stop = await start_router([p], [d], disagg_policy=policy,
                                                     load_interval_s=0.02)
         _saturate(dispatcher, backlog=10_000)  # D would need 83 s: more than P's 20 s
+        planned, replanned = dispatcher._plan, asyncio.Event()
+        plans = []
+
+        def counting(*args):
+            plans.append(planned(*args))
+            # steady: planned again twice, so it is waiting, whatever the pace
+            if len(plans) >= (3 if policy == "steady" else 1):
+                replanned.set()
+            return plans[-1]
+
+        dispatcher._plan = counting
         try:
             async with AsyncClient(addr) as client:
                 call = asyncio.ensure_future(client.generate("hello", request_id="r1"))
-                await asyncio.sleep(0.5)
+                await asyncio.wait_for(replanned.wait(), 60)
                 calls_while_saturated = d.rpcs() + p.rpcs()
                 dispatcher.registry.prefill[0].reported_queue = 0  # P's queue drained
                 await call
@@ -252,6 +263,7 @@ def test_when_every_side_is_saturated_steady_waits_and_throughput_sends_to_decod
             await stop()
         if policy == "steady":
             assert calls_while_saturated == []  # it waited at the router, on no node
+            assert all(plan.wait for plan in plans[:3])
             assert p.rpcs() == ["RemoteSend"]
         else:
             assert d.calls[0][1].local_prefill and p.rpcs() == []
