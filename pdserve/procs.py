@@ -19,6 +19,7 @@ port it bound, so `--port 0` works everywhere. Invariants:
 from __future__ import annotations
 
 import os
+import random
 import re
 import select
 import signal
@@ -33,8 +34,36 @@ from pdserve import launch
 LISTENING = re.compile(r"pdserve (\w+)(?: listening on|: router on) (\S+):(\d+)")
 
 
+_PICKED: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free on 127.0.0.1 now, for a node started next.
+
+    Picked below the kernel's ephemeral range: a port the kernel hands out for `bind(0)`
+    (another node's `--port 0`, UCX's listeners) or an outgoing connection could be taken
+    between this check and the node's bind, and that race failed CI once. No port is
+    returned twice by one process."""
+    low = max(2048, min(_ephemeral_low(), 65536))
+    for _ in range(200):
+        port = random.randrange(1024 if low <= 2048 else low // 2, low)
+        if port in _PICKED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PICKED.add(port)
+        return port
+    with socket.socket() as s:  # the low range is full: fall back to the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
