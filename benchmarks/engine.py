@@ -1,7 +1,7 @@
 """`pdserve bench engine`: pdserve's `LLM` against transformers `generate` (greedy) on the
-same workloads, in one process, on the same cores; with `--peer vllm`, against vLLM's
-`LLM` instead (`benchmarks.peer`: vLLM runs alone in a child process with its own
-interpreter, before pdserve's engine starts).
+same workloads, in one process, on the same cores; with `--peer vllm`, against vLLM's `LLM`
+(`benchmarks.peer`: alone in a child process with its own interpreter, run first); with
+`--tensor-parallel-size N`, TP = N against TP = 1 of pdserve's own (`benchmarks.engine_tp`).
 
 Throughput counts useful generated tokens only: the tokens each prompt asked for, divided
 by the wall time of the whole workload. transformers runs padded batches of
@@ -201,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one new token per prompt (same prompts): how fast each engine prefills")
     parser.add_argument("--transformers", action="store_true",
                         help="with --peer, measure transformers generate as well")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="N > 1: pdserve with TP = N against TP = 1, each on all the cores (no transformers)")
     return parser
 
 
@@ -228,6 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     with_transformers = not args.peer or args.transformers
     # One short run each first, so one-time set-up costs stay out of the measurement.
     warmup = Workload("warmup", [[FIRST_PROMPT_TOKEN] * 8] * 2, [2, 2], 2)
+    step_batches = [int(b) for b in (args.step_batches or ("1,64,256" if args.device != "cpu" else "")).split(",") if b]
+    # pdserve's room holds each step batch's 128-token prompts and their steps too
+    engine_kv_bytes = kv_cache_bytes(config, args.dtype, workloads + [
+        Workload("steps", [[0] * 128] * b, [STEPS + 8] * b, 1) for b in step_batches], args.page_size)
+    if args.tensor_parallel_size > 1:  # engine_tp.py runs with this file's functions (no import back)
+        from pdserve.benchmarks.engine_tp import compare_tp
+        return compare_tp(args, model, config, workloads, warmup, engine_kv_bytes, step_batches,
+                          run_engine=run_engine, match=match, count_parameters=count_parameters, steps=STEPS)
 
     peer = peer_env = None
     if args.peer:
@@ -243,12 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     # Prefix caching is off against a peer, as it is in the peer (random prompts never
     # share a prefix anyway; this keeps the lookups out of the comparison too).
-    step_batches = [int(b) for b in (args.step_batches or ("1,64,256" if args.device != "cpu" else "")).split(",")
-                    if b]
-    if step_batches:  # room for the largest batch's 128-token prompts and their steps too
-        kv_bytes = max(kv_bytes, kv_cache_bytes(config, args.dtype, [Workload(
-            "steps", [[0] * 128] * max(step_batches), [STEPS + 8] * max(step_batches), 1)], args.page_size))
-    llm = LLM(model.dir, page_size=args.page_size, dtype=args.dtype, kv_cache_memory_bytes=kv_bytes,
+    llm = LLM(model.dir, page_size=args.page_size, dtype=args.dtype, kv_cache_memory_bytes=engine_kv_bytes,
               enable_prefix_cache=not args.peer, device=args.device, max_num_seqs=max([64, *step_batches]))
     engine_startup_s = time.perf_counter() - start
     run_engine(llm, warmup)

@@ -11,6 +11,7 @@ through the same ``TransferAgent.write`` (notification included) and alternate, 
 from other processes on the machine hits both alike. Medians are reported.
 With ``--link RATE[,DELAY]`` sender and receiver run on two hosts joined by a shaped link
 and NIXL uses TCP over it (``transfer_link.py``), instead of shared memory on one host.
+With ``--tp A:B`` both are tensor-parallel nodes, one pool per rank (``transfer_tp.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.kvtransfer.layout import LAYOUT_KINDS, PAGE_MAJOR, KVLayout
+from pdserve.benchmarks import transfer_tp as tp
+from pdserve.kvtransfer.layout import LAYOUT_KINDS, PAGE_MAJOR
 from pdserve.kvtransfer.plan import TransferPlan, plan_transfer
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -62,15 +64,15 @@ def pages_to_slots(pages: list[int], page_size: int, tokens: int) -> list[int]:
     return arr.reshape(-1)[:tokens].tolist()
 
 
-def _fill_pattern(pool: Any) -> None:
+def _fill_pattern(pool: Any, salt: int = 0) -> None:
     """Distinct cheap contents per word, a block of the first dimension (a layer or a page)
-    at a time (random fill of GiBs is slow)."""
+    at a time (random fill of GiBs is slow); ``salt`` keeps equal-shaped pools apart."""
     import torch
 
     words = pool.view(torch.uint8).view(pool.shape[0], -1).view(torch.int32)
     for block in range(words.shape[0]):
         torch.arange(words.shape[1], dtype=torch.int32, out=words[block])
-        words[block].mul_(-1640531535).add_(block * 97 + 1)
+        words[block].mul_(-1640531535).add_(block * 97 + 1 + salt * 7919)
 
 
 def _link_arg(text: str) -> tuple[str, float]:
@@ -124,6 +126,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--receiver-netns", default=None, help=argparse.SUPPRESS)  # set by --link's sender
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="also sweep window sizes and plot bandwidth against transfer size")
+    p.add_argument("--tp", type=tp.parse_tp, default=None, metavar="A:B",
+                   help="sender with A tensor-parallel ranks, receiver with B, one KV pool per rank "
+                        "holding its share of the heads; adds tp, expected_bytes and per_rank to the "
+                        "result (default: one pool a side, as without tensor parallelism)")
     a = p.parse_args(argv)
     if a.dst_page_size is None:
         a.dst_page_size = a.page_size
@@ -140,34 +146,23 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--receiver-poll-ms must be positive, got {a.receiver_poll_ms}")
     if not 0.0 <= a.fragmentation <= 1.0:
         p.error(f"--fragmentation must be in [0, 1], got {a.fragmentation}")
+    if a.tp is not None and (problem := tp.tp_problem(a.tp, a.kv_heads)):
+        p.error(problem)
     return a
 
 
-def _raw_descriptors(src: int, dst: int, nbytes: int, chunks: int, unit: int) -> list[tuple[int, int, int]]:
-    """One contiguous span, cut into ``chunks`` near-equal descriptors (slot-aligned)."""
-    cuts = [min(nbytes, round(nbytes * i / chunks / unit) * unit) for i in range(chunks + 1)]
-    cuts[-1] = nbytes
-    return [(src + a, dst + a, b - a) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
-
-
 class _Session:
-    """The sender's pool and agent plus a receiver process, sized for the largest window."""
+    """The sender's pools and agent plus a receiver process, sized for the largest window."""
 
     def __init__(self, a: argparse.Namespace, max_tokens: int) -> None:
 
         from pdserve.kvtransfer.agent import TransferAgent
-        from pdserve.benchmarks.kv_receiver import PoolSpec, ReceiverProcess, allocate
+        from pdserve.benchmarks.kv_receiver import PoolSpec, ReceiverProcess
 
         self.a = a
         rng = np.random.default_rng(a.seed)
         self.src_pages, src_need = fragmented_pages(math.ceil(max_tokens / a.page_size), a.fragmentation, rng)
         self.dst_pages, dst_need = fragmented_pages(math.ceil(max_tokens / a.dst_page_size), a.fragmentation, rng)
-        itemsize = 4 if a.dtype == "float32" else 2
-        window_bytes = max_tokens * a.layers * 2 * a.kv_heads * a.head_dim * itemsize
-        per_page = a.page_size * a.layers * 2 * a.kv_heads * a.head_dim * itemsize
-        # room for the memcpy destination in the second half of the sender's pool
-        src_pool_pages = max(src_need, math.ceil(2 * window_bytes / per_page))
-        src_spec = PoolSpec(a.layers, a.kv_heads, a.head_dim, a.page_size, src_pool_pages, a.dtype, a.layout)
         dst_spec = PoolSpec(a.layers, a.kv_heads, a.head_dim, a.dst_page_size, max(dst_need, 1), a.dtype,
                             a.dst_layout)
         ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}  # --link: TCP on pd0
@@ -175,13 +170,14 @@ class _Session:
         # unless --receiver-poll-ms asks for the agent's own poll at that interval.
         receiver_kwargs = {**self.agent_kwargs(a), "progress_thread": a.receiver_poll_ms is None} \
             if a.receiver_poll_ms is None else {**self.agent_kwargs(a), "poll_interval_s": a.receiver_poll_ms / 1e3}
-        self.receiver = ReceiverProcess("bench-decode", dst_spec, huge_pages=a.huge_pages,
-                                        netns=a.receiver_netns, env=ucx_env, **receiver_kwargs)
+        self.receiver = ReceiverProcess("bench-decode", dst_spec, huge_pages=a.huge_pages, netns=a.receiver_netns,
+                                        env=ucx_env, ranks=(a.tp or (1, 1))[1], **receiver_kwargs)
         try:
-            self.pool = allocate(src_spec.shape, a.dtype, a.huge_pages)
-            _fill_pattern(self.pool)
-            self.layout = KVLayout.from_tensor(self.pool, a.page_size)
-            self.agent = TransferAgent("bench-prefill", self.pool, **self.agent_kwargs(a))
+            self.pools, self.shards = tp.sender_pools(a, max_tokens, src_need)
+            for rank, pool in enumerate(self.pools):
+                _fill_pattern(pool, rank)
+            memory = self.pools[0] if len(self.pools) == 1 else self.shards.regions()  # one agent, every pool
+            self.agent = TransferAgent("bench-prefill", memory, **self.agent_kwargs(a))
             self.remote = self.agent.add_remote(self.receiver.metadata)
         except BaseException:
             self.receiver.close()
@@ -197,7 +193,7 @@ class _Session:
         src_slots = pages_to_slots(self.src_pages, self.a.page_size, tokens)
         dst_slots = pages_to_slots(self.dst_pages, self.a.dst_page_size, tokens)
         t = time.perf_counter()
-        plan = plan_transfer(self.layout, src_slots, self.receiver.layout, dst_slots)
+        plan = plan_transfer(tp.as_side(self.shards), src_slots, tp.as_side(self.receiver.shards), dst_slots)
         return plan, src_slots, dst_slots, time.perf_counter() - t
 
     def write(self, descs: Any) -> float:
@@ -207,25 +203,28 @@ class _Session:
         self.agent.write(self.remote, descs, tag, timeout_s=self.a.timeout)
         return time.perf_counter() - t
 
-    def memcpy(self, nbytes: int) -> float:
+    def memcpy(self, sent: list[int]) -> float:
+        """Each sender pool copies the bytes it sends within itself, one pool after another."""
         import torch
 
-        raw = self.pool.view(torch.uint8).view(-1)
-        src, dst = raw[:nbytes], raw[nbytes : 2 * nbytes]
+        spans = [(raw[:n], raw[n : 2 * n]) for pool, n in zip(self.pools, sent)
+                 for raw in [pool.view(torch.uint8).view(-1)] if n]
         t = time.perf_counter()
-        dst.copy_(src)
+        for src, dst in spans:
+            dst.copy_(src)
         return time.perf_counter() - t
 
     def measure(self, tokens: int, repeats: int, bar: Any) -> dict[str, Any]:
         plan, src_slots, dst_slots, plan_s = self.plan(tokens)
         nbytes = plan.total_bytes
-        raw = _raw_descriptors(self.layout.base_addr, self.receiver.layout.base_addr, nbytes,
-                               self.a.raw_chunks, self.layout.bytes_per_slot)
+        checked = tp.check_window(plan, self.shards, src_slots, self.receiver.shards, dst_slots) if self.a.tp else 0
+        pairs = tp.pair_bytes(plan, self.shards, self.receiver.shards)
+        raw = tp.raw_descriptors(pairs, self.shards, self.receiver.shards, self.a.raw_chunks)
         self.write(raw)  # warm-up: connection setup and first touch on both sides
         self.write(plan)
         times: dict[str, list[float]] = {"memcpy": [], "raw": [], "kv": []}
         for r in range(repeats):
-            times["memcpy"].append(self.memcpy(nbytes))
+            times["memcpy"].append(self.memcpy(pairs.sum(axis=1).tolist()))
             # alternate which goes first so drifting background load hits both alike
             for kind in (("raw", "kv") if r % 2 == 0 else ("kv", "raw")):
                 times[kind].append(self.write(raw if kind == "raw" else plan))
@@ -233,6 +232,7 @@ class _Session:
         verified = self.verify(plan, src_slots, dst_slots)
         med = {k: statistics.median(v) for k, v in times.items()}
         gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
+        extra = tp.tp_fields(self.a, plan, self.shards, self.receiver.shards, med["kv"], checked) if self.a.tp else {}
         return {
             "tokens": tokens,
             "bytes": nbytes,
@@ -253,12 +253,11 @@ class _Session:
             "raw_seconds_median": round(med["raw"], 6),
             "memcpy_seconds_median": round(med["memcpy"], 6),
             "verified": verified,
+            **extra,
         }
 
     def verify(self, plan: TransferPlan, src_slots: list[int], dst_slots: list[int]) -> bool:
-        """Rewrite the window, then compare per-slot checksums of a sample of positions."""
-        from pdserve.benchmarks.kv_receiver import slot_checksums
-
+        """Rewrite the window, then compare per-head checksums of a sample of positions."""
         self.seq += 1
         tag = f"verify-{self.seq}".encode()
         self.agent.write(self.remote, plan, tag, timeout_s=self.a.timeout)
@@ -266,9 +265,8 @@ class _Session:
             return False
         rng = np.random.default_rng(1)
         pick = rng.choice(len(src_slots), size=min(64, len(src_slots)), replace=False)
-        want = slot_checksums(self.pool, [src_slots[i] for i in pick]).numpy()
-        got = self.receiver.checksums([dst_slots[i] for i in pick])
-        return bool((want == got).all())
+        return tp.heads_arrived(self.pools, self.shards, self.receiver, [src_slots[i] for i in pick],
+                                [dst_slots[i] for i in pick])
 
     def close(self) -> None:
         try:

@@ -64,6 +64,7 @@ class AsyncEngine:
             ready.set()
         try:
             self._loop()
+            self.engine.close()  # on its own thread: a TP engine's ranks are told to stop
         finally:  # this thread ends: the next thread to enter the Engine owns it (tests count its pages)
             self.engine.unbind_thread()
 

@@ -95,3 +95,11 @@ def _timings(request: Request) -> tuple[float, float]:
         return 0.0, 0.0
     prefill = request.prefilled_at - request.scheduled_at if request.prefilled_at else 0.0
     return request.scheduled_at - request.added_at, prefill
+
+
+def eos_token_ids(hf_config, tokenizer) -> set[int]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids = {eos} if isinstance(eos, int) else set(eos or ())
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

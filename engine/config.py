@@ -59,6 +59,8 @@ class EngineConfig:
     overlap_output: bool = _flag(True, "detokenize each step's tokens after it, not during the next "
                                        "step's forward (GPU only; streams one step sooner)",
                                  flag="--no-overlap-output")
+    tensor_parallel_size: int = _flag(1, "ranks (processes) the model is split over, Megatron-style, "
+                                         "each holding its share of the weights and KV heads", type=int)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
 
     @property
@@ -91,5 +93,12 @@ class EngineConfig:
             bad("attention_backend", self.attention_backend, f"one of {ATTENTION_BACKENDS}")
         if self.num_threads is not None and self.num_threads < 1:
             bad("num_threads", self.num_threads, "None or >= 1")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            bad("tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
+        if self.tensor_parallel_size > 1 and not self.device.startswith("cpu"):
+            # The ranks' pools are shared host memory that rank 0's agent registers; GPU pools
+            # would need one agent per rank (or CUDA IPC), which is not built yet.
+            bad("tensor_parallel_size", self.tensor_parallel_size,
+                f"1 on device {self.device!r}: tensor parallelism runs on the CPU only so far")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", self.max_model_len, "None or >= 2")

@@ -12,18 +12,13 @@ Invariants: `abort` and `release` return every page a request holds; an idle eng
 `num_free_pages() == num_total_pages()`.
 
 KV cache layout: `kv_cache` is one contiguous tensor, allocated once and registered whole
-with NIXL by the roles, page-major:
-
-    kv_cache[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]   (2: K, V)
-
+with NIXL by the roles, page-major: `[num_pages, num_layers, 2 (K, V), page_size, Hkv, D]`.
 Slot `s` is offset `s % page_size` of page `s // page_size`. Layer i's K and V are the
-strided views `kv_cache[:, i, 0]` / `kv_cache[:, i, 1]` of shape
-`[num_pages, page_size, num_kv_heads, head_dim]`, the form the attention ops take: the rows
-of one page stay contiguous, pages are `num_layers * 2 * page_size * Hkv * D` elements apart.
-Why page-major: a page holds every layer's K and V of its slots, so a run of consecutive
-pages is one contiguous byte span and one NIXL descriptor. The layer-major layout
-(`[L, 2, slots, Hkv, D]`) cost 2 * num_layers descriptors per run and reached ~0.7 of raw
-NIXL bandwidth in `pdserve bench transfer`; page-major reaches ~1.0.
+strided views `kv_cache[:, i, 0]` / `kv_cache[:, i, 1]`, `[num_pages, page_size, Hkv, D]`,
+the form the attention ops take.
+Why page-major: a run of consecutive pages is one byte span, one NIXL descriptor (layer-
+major cost 2 * num_layers per run, ~0.7 of raw NIXL bandwidth against ~1.0). A tensor-
+parallel engine (engine/tp) has one such pool per rank, each with that rank's KV heads.
 """
 
 from __future__ import annotations
@@ -35,11 +30,11 @@ import torch
 from pdserve.arith import ceil_div
 
 from .capacity import KVCapacity
-from .completion import append_text, append_token, append_token_id, take_delta
+from .completion import append_text, append_token, append_token_id, eos_token_ids, take_delta
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .model import LlamaModel, ModelRunner
-from .model.weights import load_config, load_state_dict, load_tokenizer
+from .model import ModelRunner
+from .model.weights import load_config, load_tokenizer
 from .memory import kv_cache_pages
 from .native import keep_step_buffers, lazy_zeros
 from .outputs import RequestOutput, Reservation
@@ -50,6 +45,8 @@ from .sampler import SamplingRow, sample
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
 from .step_budget import StepBudget
+from .tp.group import TPGroup, TPRunner
+from .tp.shard import load_model
 
 
 class UnknownRequest(ValueError):
@@ -61,7 +58,8 @@ class Engine(SingleThreaded):
         config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)  # never pinned: cores are shared
-        if torch.device(config.device).type == "cpu":
+        self.on_cpu = torch.device(config.device).type == "cpu"
+        if self.on_cpu:
             keep_step_buffers()
         self.config = config
         self.model_config = load_config(config.model_dir)
@@ -70,11 +68,11 @@ class Engine(SingleThreaded):
         c = self.model_config
         self.max_model_len = min(config.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         self.vocab_size = c.vocab_size
-        state = load_state_dict(config.model_dir, dtype, config.device)
-        self.model = LlamaModel(c, state, dtype, self.max_model_len, config.device)
+        self.model, shards = load_model(config, c, dtype, self.max_model_len)  # rank 0's share
         self.page_size = config.page_size
         m = self.model
-        bytes_per_page = m.num_layers * 2 * self.page_size * m.num_kv_heads * m.head_dim * dtype.itemsize
+        pool_heads = sum(s.num_kv_heads for s in shards)  # the ranks share this host's memory
+        bytes_per_page = m.num_layers * 2 * self.page_size * pool_heads * m.head_dim * dtype.itemsize
         self.num_pages, self.kv_cache_sizing = kv_cache_pages(config, bytes_per_page)
         self.capacity = KVCapacity(self.page_size, self.num_pages, self.max_model_len)  # any thread reads it
         self.kv_cache = lazy_zeros(  # page-major, see the module docstring
@@ -86,7 +84,12 @@ class Engine(SingleThreaded):
         self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_batched_tokens, config.max_num_seqs, self.step_budget)
         self.runner = ModelRunner(m, self.kv_cache, self.page_size, config.resolved_attention_backend, config.device,
                                   config.max_num_seqs, self.max_model_len, config.cuda_graphs)
-        self.eos_token_ids = _eos_token_ids(c, self.tokenizer)
+        self.tp = TPGroup(config, shards, self.kv_cache, self.max_model_len) if len(shards) > 1 else None
+        if self.tp is not None:  # tensor-parallel: every step goes to every rank
+            self.runner = TPRunner(self.runner, self.tp, self.page_size)
+        self.kv_pools = [self.kv_cache, *(self.tp.pools if self.tp else [])]  # every rank's
+        self.kv_head_begins = [s.kv_begin for s in shards]  # the first KV head of each pool
+        self.eos_token_ids = eos_token_ids(c, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.layer_hook = None  # hook(layer_idx, [(request_id, begin, end, slots), ...]) per layer
         self._arrivals = 0
@@ -104,6 +107,11 @@ class Engine(SingleThreaded):
 
     def num_total_pages(self) -> int:  # a constant: not an entry point to check
         return self.pool.num_total_pages()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do for one rank)."""
+        if self.tp is not None:
+            self.tp.close()
 
     @entry_point
     def has_unfinished(self) -> bool:
@@ -338,10 +346,3 @@ class Engine(SingleThreaded):
             self.requests.pop(request.request_id, None)
         return out
 
-
-def _eos_token_ids(hf_config, tokenizer) -> set[int]:
-    eos = getattr(hf_config, "eos_token_id", None)
-    ids = {eos} if isinstance(eos, int) else set(eos or ())
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids

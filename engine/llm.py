@@ -50,3 +50,7 @@ class LLM:
                 if request_id not in finals:
                     self.engine.abort(request_id)
         return [finals[r] for r in ids]
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (they also die with this process)."""
+        self.engine.close()

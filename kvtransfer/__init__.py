@@ -1,4 +1,5 @@
-"""kvtransfer: KV windows, append metadata, KV layouts, transfer plans and the NIXL agent.
+"""kvtransfer: KV windows, append metadata, KV layouts (one per tensor-parallel rank:
+``KVShards``), transfer plans and the NIXL agent.
 
 Imports neither ``engine`` nor ``proto``. Importing this package does not load NIXL/UCX;
 ``TransferAgent`` loads them when the first agent is created.
@@ -14,17 +15,21 @@ from .metadata import (
     encode_models,
     validate_append_metadata,
 )
-from .plan import PlanError, TransferPlan, plan_transfer
+from .plan import PlanError, TransferPlan, check_plan, plan_transfer
+from .shards import KVShard, KVShards
 from .window import KVWindowError, resolve_kv_window, resolve_kv_window_end
 
 __all__ = [
     "AppendMetadataError",
     "KVLayout",
+    "KVShard",
+    "KVShards",
     "KVWindowError",
     "PlanError",
     "TransferAgent",
     "TransferError",
     "TransferPlan",
+    "check_plan",
     "decode_append_metadata",
     "decode_models",
     "encode_append_metadata",

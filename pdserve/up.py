@@ -83,6 +83,9 @@ class UpConfig:
               "between the two)", type=float)
     max_num_seqs: int | None = option(None, "sequences each worker runs at once (default: 64)",
                                       type=int)
+    prefill_tp: int = option(1, "tensor-parallel ranks of the prefill worker (its "
+                                "--tensor-parallel-size)")
+    decode_tp: int = option(1, "tensor-parallel ranks of the decode worker")
     prefill_metrics_port: int | None = option(None, "prefill worker's /metrics port (default: "
                                                     "none)", type=int)
     decode_metrics_port: int | None = option(None, "decode worker's /metrics port (default: "
@@ -180,10 +183,10 @@ def node_args(config: UpConfig, prefill_port: int, decode_port: int, http_port: 
     worker = [*common, "--host", "127.0.0.1", "--num-threads", str(config.num_threads),
               *device_flag(config.device, extra), *cluster, *extra]
     return {
-        "prefill": ["prefill", "--port", str(prefill_port), *worker, *kv_share("prefill", extra),
-                    *_metrics_flag(config.prefill_metrics_port)],
-        "decode": ["decode", "--port", str(decode_port), *worker, *kv_share("decode", extra),
-                   *_metrics_flag(config.decode_metrics_port)],
+        "prefill": ["prefill", "--port", str(prefill_port), *tp_flag(config.prefill_tp), *worker,
+                    *kv_share("prefill", extra), *_metrics_flag(config.prefill_metrics_port)],
+        "decode": ["decode", "--port", str(decode_port), *tp_flag(config.decode_tp), *worker,
+                   *kv_share("decode", extra), *_metrics_flag(config.decode_metrics_port)],
         "router": ["router", *common, "--host", config.host, "--port", str(config.port),
                    "--http-port", str(http_port), *cluster, *api,
                    "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}"],
@@ -199,6 +202,11 @@ def worker_flags(config: UpConfig) -> list[str]:
         if value is not None:
             flags += ["--" + name.replace("_", "-"), str(value)]
     return flags
+
+
+def tp_flag(size: int) -> list[str]:
+    """A worker's `--tensor-parallel-size` (before the flags after `--`, which win)."""
+    return [] if size == 1 else ["--tensor-parallel-size", str(size)]
 
 
 def kv_share(role: str, extra: list[str]) -> list[str]:

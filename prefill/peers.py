@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.shards import KVShard, KVShards
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.runtime.errors import PeerUnavailable, Refused
 from pdserve.runtime.server import channel
@@ -29,13 +30,18 @@ class PeerInfo:
 
     agent_name: str
     agent_metadata: bytes
-    layout: KVLayout
+    layout: KVLayout | KVShards  # KVShards: a tensor-parallel node, one pool per rank
     host_id: str = ""  # runtime/identity.py host_id(); "" when unknown
 
     @classmethod
     def from_pb(cls, info: pdserve_pb2.TransferInfo) -> "PeerInfo":
-        layout = KVLayout.from_dict({f.name: getattr(info.layout, f.name)
-                                     for f in info.layout.DESCRIPTOR.fields})
+        def layout_of(pb):
+            return KVLayout.from_dict({f.name: getattr(pb, f.name) for f in pb.DESCRIPTOR.fields})
+
+        layout = layout_of(info.layout)
+        if info.shards:
+            layout = KVShards(tuple(KVShard(layout_of(s.layout), s.head_begin, s.rank) for s in info.shards),
+                              info.total_kv_heads)
         return cls(info.agent_name, info.agent_metadata, layout, info.host_id)
 
 
@@ -52,7 +58,7 @@ class PeerRef:
 @dataclass(frozen=True)
 class DecodePeer:
     agent_name: str
-    layout: KVLayout
+    layout: KVLayout | KVShards
     host_id: str = ""
 
 

@@ -252,12 +252,22 @@ class KVLayout(_message.Message):
     page_stride: int
     def __init__(self, dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., base_addr: _Optional[int] = ..., layer_stride: _Optional[int] = ..., kv_stride: _Optional[int] = ..., slot_stride: _Optional[int] = ..., device: _Optional[str] = ..., page_stride: _Optional[int] = ...) -> None: ...
 
+class KVShard(_message.Message):
+    __slots__ = ("layout", "head_begin", "rank")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    head_begin: int
+    rank: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., head_begin: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
 class TransferInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class TransferInfo(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "layout", "role", "model", "model_hash", "host_id")
+    __slots__ = ("agent_name", "agent_metadata", "layout", "role", "model", "model_hash", "host_id", "shards", "total_kv_heads")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +275,8 @@ class TransferInfo(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     layout: KVLayout
@@ -272,7 +284,9 @@ class TransferInfo(_message.Message):
     model: str
     model_hash: str
     host_id: str
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., model_hash: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[KVShard]
+    total_kv_heads: int
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., model_hash: _Optional[str] = ..., host_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[KVShard, _Mapping]]] = ..., total_kv_heads: _Optional[int] = ...) -> None: ...
 
 class RemoteSendRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "decode_transfer_info", "lease_expires_unix_ms", "window_follows", "lease_remaining_ms", "capability", "lease_ms", "issued_unix_ms", "cache_salt")

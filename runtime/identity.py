@@ -102,6 +102,8 @@ class NodeIdentity:
     def from_transfer_info(cls, info) -> "NodeIdentity":
         """From a `TransferInfo` message (duck-typed: no proto import here)."""
         layout = info.layout
+        # A tensor-parallel node's `layout` is rank 0's pool: the model's heads are the total.
+        kv_heads = getattr(info, "total_kv_heads", 0) or layout.num_kv_heads
         return cls(model=info.model, model_hash=info.model_hash, dtype=layout.dtype,
-                   num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                   num_layers=layout.num_layers, num_kv_heads=kv_heads,
                    head_dim=layout.head_dim, page_size=layout.page_size, role=info.role)

@@ -26,6 +26,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.warm_up import warm_up
 from pdserve.kvtransfer.agent import TransferAgent
 from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.shards import KVShard, KVShards
 from pdserve.kvtransfer.net_devices import bind_to_host
 from pdserve.models.catalogue import served_name
 from pdserve.prefill.role import PrefillRole
@@ -64,19 +65,26 @@ async def build_node(config: WorkerConfig, gates: Gates | None = None) -> Node:
     metrics.set_c_kernels(kernels.state if kernels else "unused", kernels.reason if kernels else "")
     engine = AsyncEngine(config.engine)
     await engine.run(warm_up)
-    kv_cache, page_size, vocab_size, max_model_len, sizing = await engine.run(
-        lambda e: (e.kv_cache, e.page_size, e.vocab_size, e.max_model_len, e.kv_cache_sizing))
-    log.info("KV cache: %d tokens of %s in %s (%d pages of %d, %d MiB; sized by %s)",
+    pools, head_begins, page_size, vocab_size, max_model_len, sizing = await engine.run(
+        lambda e: (e.kv_pools, e.kv_head_begins, e.page_size, e.vocab_size, e.max_model_len, e.kv_cache_sizing))
+    kv_cache = pools[0]
+    log.info("KV cache: %d tokens of %s in %s (%d pages of %d, %d MiB%s; sized by %s)",
              kv_cache.shape[0] * page_size, model_name(config),
              config.engine.dtype, kv_cache.shape[0], page_size,
-             kv_cache.numel() * kv_cache.element_size() >> 20, sizing)
+             sum(p.numel() * p.element_size() for p in pools) >> 20,
+             f" over {len(pools)} tensor-parallel ranks" if len(pools) > 1 else "", sizing)
     bind_to_host(config.server.host)  # UCX listens only where the node's ports do
+    layout = KVLayout.from_tensor(kv_cache, page_size)
+    if len(pools) > 1:  # every rank's pool, each with its heads, under this node's one agent
+        layout = KVShards(tuple(KVShard(KVLayout.from_tensor(p, page_size), b, r)
+                                for r, (p, b) in enumerate(zip(pools, head_begins))),
+                          max(b + p.shape[-2] for p, b in zip(pools, head_begins)))
     # A decode node receives: over TCP (another host) each write's bytes land only as its
     # UCX worker progresses, so NIXL's own thread (asleep in poll() between events: 1.3% of a
     # core idle) moves them at the link's rate, where the agent's 10 ms poll capped a link
     # near 3 Gbit/s. Nodes that write keep driving their writes themselves.
-    agent = TransferAgent(agent_name(role), kv_cache, progress_thread=role == "decode")
-    layout = KVLayout.from_tensor(kv_cache, page_size)
+    agent = TransferAgent(agent_name(role), layout.regions() if len(pools) > 1 else kv_cache,
+                          progress_thread=role == "decode")
     identity = NodeIdentity(
         model=model_name(config), model_hash=model_hash(config.engine.model_dir),
         dtype=layout.dtype, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,

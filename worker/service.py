@@ -28,10 +28,14 @@ class WorkerService(pdserve_pb2_grpc.WorkerServicer):
         self.decode = DecodeService(node.decode) if node.decode is not None else None
         # Who this node is, without its agent metadata (fixed for the process's life):
         # load reports carry it to routers; GetTransferInfo adds the metadata for peers.
+        shards = getattr(node.layout, "shards", ())  # a tensor-parallel node's rank pools
         self.identity = pdserve_pb2.TransferInfo(
-            agent_name=node.agent.name, layout=pdserve_pb2.KVLayout(**node.layout.to_dict()),
+            agent_name=node.agent.name,
+            layout=pdserve_pb2.KVLayout(**(shards[0].layout if shards else node.layout).to_dict()),
             role=node.role, model=node.identity.model, model_hash=node.identity.model_hash,
-            host_id=host_id())
+            host_id=host_id(), total_kv_heads=node.layout.num_kv_heads if shards else 0,
+            shards=[pdserve_pb2.KVShard(layout=pdserve_pb2.KVLayout(**s.layout.to_dict()),
+                                        head_begin=s.head_begin, rank=s.rank) for s in shards])
 
     # ---- the prefill role's ------------------------------------------------------------
     async def RemoteSend(self, request, context):

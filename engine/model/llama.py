@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import collectives
 from .fused import FusedOps
 from .linear import Linear
 from .rope import RotaryTables
@@ -50,15 +51,17 @@ class StepAttention:
 
 
 class LlamaModel:
-    def __init__(self, hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int, device="cpu"):
+    def __init__(self, hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int, device="cpu",
+                 shard=None):
+        """`shard`: this rank's share of a tensor-parallel model (engine/tp/shard.py), its
+        weights already cut from `state`; None: the whole model."""
         c = hf_config
         self.config = c
         self.hidden_size = c.hidden_size
-        self.num_heads = c.num_attention_heads
-        self.num_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = geometry(c)
+        self.tp = shard is not None and shard.world > 1
+        if shard is not None:
+            self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.num_layers = c.num_hidden_layers
         self.eps = c.rms_norm_eps
         self.scale = self.head_dim**-0.5
@@ -112,7 +115,8 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         lm_head = maybe("lm_head.weight")
         tied = lm_head is None or getattr(c, "tie_word_embeddings", False)
-        self.lm_head = Linear(self.embed if tied else lm_head)
+        # Only rank 0 samples: another rank holds no LM head.
+        self.lm_head = None if shard is not None and shard.rank else Linear(self.embed if tied else lm_head)
         self.intermediate_size = self.layers[0].down.in_features if self.layers else 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, step: StepAttention) -> torch.Tensor:
@@ -134,21 +138,44 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # [pages, page_size, Hkv, D]
             q = ops.rope_store(layer.qkv(h), positions, layer.q_norm, layer.k_norm, k_cache, v_cache,
                                step.slot_mapping, step.store_kv)
-            if step.layer_hook is not None:
+            # Tensor-parallel: the layer's KV is in every rank's pool only once the o
+            # projection's all-reduce returned, so the hook (which may send it) waits for that.
+            if step.layer_hook is not None and not self.tp:
                 step.layer_hook(i)
             attend = step.attend
             if i == last and step.keep is not None:
                 if not step.keep.numel():
+                    if self.tp:
+                        collectives.barrier()
+                        if step.layer_hook is not None:
+                            step.layer_hook(i)
                     return h[:0]
                 q, residual = q.index_select(0, step.keep), residual.index_select(0, step.keep)
                 attend = step.attend_kept
             attn = attend(q, k_cache, v_cache, self.scale)
-            h, residual = ops.add_rms_norm(layer.o(attn.view(-1, q_size)), residual, layer.post_norm)
+            out = layer.o(attn.view(-1, q_size))
+            if self.tp:
+                collectives.all_reduce(out)
+                if step.layer_hook is not None:
+                    step.layer_hook(i)
+            h, residual = ops.add_rms_norm(out, residual, layer.post_norm)
             x = layer.down(ops.silu_mul(layer.gate_up(h)))
+            if self.tp:
+                collectives.all_reduce(x)
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h, residual = ops.add_rms_norm(x, residual, following)
         return h
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [S, vocab] of hidden states [S, hidden]."""
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [S, vocab] of hidden states [S, hidden] (None on a rank > 0)."""
+        return None if self.lm_head is None else self.lm_head(hidden).float()
+
+
+def geometry(hf_config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of the whole model."""
+    c = hf_config
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    return heads, kv_heads, getattr(c, "head_dim", None) or c.hidden_size // heads

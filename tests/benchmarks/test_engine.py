@@ -253,3 +253,44 @@ def test_quick_bench_against_a_peer_reports_both_engines_and_their_ratio(tmp_pat
         ratio = w["engine_tokens_per_s"] / w["peer_tokens_per_s"]
         assert w["peer_ratio"] == pytest.approx(ratio, rel=0.01)
         assert 0.0 <= w["peer_match"] <= 1.0
+
+
+def test_tensor_parallel_runs_tp1_then_tp2_on_the_same_workloads_with_their_ratios(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    argv = ["--quick", "--json", "--model", "bench-random-tiny", "--tensor-parallel-size", "2", "--step-batches", "1"]
+    assert bench.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    cores = len(os.sched_getaffinity(0))
+    assert (report["tensor_parallel_size"], report["cores"]) == (2, cores)
+    base, tp = report["runs"]
+    # both runs fill the machine: one rank on every core, two ranks on half each
+    assert (base["tensor_parallel_size"], base["threads_per_rank"]) == (1, cores)
+    assert (tp["tensor_parallel_size"], tp["threads_per_rank"]) == (2, max(1, cores // 2))
+    assert [w["workload"] for w in report["workloads"]] == ["mixed", "uniform"]
+    for w in report["workloads"]:
+        assert "transformers_s" not in w
+        assert w["baseline_tokens_per_s"] > 0 and w["tp_tokens_per_s"] > 0
+        assert w["tp_ratio"] == pytest.approx(w["tp_tokens_per_s"] / w["baseline_tokens_per_s"], rel=0.01)
+        # fp32 greedy on a tiny model: splitting it does not change a token
+        assert w["greedy_match"] == 1.0
+    (step,) = report["decode_steps"]
+    assert step["batch"] == 1 and step["baseline_median_ms"] > 0
+    assert step["tp_ratio"] == pytest.approx(step["tp_median_ms"] / step["baseline_median_ms"], rel=0.01)
+    monkeypatch.setenv("COLUMNS", "200")
+    from pdserve.benchmarks.engine_table import print_tp_table
+
+    print_tp_table(report)
+    out = capsys.readouterr().out
+    assert "TP = 2 vs TP = 1" in out and f"2 ranks x {max(1, cores // 2)} threads" in out
+
+
+def test_tensor_parallel_compares_pdserve_with_itself_only(tmp_path, monkeypatch, capsys):
+    from pdserve.benchmarks.engine_tp import thread_counts
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    argv = ["--quick", "--json", "--model", "bench-random-tiny", "--tensor-parallel-size", "2", "--transformers"]
+    assert bench.main(argv) == 2
+    assert "drop --peer, --transformers and --device" in capsys.readouterr().err
+    assert thread_counts(2, 2) == [(1, 2), (2, 1)]
+    assert thread_counts(16, 4) == [(1, 16), (4, 4)]
+    assert thread_counts(1, 2) == [(1, 1), (2, 1)]  # never zero threads

@@ -229,6 +229,21 @@ def test_ups_worker_flags_reach_both_workers_and_the_flags_after_the_double_dash
         assert "--kv-cache-memory-fraction" not in args[role]  # the user sized the pools
 
 
+def test_up_gives_each_worker_its_tensor_parallel_size_and_the_flags_after_the_double_dash_win():
+    parsed = build_parser().parse_args(["up", "--prefill-tp", "2", "--decode-tp", "1"])
+    assert (parsed.prefill_tp, parsed.decode_tp) == (2, 1)
+    config = UpConfig(model="m", device="cpu", prefill_tp=parsed.prefill_tp, decode_tp=parsed.decode_tp)
+    args = node_args(config, 1001, 1002, 1003, ["--cluster-key-file", "k"], [])
+    assert args["prefill"][args["prefill"].index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in args["decode"] + args["router"]
+    assert build_parser().parse_args(args["decode"]).tensor_parallel_size == 1
+    # a --tensor-parallel-size after `--` is both workers' own, whatever up's --prefill-tp says
+    config = UpConfig(model="m", device="cpu", prefill_tp=2, decode_tp=4,
+                      extra=["--", "--tensor-parallel-size", "1"])
+    args = node_args(config, 1001, 1002, 1003, ["--cluster-key-file", "k"], [])
+    assert [build_parser().parse_args(args[r]).tensor_parallel_size for r in ("prefill", "decode")] == [1, 1]
+
+
 def test_make_serve_passes_args_to_up():
     root = Path(__file__).resolve().parents[2]
     plan = subprocess.run(["make", "--no-print-directory", "-n", "serve", "ARGS=--dtype bfloat16 --http-port 0"],

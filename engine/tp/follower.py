@@ -1,0 +1,92 @@
+"""`python -m pdserve.engine.tp.follower CONFIG_JSON`: a tensor-parallel rank other than 0.
+
+It loads its share of the weights, maps its KV pool (shared memory rank 0 made and
+registers with NIXL), then runs every step rank 0 broadcasts until told to stop. It
+never outlives rank 0: it gets SIGKILL when its parent dies, and exits at once if the
+parent is already gone. A step that fails (rank 0 died mid-collective) ends it too. It
+ignores SIGTERM and SIGINT, which rank 0 answers by draining, then stopping it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    # SIGTERM and SIGINT reach the node's whole process group; rank 0 drains its requests
+    # first and then stops this rank, so a rank must not end before it.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # the parent died before the line above ran
+        os._exit(1)
+
+
+class _Tokens:
+    """The step's token ids of one sequence, indexed by absolute position as the runner
+    reads them (only [begin, end) came over)."""
+
+    def __init__(self, begin: int, ids: list[int]) -> None:
+        self.begin, self.ids = begin, ids
+
+    def __getitem__(self, cut: slice) -> list[int]:
+        return self.ids[cut.start - self.begin:cut.stop - self.begin]
+
+
+class _StepSequence:
+    """What `ModelRunner.run` reads of a sequence."""
+
+    def __init__(self, num_computed: int, ids: list[int], pages: list[int]) -> None:
+        self.num_computed, self.pages = num_computed, pages
+        self.token_ids = _Tokens(num_computed, ids)
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    _die_with_parent(spec["parent"])
+    import torch
+
+    from ..config import EngineConfig
+    from ..model import LlamaModel, ModelRunner
+    from ..model.weights import load_config, load_state_dict
+    from ..native import keep_step_buffers
+    from .. import collectives
+    from .shard import TPShard, shard_state
+
+    config = EngineConfig(**spec["config"])
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    keep_step_buffers()
+    shard = TPShard(**spec["shard"])
+    collectives.join(spec["store_port"], shard.rank, shard.world)
+    dtype = getattr(torch, config.dtype)
+    hf = load_config(config.model_dir)
+    state = load_state_dict(config.model_dir, dtype, config.device)
+    shard_state(state, shard, hf.num_hidden_layers, spec["head_dim"])
+    model = LlamaModel(hf, state, dtype, spec["max_model_len"], config.device, shard=shard)
+    shape = tuple(spec["pool_shape"])
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    region = mmap.mmap(spec["pool_fd"], nbytes, flags=mmap.MAP_SHARED)
+    os.close(spec["pool_fd"])
+    kv_cache = torch.frombuffer(region, dtype=dtype, count=torch.Size(shape).numel()).view(shape)
+    runner = ModelRunner(model, kv_cache, config.page_size, config.resolved_attention_backend, config.device)
+    collectives.barrier()  # ready: rank 0 returns from its start
+    while True:
+        step = collectives.broadcast_object()
+        if step is None:
+            break
+        seqs = [_StepSequence(*s) for s in step["seqs"]]
+        runner.run(seqs, step["num_new"], step["wants"])
+    collectives.leave()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,79 @@
+"""A tensor-parallel engine (rank 0 here, ranks 1.. as child processes on gloo) gives the
+greedy output of transformers for every family, with KV heads split unevenly (3 heads on
+2 ranks) or replicated (1 head on 2 ranks); each rank's pool holds only its heads; heads
+that cannot split are refused naming the numbers; and closing leaves no rank behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.checkpoint import FAMILIES, write_checkpoint
+from pdserve.engine.tp.shard import split_model
+from pdserve.procs import pid_alive
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def tp_llm(model_dir: str, tp: int = 2) -> LLM:
+    return LLM(model_dir, page_size=4, num_pages=96, tensor_parallel_size=tp, num_threads=1)
+
+
+def generate_and_close(llm: LLM, prompts) -> list[list[int]]:
+    try:
+        outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
+        return outs
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_match_transformers(family, checkpoint_dirs, hf_greedy, prompts_of_lengths):
+    prompts = prompts_of_lengths([1, 9, 30], seed=7)
+    outs = generate_and_close(tp_llm(checkpoint_dirs(family)), prompts)
+    assert outs == [hf_greedy(family, p, 8) for p in prompts]
+
+
+def _hf(model_dir: str, prompts) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("kv_heads, heads, pools", [(3, 9, [1, 2]), (1, 4, [1, 1])])
+def test_uneven_and_replicated_kv_heads_match_transformers(kv_heads, heads, pools, tmp_path, prompts_of_lengths):
+    model_dir = str(write_checkpoint(tmp_path / "m", seed=5, hidden_size=8 * heads, num_attention_heads=heads,
+                                     num_key_value_heads=kv_heads))
+    prompts = prompts_of_lengths([5, 21], seed=8)
+    llm = tp_llm(model_dir)
+    assert [p.shape[-2] for p in llm.engine.kv_pools] == pools
+    assert llm.engine.kv_head_begins == ([0, 1] if kv_heads == 3 else [0, 0])
+    assert generate_and_close(llm, prompts) == _hf(model_dir, prompts)
+
+
+def test_heads_that_cannot_split_are_refused_naming_them():
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 cannot split 2 KV heads"):
+        split_model(4, 2, 128, 3)
+    assert [(s.kv_begin, s.kv_end, s.q_begin, s.q_end) for s in split_model(4, 2, 128, 4)] == \
+        [(0, 1, 0, 1), (0, 1, 1, 2), (1, 2, 2, 3), (1, 2, 3, 4)]
+
+
+def test_a_gpu_device_is_refused_with_the_way_out(checkpoint_dirs):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1 on device 'cuda'"):
+        LLM(checkpoint_dirs("llama"), tensor_parallel_size=2, device="cuda")
+
+
+def test_close_stops_every_rank(checkpoint_dirs):
+    llm = tp_llm(checkpoint_dirs("llama"))
+    pids = [p.pid for p in llm.engine.tp._procs]
+    llm.close()
+    assert pids and not any(pid_alive(p) for p in pids)
