@@ -58,8 +58,7 @@ class Engine(SingleThreaded):
         config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)  # never pinned: cores are shared
-        self.on_cpu = torch.device(config.device).type == "cpu"
-        if self.on_cpu:
+        if torch.device(config.device).type == "cpu":
             keep_step_buffers()
         self.config = config
         self.model_config = load_config(config.model_dir)

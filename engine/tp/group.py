@@ -41,7 +41,6 @@ class TPGroup:
         rank's pool is rank 0's `kv_cache` with that rank's heads."""
         world = len(shards)
         dtype, head_dim = kv_cache.dtype, kv_cache.shape[-1]
-        self.shards = shards
         self.closing = False
         self.pools: list[torch.Tensor] = []  # ranks 1..N-1, mapped here
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=collectives.TIMEOUT,
@@ -92,9 +91,9 @@ class TPGroup:
         try:
             collectives.broadcast_object(step)
         except Exception as err:  # a rank is gone: its watcher ends the node
-            self._rank_failed(err)
+            self.rank_failed(err)
 
-    def _rank_failed(self, err: BaseException) -> None:
+    def rank_failed(self, err: BaseException) -> None:
         if not self.closing:
             log.error("tensor-parallel step failed (%s): this node stops", err)
             os._exit(RANK_DIED_EXIT)
@@ -132,4 +131,4 @@ class TPRunner:
         try:
             return self.runner.run(seqs, num_new, wants_logits, layer_hook)
         except RuntimeError as err:  # gloo: a peer's socket closed mid-step
-            self.group._rank_failed(err)
+            self.group.rank_failed(err)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import signal
 
 import grpc
 import pytest
 
 from pdserve.client import AsyncClient
-from pdserve.procs import pid_alive
 from tests.cluster.conftest import HELD, SLOW
 from tests.cluster.nodes import GREEDY, Cluster, full, gate_open, gate_reached, load, run, wait_pools_full
 
@@ -69,12 +69,21 @@ def kill_rank(c: Cluster, name: str) -> list[int]:
 
 def node_went_down(c: Cluster, name: str, pids: list[int]) -> None:
     assert c.nodes[name].proc.wait(timeout=60) == RANK_DIED_EXIT
-    run(_gone(pids))
+    gone(pids)
 
 
-async def _gone(pids: list[int]) -> None:
-    while any(pid_alive(p) for p in pids):  # the other ranks die with rank 0 (PDEATHSIG)
-        await asyncio.sleep(0.05)
+def gone(pids: list[int], timeout_s: float = 60.0) -> None:
+    """Wait until every one of `pids` has exited (the other ranks die with rank 0,
+    PDEATHSIG): a pidfd turns readable when its process exits."""
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            assert select.select([fd], [], [], timeout_s)[0], f"process {pid} is still running"
+        finally:
+            os.close(fd)
 
 
 def test_sigkill_of_a_prefill_rank_mid_transfer_gives_the_right_answer_and_frees_every_page(nodes):
@@ -130,5 +139,5 @@ def test_sigterm_drains_the_node_and_stops_its_ranks_after_it(nodes):
     assert len(pids) == 2
     c.nodes["d"].send_signal(signal.SIGTERM)
     assert c.nodes["d"].proc.wait(timeout=60) == 0
-    run(_gone(pids))
+    gone(pids)
     assert "this node stops" not in c.log_text("d")  # no rank ended before rank 0

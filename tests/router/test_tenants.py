@@ -83,6 +83,12 @@ def test_node_side_ids_never_collide_across_tenants():
 
 
 # ---- turns -----------------------------------------------------------------------------
+async def settled(condition) -> None:
+    """Let the loop run the tasks until `condition()` holds (no clock: only yields)."""
+    while not condition():
+        await asyncio.sleep(0)
+
+
 async def _order(turns: TenantTurns, arrivals: list[str]) -> list[str]:
     """Who got each turn, with `arrivals` all waiting behind one running request."""
     order: list[str] = []
@@ -95,11 +101,10 @@ async def _order(turns: TenantTurns, arrivals: list[str]) -> list[str]:
     tasks = []
     for name in arrivals:
         tasks.append(asyncio.ensure_future(one(name)))
-        await asyncio.sleep(0)  # queued in this order
-    assert turns.waiting() == len(arrivals)
-    for _ in arrivals + ["first"]:
+        await settled(lambda: turns.waiting() == len(tasks))  # queued in this order
+    for granted in range(1, len(arrivals) + 2):
         turns.release()  # the running one ends: the next turn, one at a time
-        await asyncio.sleep(0)
+        await settled(lambda: len(order) == min(granted, len(arrivals)))
     await asyncio.gather(*tasks)
     return order
 
@@ -120,7 +125,7 @@ def test_a_waiter_that_times_out_or_is_cancelled_takes_no_turn_and_loses_no_slot
             await turns.acquire("b", 0.01)
         cancelled = asyncio.ensure_future(turns.acquire("c", None))
         waiting = asyncio.ensure_future(turns.acquire("d", None))
-        await asyncio.sleep(0)
+        await settled(lambda: turns.waiting() == 2)
         turns.release()  # granted to c ...
         cancelled.cancel()  # ... which goes away before it runs: d takes the slot
         await asyncio.wait_for(waiting, 5)
@@ -155,7 +160,7 @@ def test_ids_are_unique_per_tenant_and_a_tenants_queue_is_bounded_alone():
             assert (other.request_id, running.request_id) == ("r@bob", "r@alice")
             waiting = [admission.admit(f"q{i}", None, "alice") for i in range(2)]
             turns = [asyncio.ensure_future(admission.turn(s).__aenter__()) for s in waiting]
-            await asyncio.sleep(0)
+            await settled(lambda: admission.turns.waiting("alice") == 2)
             with pytest.raises(DispatchError) as err:
                 admission.admit("q2", None, "alice")
             admission.admit("q2", None, "bob")  # bob's line is his own

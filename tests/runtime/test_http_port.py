@@ -15,6 +15,7 @@ from pdserve.router.openai_http import OpenAIFrontend
 from pdserve.runtime import auth, http, http_limits, tls
 from pdserve.runtime.http import HTTPConfig, metrics_app, start_http
 from tests.certs import CA
+from tests.cluster.nodes import wait_for
 
 GET = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 GENEROUS_S = 30.0  # bounds on time-outs the server enforces, far above them
@@ -163,10 +164,10 @@ def test_connections_beyond_the_limit_are_closed_at_once():
             assert await closed_within(reader, GENEROUS_S)
             held[0][1].close()
             await held[0][1].wait_closed()
-            for _ in range(100):  # the server notices the close on its next turn
-                if len(runner.server.connections) < 2:
-                    break
-                await asyncio.sleep(0.05)
+            async def one_fewer():  # the server notices the close on its next turn
+                return len(runner.server.connections) < 2
+
+            await wait_for(one_fewer, GENEROUS_S)
             assert (await ask(port)).startswith(b"HTTP/1.1 200")
             held[1][1].close()
         finally:
