@@ -163,6 +163,10 @@ def summary(report: dict) -> dict:
         out[f"step_b{r['batch']}_ms"] = (r["median_ms"], r.get("graph_replay_ms"), r.get("limit_ms_datasheet"))
     if "throughput" in eng:
         out["tok_s"] = (eng["throughput"]["tokens_per_s"], eng.get("transformers", {}).get("tokens_per_s"))
+    ttft = report["stages"].get("cluster", {}).get("stages", {}).get("ttft", {})
+    for order, r in ttft.get("by_layout", {}).items():
+        out[f"ttft_{order}"] = (r.get("ttft_s"), r.get("prefill_alone_s"), r.get("transfer_added_fraction"),
+                                r.get("kv_descriptors"))
     for name, s in report["stages"].items():
         if not s.get("ok"):
             out[f"{name}_error"] = (s.get("error") or s.get("summary") or "")[:300]

@@ -39,7 +39,12 @@ with this one, `pdserve.procs`). Node logs go to `log_dir`, the results so far t
   layer-wise sends cost the prefill itself shows between the two), and `exposed_s`:
   median of each request's TTFT minus its own `usage.prefill_time_s` (benchmarks/ttft.py's
   "exposed"); `transfer_tail_s`: median `usage.kv_transfer_time_s` (WRITEs still running
-  after the prefill ended).
+  after the prefill ended); `kv_writes` and `kv_descriptors`: medians per window, from
+  the prefill node's request log lines.
+  All of it twice, in `by_layout`: one cluster whose pools are page-major and one whose
+  pools are layer-major (`--kv-layout`: a layer-wise WRITE of a page-major pool has a
+  descriptor per page, of a layer-major one two per run of pages); `best_layout` and its
+  `transfer_added_fraction` sum them up.
 - faults, on the exact stage's cluster, whose prefill node stops requests named
   `gcf-sigstop-...` after the first layer-wise WRITE of their window (`--test-gates`: the
   process freezes mid-window, KV in flight): (1) `cancel`: the client cancels such a
@@ -75,6 +80,7 @@ SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
              initializer_range=0.02)
 PAGE = 16
+TTFT_LAYOUTS = ("page-major", "layer-major")  # --kv-layout of each ttft cluster
 
 
 @dataclass(frozen=True)
@@ -139,15 +145,19 @@ def run(device: str, workdir: Path, log_dir: Path, quick: bool | None = None,
                     prefill_flags=["--kv-send", "layerwise", "--test-gates", GATED],
                     decode_flags=["--no-prefix-cache"])
         clusters.append(a.start())
-        try:  # the ttft cluster's failures are the ttft stage's
-            ttft_dir = ttft_model or checkpoint(workdir / ("cluster-small" if quick else "cluster-1b"),
-                                                sizes.ttft_geometry)
-            pages = 4 * (sizes.ttft_tokens // PAGE + 2)
-            b = Cluster("ttft", ttft_dir, [*worker, "--dtype", "bfloat16", "--num-pages", str(pages)], log_dir,
-                        prefill_flags=["--kv-send", "layerwise", "--transfer-timeout-s", "120"])
-            clusters.append(b.start())
-        except Exception as err:
-            b = err
+        ttft_clusters: dict[str, Cluster | Exception] = {}
+        for order in TTFT_LAYOUTS:  # one cluster per pool order, started together
+            try:  # a ttft cluster's failures are the ttft stage's
+                ttft_dir = ttft_model or checkpoint(workdir / ("cluster-small" if quick else "cluster-1b"),
+                                                    sizes.ttft_geometry)
+                pages = 4 * (sizes.ttft_tokens // PAGE + 2)
+                b = Cluster(f"ttft-{order}", ttft_dir, [*worker, "--dtype", "bfloat16", "--num-pages", str(pages),
+                                                        "--kv-layout", order, "--log-format", "json"], log_dir,
+                            prefill_flags=["--kv-send", "layerwise", "--transfer-timeout-s", "120"])
+                clusters.append(b.start())
+                ttft_clusters[order] = b
+            except Exception as err:
+                ttft_clusters[order] = err
         rng = random.Random(0)  # the reference runs here while the nodes start
         prompts = [random_ids(n, EXACT["vocab_size"], rng) for n in sizes.exact_lengths]
         fault_prompt = random_ids(sizes.fault_tokens, EXACT["vocab_size"], rng)
@@ -175,7 +185,20 @@ def run(device: str, workdir: Path, log_dir: Path, quick: bool | None = None,
 
         _stage(report, "exact", left("exact"), on(a, lambda: exact(a, prompts, reference[:-1], sizes.new_tokens)),
                log_dir)
-        _stage(report, "ttft", left("ttft"), on(b, lambda: ttft(b, *_ttft_shape(b.model, sizes), _vocab(b.model)), checked=False), log_dir)
+        def ttft_of(b: Cluster | Exception):
+            return on(b, lambda: ttft(b, *_ttft_shape(b.model, sizes), _vocab(b.model)), checked=False)
+
+        def both_orders(limit_s: float) -> dict:
+            end = time.monotonic() + limit_s
+            by_order = {}
+            for i, (order, b) in enumerate(ttft_clusters.items()):
+                by_order[order] = ttft_of(b)((end - time.monotonic()) / (len(ttft_clusters) - i))
+            added = {o: r["transfer_added_fraction"] for o, r in by_order.items() if "transfer_added_fraction" in r}
+            best = min(added, key=added.get) if added else None
+            return {"ok": all(r.get("ok") for r in by_order.values()), "best_layout": best,
+                    "transfer_added_fraction": added.get(best), "by_layout": by_order}
+
+        _stage(report, "ttft", left("ttft"), both_orders, log_dir)
         _stage(report, "faults", left("faults"),
                on(a, lambda: faults(a, fault_prompt, reference[-1], EXACT["vocab_size"])), log_dir)
     except BaseException as err:  # noqa: BLE001 - set-up failed: say so, stop everything

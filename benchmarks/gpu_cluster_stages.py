@@ -103,7 +103,12 @@ async def ttft(cluster: Cluster, n: int, repeats: int, vocab: int) -> dict:
     usage_s = statistics.median(r["prefill_s"] for r in pd)
     exposed_s = statistics.median(r["ttft_s"] - r["prefill_s"] for r in pd)
     pools = await wait_full([cluster.address("prefill"), cluster.address("decode")], timeout_s=10)
+    # How the prefill node sent each window: WRITEs and descriptors (its request log lines).
+    sends = [r for r in cluster.request_records("prefill")
+             if r.get("outcome") == "ok" and str(r.get("kv_window", "")).endswith(f":{n - 1}")]
     return {"ok": all(is_full(x) for x in pools), "prompt_tokens": n, "repeats": repeats,
+            "kv_writes": statistics.median(r["kv_writes"] for r in sends) if sends else None,
+            "kv_descriptors": statistics.median(r["kv_descriptors"] for r in sends) if sends else None,
             "ttft_s": ttft_s, "prefill_alone_s": alone_s, "transfer_added_fraction": (ttft_s - alone_s) / alone_s,
             "usage_prefill_s": usage_s, "usage_prefill_alone_s": statistics.median(r["prefill_s"] for r in alone),
             "exposed_s": exposed_s, "exposed_fraction": exposed_s / usage_s,

@@ -62,13 +62,17 @@ def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng: random.Ra
     from pdserve.engine import SamplingParams
 
     vocab = engine.vocab_size
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    # No sequence may finish before the batch has decoded together: while decodes run, the
+    # step budget cuts the others' prefill into chunks (engine/step_budget.py), so the
+    # first ones decode for as many steps as the rest take to prefill. Aborted at the end.
+    params = SamplingParams(max_tokens=engine.max_model_len - prompt_len, temperature=0.0, ignore_eos=True)
     ids = [f"step{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, [rng.randrange(FIRST_ID, vocab) for _ in range(prompt_len)], params)
     while any(not s.output_token_ids for r in engine.requests.values() for s in r.seqs):
         engine.step()
     times, scheduled = [], []
+    contexts = [s.num_tokens for r in engine.requests.values() for s in r.seqs]
     for _ in range(steps):
         _sync(device)
         start = time.perf_counter()
@@ -80,7 +84,7 @@ def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng: random.Ra
         engine.abort(rid)
     m = engine.model
     kv_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * engine.kv_cache.element_size()
-    context = prompt_len + 1 + steps / 2  # mean context of the measured steps
+    context = sum(contexts) / len(contexts) + steps / 2  # mean context of the measured steps
     step_bytes = weight_bytes(engine) + batch * context * kv_per_token
     return {"batch": batch, "prompt_len": prompt_len, "steps": steps,
             "all_steps_full": all(n == batch for n in scheduled),

@@ -10,6 +10,7 @@ Waits are bounded: `wait_full` and `until` give up after their timeout.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from dataclasses import dataclass, field
@@ -52,6 +53,18 @@ class Cluster:
 
     def address(self, role: str) -> str:
         return self.nodes[role].address
+
+    def request_records(self, role: str) -> list[dict]:
+        """The request lines of a node started with `--log-format json` (runtime/logs.py),
+        oldest first."""
+        records = []
+        for line in self.nodes[role].log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"request_id"' in line:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue  # a line cut by a crash
+        return records
 
     def log_tails(self, chars: int = 1500) -> dict[str, str]:
         tails = {}

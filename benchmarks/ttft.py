@@ -59,6 +59,8 @@ def _parse(argv):
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the prefill nodes' step budget (default: the engine's)")
     p.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache of each node (default 1024)")
+    p.add_argument("--kv-layout", choices=("page-major", "layer-major"), default="page-major",
+                   help="memory order of every node's KV pool (default page-major)")
     p.add_argument("--log-dir", default=None, help="node logs (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt length")
     p.add_argument("--first-request", action="store_true",
@@ -76,7 +78,8 @@ class Nodes:
         self.link, self.modes, self.nodes = link, modes, []
         self.a, self.b = link.hosts if link is not None else (None, None)
         common = ["--model", a.model]
-        worker = [*common, "--dtype", a.dtype, "--num-threads", str(a.threads), "--kv-cache-mb", str(a.kv_cache_mb)]
+        worker = [*common, "--dtype", a.dtype, "--num-threads", str(a.threads), "--kv-cache-mb", str(a.kv_cache_mb),
+                  "--kv-layout", a.kv_layout]
         budget = ["--max-num-batched-tokens", str(a.max_num_batched_tokens)] if a.max_num_batched_tokens else []
         # A prefill of 8k tokens takes longer than the default lease: leases and deadlines of minutes.
         prefills = {m: self._start(self.a, f"prefill-{m}", ["prefill", *worker, *budget, "--kv-send", m,
@@ -163,6 +166,7 @@ def main(argv=None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
 
     def emit(row):
+        row["kv_layout"] = a.kv_layout
         if a.json:
             print(json.dumps(row), flush=True)
         else:

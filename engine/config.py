@@ -14,6 +14,7 @@ from pdserve.sampling import SamplingParams  # noqa: F401  (the engine's request
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_LAYOUTS = ("page-major", "layer-major")  # engine/kv_pool.py
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.25
 
 
@@ -50,6 +51,10 @@ class EngineConfig:
     attention_backend: str = _flag("auto", "attention kernels: torch (CPU), triton (GPU), or auto: "
                                            "triton on a CUDA device, else torch",
                                    choices=ATTENTION_BACKENDS)
+    kv_layout: str = _flag("page-major", "memory order of the KV pool: page-major (a run of pages is "
+                                         "one NIXL descriptor, for whole-window sends) or layer-major "
+                                         "(a run's layer is two, for layer-wise sends: --kv-send layerwise); "
+                                         "give both nodes of a pair the same", choices=KV_LAYOUTS)
     enable_prefix_cache: bool = _flag(True, "disable the prefix cache", flag="--no-prefix-cache")
     num_threads: int | None = _flag(None, "torch threads for the engine (default: torch's "
                                           "choice); threads are never pinned", type=int)
@@ -91,6 +96,8 @@ class EngineConfig:
             bad("dtype", self.dtype, f"one of {DTYPES}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             bad("attention_backend", self.attention_backend, f"one of {ATTENTION_BACKENDS}")
+        if self.kv_layout not in KV_LAYOUTS:
+            bad("kv_layout", self.kv_layout, f"one of {KV_LAYOUTS}")
         if self.num_threads is not None and self.num_threads < 1:
             bad("num_threads", self.num_threads, "None or >= 1")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -11,14 +11,13 @@ servers; engine/owner_thread.py). Ways a request enters, each with its checks in
 Invariants: `abort` and `release` return every page a request holds; an idle engine has
 `num_free_pages() == num_total_pages()`.
 
-KV cache layout: `kv_cache` is one contiguous tensor, allocated once and registered whole
-with NIXL by the roles, page-major: `[num_pages, num_layers, 2 (K, V), page_size, Hkv, D]`.
-Slot `s` is offset `s % page_size` of page `s // page_size`. Layer i's K and V are the
-strided views `kv_cache[:, i, 0]` / `kv_cache[:, i, 1]`, `[num_pages, page_size, Hkv, D]`,
-the form the attention ops take.
-Why page-major: a run of consecutive pages is one byte span, one NIXL descriptor (layer-
-major cost 2 * num_layers per run, ~0.7 of raw NIXL bandwidth against ~1.0). A tensor-
-parallel engine (engine/tp) has one such pool per rank, each with that rank's KV heads.
+KV cache layout: `kv_cache` is one dense tensor, allocated once and registered whole with
+NIXL by the roles, indexed `[num_pages, num_layers, 2 (K, V), page_size, Hkv, D]` in either
+memory order (`--kv-layout`, engine/kv_pool.py says why each). Slot `s` is offset
+`s % page_size` of page `s // page_size`. Layer i's K and V are the views
+`kv_cache[:, i, 0]` / `kv_cache[:, i, 1]`, `[num_pages, page_size, Hkv, D]`, the form the
+attention ops take. A tensor-parallel engine (engine/tp) has one such pool per rank, each
+with that rank's KV heads.
 """
 
 from __future__ import annotations
@@ -33,9 +32,10 @@ from .capacity import KVCapacity
 from .completion import append_text, append_token, append_token_id, eos_token_ids, take_delta
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
+from .kv_pool import kv_pool
+from .memory import kv_cache_pages
 from .model import ModelRunner
 from .model.weights import load_config, load_tokenizer
-from .memory import kv_cache_pages
 from .native import keep_step_buffers, lazy_zeros
 from .outputs import RequestOutput, Reservation
 from .owner_thread import SingleThreaded, entry_point
@@ -74,9 +74,8 @@ class Engine(SingleThreaded):
         bytes_per_page = m.num_layers * 2 * self.page_size * pool_heads * m.head_dim * dtype.itemsize
         self.num_pages, self.kv_cache_sizing = kv_cache_pages(config, bytes_per_page)
         self.capacity = KVCapacity(self.page_size, self.num_pages, self.max_model_len)  # any thread reads it
-        self.kv_cache = lazy_zeros(  # page-major, see the module docstring
-            (self.num_pages, m.num_layers, 2, self.page_size, m.num_kv_heads, m.head_dim), dtype, config.device
-        )
+        self.kv_cache = kv_pool(config.kv_layout, self.num_pages, m.num_layers, self.page_size, m.num_kv_heads,
+                                m.head_dim, lambda shape: lazy_zeros(shape, dtype, config.device))
         self.pool = PagePool(self.num_pages, self.page_size)
         self.prefix_cache = PrefixCache(self.pool, config.enable_prefix_cache)
         self.step_budget = StepBudget.for_target_ms(config.decode_itl_target_ms)

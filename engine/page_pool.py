@@ -6,14 +6,20 @@ A page is `page_size` consecutive slots of the KV cache. Invariants:
   cache and can be reused until it is evicted).
 - Idle pages count as free: `num_free_pages()` is free + idle, so an idle engine reports
   `num_free_pages() == num_total_pages()`.
-- `allocate` takes free pages first and evicts idle pages least recently used first,
-  telling the owner of their content (`on_evict`) so nothing keeps pointing at them.
+- `allocate` takes free pages first, lowest-numbered first, and evicts idle pages least
+  recently used first, telling the owner of their content (`on_evict`) so nothing keeps
+  pointing at them. The pages of one call come back in ascending order.
+- Why lowest first and ascending: KV moves between nodes in one descriptor per run of
+  consecutive pages (per layer in a layer-major pool), so a window's pages should be few
+  runs. Handed out in release order (a FIFO), they were not: sequences release tail first,
+  and after the pool had wrapped once every page of a 512-token prompt was its own run.
 - Allocation is all or nothing: `OutOfPages` leaves the pool unchanged.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from typing import Callable
 
 
@@ -28,7 +34,7 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self._ref = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: list[int] = list(range(num_pages))  # a heap
         self._idle: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._cached = [False] * num_pages  # content published in the prefix cache
         self.on_evict: Callable[[int], None] = lambda page: None
@@ -49,13 +55,14 @@ class PagePool:
         pages = []
         for _ in range(n):
             if self._free:
-                page = self._free.popleft()
+                page = heapq.heappop(self._free)
             else:
                 page, _ = self._idle.popitem(last=False)
                 self._cached[page] = False
                 self.on_evict(page)
             self._ref[page] = 1
             pages.append(page)
+        pages.sort()  # evicted pages come tail first
         return pages
 
     def retain(self, page: int) -> None:
@@ -75,7 +82,7 @@ class PagePool:
             if self._cached[page]:
                 self._idle[page] = None
             else:
-                self._free.append(page)
+                heapq.heappush(self._free, page)
 
     def release_all(self, pages: list[int]) -> None:
         # Last page first: a sequence's tail is the least likely to be shared again, so it
@@ -88,4 +95,4 @@ class PagePool:
         self._cached[page] = cached
         if not cached and self._ref[page] == 0 and page in self._idle:
             del self._idle[page]
-            self._free.append(page)
+            heapq.heappush(self._free, page)

@@ -4,7 +4,9 @@ Invariants:
 - The whole KV pool is registered once, at construction, and stays registered until
   ``close()``; transfers only name addresses inside it (NIXL rejects anything else).
 - A remote agent is loaded once per distinct metadata blob and reused; new metadata under
-  a known name (the peer restarted) replaces the stale entry instead of failing.
+  a known name (the peer restarted) replaces the stale entry (and its regions) instead of failing.
+- Each descriptor carries the device id of the registered region holding it, on its own
+  side (NIXL matches on it); one outside every known region is refused (regions.py).
 - ``write`` returns only when every byte has landed remotely, and the notification it
   carries is delivered after the data (NIXL sends it once the writes are flushed). It
   raises ``TransferError`` on failure or timeout and never waits past its deadline.
@@ -32,6 +34,7 @@ import numpy as np
 
 from .plan import TransferPlan
 from .poller import Poller
+from .regions import RegionTable, memory_regions
 
 
 class TransferError(RuntimeError):
@@ -42,26 +45,6 @@ def _bindings() -> Any:
     import nixl  # imported lazily: it loads UCX and is not needed to plan or validate
 
     return nixl._bindings
-
-
-def _memory_regions(memory: Any) -> tuple[list[tuple[int, int, int]], str]:
-    """(addr, nbytes, device id) regions and memory kind ("DRAM"/"VRAM") of ``memory``."""
-    if hasattr(memory, "data_ptr") and hasattr(memory, "element_size"):
-        if not memory.is_contiguous():
-            raise ValueError("the KV pool tensor must be contiguous to be registered as one region")
-        dev = memory.device
-        kind = "DRAM" if dev.type == "cpu" else "VRAM"
-        dev_id = 0 if dev.index is None else int(dev.index)
-        return [(int(memory.data_ptr()), memory.numel() * memory.element_size(), dev_id)], kind
-    regions = []
-    for r in memory:
-        addr, nbytes = int(r[0]), int(r[1])
-        if nbytes <= 0:
-            raise ValueError(f"region at 0x{addr:x} has non-positive size {nbytes}")
-        regions.append((addr, nbytes, 0))
-    if not regions:
-        raise ValueError("at least one memory region is required")
-    return regions, "DRAM"
 
 
 def _agent_name(metadata: bytes) -> str | None:
@@ -100,6 +83,7 @@ class TransferAgent:
         self._lock = threading.Lock()  # guards the notification buffer and remote cache
         self._notifs: deque[tuple[str, bytes]] = deque(maxlen=65536)
         self._remotes: dict[str, str] = {}  # remote name -> digest of its loaded metadata
+        self._remote_regions: dict[str, RegionTable] = {}  # only for peers added with regions
         self._closed = False
 
         cfg = b.nixlAgentConfig()
@@ -113,11 +97,11 @@ class TransferAgent:
             raise TransferError("the NIXL UCX plugin is not available")
         self._backend = self._agent.createBackend("UCX", dict(backend_params or {}))
 
-        regions, kind = _memory_regions(memory)
+        regions, kind = memory_regions(memory)
         self._mem = b.DRAM_SEG if kind == "DRAM" else b.VRAM_SEG
         self._reg = b.nixlRegDList(self._mem, [(a, n, d, "") for a, n, d in regions])
         self._agent.registerMem(self._reg, [self._backend])
-        self._dev_id = regions[0][2]
+        self._regions = RegionTable(regions)
         self._keep = memory  # the registered memory must outlive the registration
 
         self._progress_thread = progress_thread
@@ -144,13 +128,19 @@ class TransferAgent:
         """This agent's NIXL metadata (connection info + registered pool), for peers."""
         return self._agent.getLocalMD()
 
-    def add_remote(self, metadata: bytes) -> str:
-        """Load a peer's metadata once and return its agent name (cached by content)."""
+    def add_remote(self, metadata: bytes, regions: Sequence[tuple[int, int, int]] | None = None) -> str:
+        """Load a peer's metadata once and return its agent name (cached by content).
+        ``regions``, the peer's ``[(addr, nbytes, device id), ...]`` (`regions_of` its layout),
+        set each destination descriptor's device id; never given, every destination carries
+        this agent's first device id, which is right only when both use one device."""
         self.stay_active()
         digest = hashlib.sha256(metadata).hexdigest()
+        table = None if regions is None else RegionTable(regions)
         with self._lock:
             for remote, known in self._remotes.items():
                 if known == digest:
+                    if table is not None:
+                        self._remote_regions[remote] = table
                     return remote
             try:
                 name = self._agent.loadRemoteMD(metadata)
@@ -167,6 +157,8 @@ class TransferAgent:
                     raise TransferError(f"cannot load remote agent metadata: {e2}") from e2
             name = name.decode() if isinstance(name, bytes) else str(name)
             self._remotes[name] = digest
+            if table is not None:
+                self._remote_regions[name] = table
             return name
 
     def remove_remote(self, remote_name: str) -> None:
@@ -175,6 +167,7 @@ class TransferAgent:
 
     def _invalidate(self, remote_name: str) -> None:
         self._remotes.pop(remote_name, None)
+        self._remote_regions.pop(remote_name, None)
         try:
             self._agent.invalidateRemoteMD(remote_name)
         except Exception:
@@ -186,11 +179,17 @@ class TransferAgent:
             return list(self._remotes)
 
     # ------------------------------------------------------------------------ transfers
-    def _dlist(self, addrs: np.ndarray, sizes: np.ndarray) -> Any:
+    def _dlist(self, addrs: np.ndarray, sizes: np.ndarray, remote_name: str | None = None) -> Any:
+        """Descriptors of this agent's memory (``remote_name`` None) or of a peer's."""
         arr = np.empty((addrs.size, 3), dtype=np.uint64)
         arr[:, 0] = addrs
         arr[:, 1] = sizes
-        arr[:, 2] = self._dev_id
+        table = self._regions if remote_name is None else self._remote_regions.get(remote_name)
+        try:  # a peer added without regions: assume one device, ours
+            arr[:, 2] = self._regions.dev_ids[0] if table is None else table.device_ids(arr[:, 0], arr[:, 1])
+        except ValueError as e:
+            side = "local" if remote_name is None else f"remote {remote_name!r}"
+            raise TransferError(f"{side} {e}") from None
         return self._b.nixlXferDList(self._mem, arr)
 
     def post(self, remote_name: str, plan: TransferPlan | Sequence[tuple[int, int, int]],
@@ -210,10 +209,10 @@ class TransferAgent:
         else:
             arr = np.asarray(list(plan), dtype=np.uint64).reshape(-1, 3)
             src, dst, sizes = arr[:, 0], arr[:, 1], arr[:, 2]
-        b = self._b
+        local, remote = self._dlist(src, sizes), self._dlist(dst, sizes, remote_name)
         try:
-            handle = self._agent.createXferReq(b.NIXL_WRITE, self._dlist(src, sizes), self._dlist(dst, sizes),
-                                               remote_name, notification, [self._backend])
+            handle = self._agent.createXferReq(self._b.NIXL_WRITE, local, remote, remote_name, notification,
+                                               [self._backend])
         except Exception as e:
             raise TransferError(f"cannot create a WRITE to {remote_name!r}: {e}") from e
         try:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from pdserve.kvtransfer.agent import TransferError
 from pdserve.kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.regions import dense_storage
 
 _META_PREFIX = b"fake-agent|"
 
@@ -87,11 +88,11 @@ class FakeFabric:
 
 
 class FakeAgent:
-    """A TransferAgent over `kv_cache` (a contiguous tensor) on `fabric`."""
+    """A TransferAgent over `kv_cache` (a tensor whose bytes are one region) on `fabric`."""
 
     def __init__(self, name: str, kv_cache, fabric: FakeFabric) -> None:
-        if not kv_cache.is_contiguous():
-            raise ValueError("the KV pool tensor must be contiguous")
+        if not (kv_cache.is_contiguous() or dense_storage(kv_cache)):
+            raise ValueError("the KV pool tensor must be one region (contiguous, or a layer-major view)")
         self.name = name
         self.kv_cache = kv_cache  # keeps the memory alive while the agent may write it
         self.base_addr = int(kv_cache.data_ptr())
@@ -107,6 +108,7 @@ class FakeAgent:
         self.received: list[tuple[str, int, int]] = []  # (sender, dst_addr, nbytes)
         self.notifications_sent: list[tuple[str, bytes]] = []  # standalone ones
         self.add_remote_calls = 0
+        self.remote_regions: dict[str, list[tuple[int, int, int]] | None] = {}  # as add_remote got them
         self.polls = 0  # take_notifications calls
         self.kept_active: list[float | None] = []  # stay_active calls
         fabric._register(self)
@@ -131,7 +133,7 @@ class FakeAgent:
     def metadata(self) -> bytes:
         return _META_PREFIX + self.name.encode()
 
-    def add_remote(self, metadata: bytes) -> str:
+    def add_remote(self, metadata: bytes, regions=None) -> str:
         if not isinstance(metadata, bytes) or not metadata.startswith(_META_PREFIX):
             raise TransferError(f"cannot load remote agent metadata: {metadata!r}")
         name = metadata[len(_META_PREFIX):].decode()
@@ -140,6 +142,7 @@ class FakeAgent:
         with self._cond:
             self.add_remote_calls += 1
             self._remotes.add(name)
+            self.remote_regions[name] = None if regions is None else list(regions)
         return name
 
     @property

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import mmap
 import os
 import signal
 import sys
@@ -54,6 +53,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from ..config import EngineConfig
+    from ..kv_pool import mapped_pool
     from ..model import LlamaModel, ModelRunner
     from ..model.weights import load_config, load_state_dict
     from ..native import keep_step_buffers
@@ -71,11 +71,8 @@ def main(argv: list[str]) -> int:
     state = load_state_dict(config.model_dir, dtype, config.device)
     shard_state(state, shard, hf.num_hidden_layers, spec["head_dim"])
     model = LlamaModel(hf, state, dtype, spec["max_model_len"], config.device, shard=shard)
-    shape = tuple(spec["pool_shape"])
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    region = mmap.mmap(spec["pool_fd"], nbytes, flags=mmap.MAP_SHARED)
+    kv_cache = mapped_pool(config.kv_layout, tuple(spec["pool_shape"]), spec["pool_fd"], dtype)
     os.close(spec["pool_fd"])
-    kv_cache = torch.frombuffer(region, dtype=dtype, count=torch.Size(shape).numel()).view(shape)
     runner = ModelRunner(model, kv_cache, config.page_size, config.resolved_attention_backend, config.device)
     collectives.barrier()  # ready: rank 0 returns from its start
     while True:

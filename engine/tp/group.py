@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import mmap
 import os
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from pdserve.arith import ceil_div
 
 from .. import collectives
+from ..kv_pool import mapped_pool
 from .shard import TPShard
 
 log = logging.getLogger("pdserve.engine")
@@ -51,12 +51,11 @@ class TPGroup:
             env.update(OMP_NUM_THREADS=str(config.num_threads))
         spec_config = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
         for shard in shards[1:]:
-            shape = (*kv_cache.shape[:-2], shard.num_kv_heads, head_dim)
+            shape = (*kv_cache.shape[:-2], shard.num_kv_heads, head_dim)  # as indexed, in any order
             fd = os.memfd_create(f"pdserve-kv-rank{shard.rank}")
             nbytes = torch.Size(shape).numel() * dtype.itemsize
             os.ftruncate(fd, nbytes)
-            region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-            self.pools.append(torch.frombuffer(region, dtype=dtype, count=torch.Size(shape).numel()).view(shape))
+            self.pools.append(mapped_pool(config.kv_layout, shape, fd, dtype))
             spec = dict(parent=os.getpid(), config=spec_config, shard=dataclasses.asdict(shard),
                         store_port=store.port, pool_shape=list(shape), pool_fd=fd, head_dim=head_dim,
                         max_model_len=max_model_len)

@@ -4,7 +4,7 @@ those heads, for (a, b) = (1, 2), (2, 1) and (2, 2). On SmolLM2 (3 KV heads: two
 hold 1 and 2) and on a checkpoint with 4 KV heads, fp32 greedy output equals
 transformers', every request went remote, the KV bytes the prefill node counted equal the
 windows', and every pool is full again afterwards; SmolLM2's KV goes as whole windows, the
-other's layer by layer.
+other's layer by layer, between page-major and layer-major pools (`--kv-layout`).
 
 One node per (role, TP) serves all three pairings; a router per pairing (tp12, tp21, tp22)
 names its two nodes. Requests go one at a time and leases are long: on a busy machine a
@@ -27,12 +27,14 @@ FLAGS = ["--num-threads", "1", "--num-pages", "256", "--page-size", "8"]
 ROUTER = ["--min-remote-prefill-tokens", "0", "--lease-ms", "120000", "--health-interval-s", "0.3"]
 
 
-def start(nodes: Cluster, model: str, kv_send: str) -> Cluster:
+def start(nodes: Cluster, model: str, kv_send: str, layer_major: tuple[str, ...] = ()) -> Cluster:
+    """`layer_major`: the nodes whose pools are layer-major (`--kv-layout`)."""
     common = ["--model", model, "--host", "127.0.0.1"]
     for name in ("p1", "p2", "d1", "d2"):
         role = "prefill" if name[0] == "p" else "decode"
         send = ["--kv-send", kv_send] if role == "prefill" else []
-        nodes.start(name, [role, *common, *FLAGS, *send, "--tensor-parallel-size", name[1]], wait=False)
+        order = ["--kv-layout", "layer-major"] if name in layer_major else []
+        nodes.start(name, [role, *common, *FLAGS, *send, *order, "--tensor-parallel-size", name[1]], wait=False)
     nodes.wait("p1", "p2", "d1", "d2")
     for router, (p, d) in PAIRS.items():
         nodes.start(router, ["router", *common, *ROUTER, "--prefill", nodes.address(p),
@@ -57,9 +59,11 @@ def tp_clusters(real_model, four_heads, tmp_path_factory):
     clusters = {}
     try:
         # SmolLM2's windows go whole, the other model's layer by layer (each layer's KV once
-        # every rank has written it).
-        for name, model, send in (("smollm2", real_model, "whole"), ("four_heads", four_heads, "layerwise")):
-            clusters[name] = start(Cluster(tmp_path_factory.mktemp(f"tp-{name}"), model), model, send)
+        # every rank has written it), between pools of both orders: tp12 writes layer-major
+        # into page-major, tp21 page-major into layer-major, tp22 page-major into page-major.
+        for name, model, send, layer_major in (("smollm2", real_model, "whole", ()),
+                                               ("four_heads", four_heads, "layerwise", ("p1", "d1"))):
+            clusters[name] = start(Cluster(tmp_path_factory.mktemp(f"tp-{name}"), model), model, send, layer_major)
         yield clusters
     finally:
         for nodes in clusters.values():

@@ -96,3 +96,19 @@ def test_rows_not_sampled_stop_at_the_last_layers_kv(make_engine, hf_greedy, pro
     assert generated > 1
     assert rows["first"] == [16, 16, 8] + [1] * (generated - 1)
     assert rows["last"] == [1] * generated
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_layer_major_pool_matches_transformers(family, make_engine, hf_greedy, prompts_of_lengths):
+    """`--kv-layout layer-major` orders the pool's memory by layer (engine/kv_pool.py):
+    every kernel, the prefix cache and preemption read and write it by its strides."""
+    from pdserve.kvtransfer.layout import LAYER_MAJOR, KVLayout
+
+    llm = make_engine(family, llm=True, page_size=4, num_pages=24, max_num_batched_tokens=16,
+                      kv_layout="layer-major")
+    assert KVLayout.from_tensor(llm.engine.kv_cache, 4).kind == LAYER_MAJOR
+    base = prompts_of_lengths([30], seed=7)[0]
+    check(llm, hf_greedy, family, [base])
+    outs = check(llm, hf_greedy, family, [base + [7, 8, 9], base[:21], *prompts_of_lengths([14, 15, 13], seed=8)])
+    assert outs[0].num_cached_tokens == 28 and llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.num_free_pages() == llm.engine.num_total_pages()

@@ -71,6 +71,24 @@ def test_eviction_takes_free_pages_first_then_least_recently_used():
     assert pool.num_free_pages() == 3
 
 
+def test_pages_come_lowest_first_and_ascending_so_a_window_is_few_runs():
+    """KV moves in one descriptor per run of consecutive pages: released tail first by
+    two sequences, the pool's pages still come back as one run."""
+    pool = PagePool(16, 4)
+    first, second = pool.allocate(4), pool.allocate(4)
+    assert (first, second) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    pool.release_all(second)  # tail first: 7, 6, 5, 4
+    pool.release_all(first)
+    assert pool.allocate(6) == [0, 1, 2, 3, 4, 5]
+    cache = PrefixCache(pool)
+    rest = pool.allocate(10)  # 6, 7 and the never-used 8..15
+    assert rest == list(range(6, 16))
+    for page, key in zip(rest, keys_of(list(range(40)), 4)):
+        cache.publish(page, key)
+    pool.release_all(rest)  # idle, least recently used: 15, 14, ..., 6
+    assert pool.allocate(3) == [13, 14, 15]  # evicted tail first, handed out ascending
+
+
 def test_disabled_cache_never_matches():
     pool = PagePool(2, 1)
     cache = PrefixCache(pool, enabled=False)

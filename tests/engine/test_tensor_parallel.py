@@ -15,8 +15,8 @@ from pdserve.procs import pid_alive
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def tp_llm(model_dir: str, tp: int = 2) -> LLM:
-    return LLM(model_dir, page_size=4, num_pages=96, tensor_parallel_size=tp, num_threads=1)
+def tp_llm(model_dir: str, tp: int = 2, **kw) -> LLM:
+    return LLM(model_dir, page_size=4, num_pages=96, tensor_parallel_size=tp, num_threads=1, **kw)
 
 
 def generate_and_close(llm: LLM, prompts) -> list[list[int]]:
@@ -49,13 +49,18 @@ def _hf(model_dir: str, prompts) -> list[list[int]]:
     return outs
 
 
-@pytest.mark.parametrize("kv_heads, heads, pools", [(3, 9, [1, 2]), (1, 4, [1, 1])])
-def test_uneven_and_replicated_kv_heads_match_transformers(kv_heads, heads, pools, tmp_path, prompts_of_lengths):
+@pytest.mark.parametrize("kv_heads, heads, pools, order", [(3, 9, [1, 2], "page-major"), (1, 4, [1, 1], "page-major"),
+                                                          (3, 9, [1, 2], "layer-major")])
+def test_uneven_and_replicated_kv_heads_match_transformers(kv_heads, heads, pools, order, tmp_path,
+                                                           prompts_of_lengths):
+    from pdserve.kvtransfer.layout import KVLayout
+
     model_dir = str(write_checkpoint(tmp_path / "m", seed=5, hidden_size=8 * heads, num_attention_heads=heads,
                                      num_key_value_heads=kv_heads))
     prompts = prompts_of_lengths([5, 21], seed=8)
-    llm = tp_llm(model_dir)
+    llm = tp_llm(model_dir, kv_layout=order)
     assert [p.shape[-2] for p in llm.engine.kv_pools] == pools
+    assert {KVLayout.from_tensor(p, 4).kind for p in llm.engine.kv_pools} == {order}  # every rank's
     assert llm.engine.kv_head_begins == ([0, 1] if kv_heads == 3 else [0, 0])
     assert generate_and_close(llm, prompts) == _hf(model_dir, prompts)
 

@@ -18,11 +18,13 @@ import torch
 
 import pdserve.prefill.layerwise
 import pdserve.prefill.sending
+from pdserve.kvtransfer.layout import KVLayout
 from pdserve.prefill.requests import OverlappedSend, RemoteSend
 from pdserve.proto.tags import notification_tag
 from pdserve.runtime.errors import PeerUnavailable, RequestAborted
 from tests.prefill.world import (
     D_PAGE,
+    D_PAGES,
     END,
     LEASE,
     P_PAGE,
@@ -104,6 +106,45 @@ def test_layer_wise_writes_start_before_the_prefill_ends_and_land_exactly_the_wi
         assert tags(nodes.d_agent) == [("layers-agent", notification_tag("r", LEASE))]
         assert await started_tokens(nodes.decode, "r") == expected
         engine.remove_layer_hook(hook)
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("p_order, d_order", [("layer-major", "layer-major"), ("page-major", "layer-major"),
+                                              ("layer-major", "page-major")])
+def test_layer_wise_sends_between_pools_of_either_order_land_exactly_the_window(nodes, p_order, d_order):
+    """`--kv-layout` (engine/kv_pool.py): the plan follows each side's strides. Between two
+    layer-major pools a step's run of slots is two descriptors per layer, whatever the
+    page sizes, where page-major pools of pages of 8 and 4 slots need one per page."""
+    async def go():
+        decode = nodes.engine(D_PAGE, D_PAGES, kv_layout=d_order)
+        d_agent = nodes.fabric.agent("decode-" + d_order, decode.engine.kv_cache)
+        nodes.decode, nodes.d_agent = decode, d_agent
+        nodes.d_layout = KVLayout.from_tensor(decode.engine.kv_cache, D_PAGE)
+        engine, agent, layout = nodes.prefill_node("layers-" + p_order, max_num_batched_tokens=CHUNK,
+                                                   kv_layout=p_order)
+        assert (layout.kind, nodes.d_layout.kind) == (p_order, d_order)
+        await fill_pools(nodes)
+        await engine.run(lambda e: e.kv_cache.fill_(-3.0))
+        watch = PrefillWatch(engine)
+        role = nodes.role(node=(watch, agent, layout), kv_send="layerwise")
+        expected = await generate_tokens(nodes.engine(), "local", PROMPT)
+        res = await nodes.reserve("r")
+        before = await kv_of(decode)
+        watch.resume["r"] = asyncio.Event()  # hold the role at the prefill's end: pages pinned
+        send = asyncio.ensure_future(role.remote_send(RemoteSend("r", PROMPT, END, nodes.window(res))))
+        await within(watch.event("r").wait())
+        src = await engine.run(lambda e: e.slots_of("r"))
+        sent = at_slots(await kv_of(engine), src[:END], P_PAGE)
+        watch.resume["r"].set()
+        result = await within(send)
+
+        assert torch.equal(await kv_of(decode), with_slots(before, res.slots, D_PAGE, sent))
+        assert result.num_bytes == sent.numel() * sent.element_size()
+        if p_order == d_order == "layer-major":  # both pools fresh: every step's slots are one run
+            assert result.num_descriptors == 2 * layout.num_layers * len(agent.writes)
+        assert tags(d_agent) == [("layers-" + p_order, notification_tag("r", LEASE))]
+        assert await started_tokens(decode, "r") == expected
 
     asyncio.run(go())
 
