@@ -40,12 +40,13 @@ def test_bucket_sizes_cover_every_batch_up_to_the_largest():
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_gpu_step_path_generates_transformers_greedy_tokens(checkpoint_dirs, hf_greedy, family):
+@pytest.mark.parametrize("family, kv_layout", [("llama", "page-major"), ("qwen3", "page-major"),
+                                               ("llama", "layer-major")])
+def test_gpu_step_path_generates_transformers_greedy_tokens(checkpoint_dirs, hf_greedy, family, kv_layout):
     model = checkpoint_dirs(family)
     # 3 sequences run the graph of 4 (one padding row); page size 3 and a 16-token budget
     # chunk the prefills, so mixed steps, kept rows and cached prefixes all occur.
-    llm = gpu_path_llm(model, max_num_seqs=6, page_size=3, max_num_batched_tokens=16)
+    llm = gpu_path_llm(model, max_num_seqs=6, page_size=3, max_num_batched_tokens=16, kv_layout=kv_layout)
     prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], [13, 40, 7] * 9]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)

@@ -191,8 +191,9 @@ def test_silu_mul_matches_torch(dtype, rows, inter):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="swaps the ops of a CPU engine; a GPU engine picks TritonOps itself")
-@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: rope_store takes torch's path
-def test_engine_with_triton_ops_generates_torch_ops_tokens(checkpoint_dirs, family):
+@pytest.mark.parametrize("family, kv_layout", [("llama", "page-major"), ("qwen3", "page-major"),
+                                               ("llama", "layer-major")])  # qwen3: rope_store takes torch's path
+def test_engine_with_triton_ops_generates_torch_ops_tokens(checkpoint_dirs, family, kv_layout):
     from pdserve.engine import LLM, SamplingParams
 
     prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], [13, 40, 7] * 9]
@@ -200,7 +201,7 @@ def test_engine_with_triton_ops_generates_torch_ops_tokens(checkpoint_dirs, fami
     tokens = []
     for ops in (TorchOps, TritonOps):
         # Page size 3 and a 16-token budget: chunked prefills over cached prefixes, and decodes.
-        llm = LLM(checkpoint_dirs(family), page_size=3, max_num_batched_tokens=16)
+        llm = LLM(checkpoint_dirs(family), page_size=3, max_num_batched_tokens=16, kv_layout=kv_layout)
         m = llm.engine.runner.model
         m.ops = ops(m.rope, m.num_heads, m.num_kv_heads, m.head_dim, m.eps)
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
