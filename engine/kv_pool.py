@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-PAGE_MAJOR, LAYER_MAJOR = "page-major", "layer-major"
-KV_LAYOUTS = (PAGE_MAJOR, LAYER_MAJOR)
+from .config import KV_LAYOUTS
+
+PAGE_MAJOR, LAYER_MAJOR = KV_LAYOUTS
 _LAYER_MAJOR_TO_INDEX = (2, 0, 1, 3, 4, 5)  # [layer, kv, page, ...] seen as [page, layer, kv, ...]
 
 
