@@ -11,8 +11,7 @@ A page is `page_size` consecutive slots of the KV cache. Invariants:
   pointing at them. The pages of one call come back in ascending order.
 - Why lowest first and ascending: KV moves between nodes in one descriptor per run of
   consecutive pages (per layer in a layer-major pool), so a window's pages should be few
-  runs. Handed out in release order (a FIFO), they were not: sequences release tail first,
-  and after the pool had wrapped once every page of a 512-token prompt was its own run.
+  runs; sequences release tail first, so pages handed out in release order would not be.
 - Allocation is all or nothing: `OutOfPages` leaves the pool unchanged.
 """
 

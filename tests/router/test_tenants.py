@@ -83,10 +83,14 @@ def test_node_side_ids_never_collide_across_tenants():
 
 
 # ---- turns -----------------------------------------------------------------------------
-async def settled(condition) -> None:
-    """Let the loop run the tasks until `condition()` holds (no clock: only yields)."""
-    while not condition():
-        await asyncio.sleep(0)
+async def settled(condition, max_yields: int = 10_000) -> None:
+    """Let the loop run the tasks until `condition()` holds (no clock: only yields to the
+    loop); fails, rather than hangs, if the tasks stop making it true."""
+    for _ in range(max_yields):
+        if condition():
+            return
+        await asyncio.sleep(0)  # a yield to the ready tasks, not a wait for time
+    raise AssertionError(f"condition never held in {max_yields} turns of the loop")
 
 
 async def _order(turns: TenantTurns, arrivals: list[str]) -> list[str]:
