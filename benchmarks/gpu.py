@@ -167,6 +167,7 @@ def summary(report: dict) -> dict:
     for order, r in ttft.get("by_layout", {}).items():
         out[f"ttft_{order}"] = (r.get("ttft_s"), r.get("prefill_alone_s"), r.get("transfer_added_fraction"),
                                 r.get("kv_descriptors"))
+        out[f"ttft_{order}_parts"] = r.get("breakdown")
     for name, s in report["stages"].items():
         if not s.get("ok"):
             out[f"{name}_error"] = (s.get("error") or s.get("summary") or "")[:300]

@@ -105,8 +105,9 @@ async def ttft(cluster: Cluster, n: int, repeats: int, vocab: int) -> dict:
     pools = await wait_full([cluster.address("prefill"), cluster.address("decode")], timeout_s=10)
     # How the prefill node sent each window: WRITEs and descriptors (its request log lines).
     sends = [r for r in cluster.request_records("prefill")
-             if r.get("outcome") == "ok" and str(r.get("kv_window", "")).endswith(f":{n - 1}")]
+             if r.get("outcome") == "ok" and str(r.get("kv_window", "")).endswith(f":{n - 1}")][-repeats:]
     return {"ok": all(is_full(x) for x in pools), "prompt_tokens": n, "repeats": repeats,
+            "breakdown": breakdown(sends, cluster.request_records("decode"), n, repeats, ttft_s, alone_s),
             "kv_writes": statistics.median(r["kv_writes"] for r in sends) if sends else None,
             "kv_descriptors": statistics.median(r["kv_descriptors"] for r in sends) if sends else None,
             "ttft_s": ttft_s, "prefill_alone_s": alone_s, "transfer_added_fraction": (ttft_s - alone_s) / alone_s,
@@ -115,6 +116,28 @@ async def ttft(cluster: Cluster, n: int, repeats: int, vocab: int) -> dict:
             "transfer_tail_s": statistics.median(r["tail_s"] for r in pd),
             "runs": {"disaggregated": pd, "prefill_alone": alone},
             "pools": {"prefill": pools[0], "decode": pools[1]}}
+
+
+def breakdown(sends: list[dict], decodes: list[dict], n: int, repeats: int, ttft_s: float,
+              alone_s: float) -> dict:
+    """Where a disaggregated TTFT goes, from the nodes' request log lines (medians of the
+    measured requests): the prefill node's RemoteSend (`p_prefill_s`, then `p_transfer_s`
+    until its last WRITE and notification), the decode node's time from StartGeneration to
+    its first token (`d_first_token_s`; `d_alone_s` for the whole prompt), and what is left
+    of the client's TTFT (`rest_s`: gRPC trips, the router, the client; `rest_alone_s`)."""
+    def median(rows, key):
+        return statistics.median(r[key] for r in rows) if rows else None
+
+    received = [r for r in decodes if r.get("prompt_tokens") == n and r.get("kv_expected")][-repeats:]
+    local = [r for r in decodes if r.get("prompt_tokens") == n and r.get("kv_expected") is False][-repeats:]
+    out = {"p_prefill_s": median(sends, "prefill_s"), "p_transfer_s": median(sends, "transfer_s"),
+           "p_remote_send_s": median(sends, "remote_send_s"), "d_first_token_s": median(received, "ttft_s"),
+           "d_alone_s": median(local, "ttft_s")}
+    if out["p_remote_send_s"] is not None and out["d_first_token_s"] is not None:
+        out["rest_s"] = ttft_s - out["p_remote_send_s"] - out["d_first_token_s"]
+    if out["d_alone_s"] is not None:
+        out["rest_alone_s"] = alone_s - out["d_alone_s"]
+    return out
 
 
 # ---- stage c: faults ----------------------------------------------------------------------

@@ -342,5 +342,7 @@ class Engine(SingleThreaded):
         out = take_delta(request)
         if out.finished and not request.prefill_only:
             self.requests.pop(request.request_id, None)
+        elif request.seqs[0].status is Status.PREFILLED:
+            out.slots = self.slots_of(request.request_id)
         return out
 

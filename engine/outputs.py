@@ -30,6 +30,9 @@ class RequestOutput:
     num_cached_tokens: int
     queued_s: float = 0.0   # from add_request to its first scheduled step
     prefill_s: float = 0.0  # from then to its first token (or, prefill-only, its last prompt KV)
+    # A prefill-only request's "prefilled" output: the slot of every prompt position (what
+    # `Engine.slots_of` says), so the role writes its KV without another engine call.
+    slots: list[int] | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -51,6 +51,9 @@ from pdserve.prefill.device import bind_device, kv_stored, on_gpu
 from pdserve.prefill.layer_stream import LayerStream, Span, StreamFailed
 
 
+_FIRST_POLL_S = 50e-6  # the first check of a WRITE that was not done at once
+
+
 def on_loop(future: Future) -> asyncio.Future:
     """A stream's end as a future of the running loop. Its StreamFailed counts as seen: an
     aborted send's end may never be awaited (only a fence reads it), and asyncio would log
@@ -171,6 +174,7 @@ class LayerSends:
     # ---- the sender thread -------------------------------------------------------------
     def _run(self) -> None:
         bind_device(self.layout.device)  # this thread posts (and drives) the WRITEs
+        delay = self.poll_s
         while True:
             with self._cond:
                 if self._stop and not any(s.in_flight for s in self._streams.values()):
@@ -181,6 +185,7 @@ class LayerSends:
                 if not busy and not any(self._has_work(s) for s in self._streams.values()):
                     self._cond.wait()
                 streams = list(self._streams.values())
+            writes = sum(s.writes for s in streams)
             for stream in streams:
                 try:
                     self._service(stream)
@@ -188,8 +193,12 @@ class LayerSends:
                     with self._cond:  # the next pass drains the stream's writes, then ends it
                         stream.error = stream.error or f"layer-wise send failed: {err!r}"
             if any(s.in_flight for s in streams):
+                # A WRITE just posted is checked soon, then ever less often: the last
+                # layers' WRITE is on the time to first token (a GPU copy is done in tens
+                # of microseconds), a slow link's is not worth many wakes.
+                delay = _FIRST_POLL_S if sum(s.writes for s in streams) > writes else min(2 * delay, self.poll_s)
                 with self._cond:
-                    self._cond.wait(self.poll_s)
+                    self._cond.wait(delay)
             elif self.device is not None:
                 try:
                     self._wait_device(streams)

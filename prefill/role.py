@@ -181,10 +181,7 @@ class PrefillRole:
                 dst_slots = self._check_window(request_id, len(prompt), end, *sending.delivered)
             window, peer = sending.delivered
             t1 = time.perf_counter()
-            try:
-                src_slots = await self.engine.run(lambda e: e.slots_of(request_id))
-            except ValueError:  # an Abort freed it between prefill and here
-                raise RequestAborted(f"RemoteSend of {request_id!r} aborted") from None
+            src_slots = last.slots  # pinned until _end_send releases them (an Abort: below)
             plan = None if sending.stream else \
                 plan_transfer(self.layout, src_slots[window.begin:end], peer.layout, dst_slots)
             if sending.aborted:

@@ -24,6 +24,10 @@ def test_quick_run_on_the_cpu_passes_every_stage_and_leaves_no_node(tmp_path):
     for one in ttft["by_layout"].values():
         assert one["ttft_s"] > 0 and one["prefill_alone_s"] > 0 and math.isfinite(one["transfer_added_fraction"])
         assert one["kv_descriptors"] >= one["kv_writes"] >= 1
+        parts = one["breakdown"]  # every part found in the nodes' request logs
+        assert parts["p_remote_send_s"] >= parts["p_prefill_s"] > 0 and parts["p_transfer_s"] >= 0
+        assert parts["d_first_token_s"] > 0 and parts["d_alone_s"] > 0
+        assert math.isfinite(parts["rest_s"]) and math.isfinite(parts["rest_alone_s"])
     faults = report["stages"]["faults"]
     assert faults["cancel"]["parked_while_frozen"] == 1
     assert faults["kill"]["route"]["skip_reason"] == "fallback" and faults["kill"]["matches"]

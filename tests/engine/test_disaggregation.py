@@ -53,7 +53,7 @@ def test_received_kv_generates_like_a_local_request(family, p_page, d_page, end_
     done = run_to_end(prefill, "r")
     assert done.finished and done.finish_reason == "prefilled" and done.token_ids == []
     slots = prefill.slots_of("r")
-    assert len(slots) == end
+    assert len(slots) == end and done.slots == slots  # the output names them: no second call
     copy_kv(prefill, slots[res.prefix_matched_length:], decode, res.slots)
     assert prefill.release("r")
 

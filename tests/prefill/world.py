@@ -175,21 +175,15 @@ async def fill_pools(nodes: Nodes) -> None:
 class PrefillWatch:
     """The prefill engine as the role sees it, telling the test when a request's prefill
     stream has ended and optionally holding the role there (pages prefilled and pinned,
-    slots not yet looked up)."""
+    nothing written yet)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self.prefilled: dict[str, asyncio.Event] = {}
         self.resume: dict[str, asyncio.Event] = {}
-        self.on_run: asyncio.Event | None = None  # set when the role next calls engine.run
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
-
-    async def run(self, fn, *args):
-        if self.on_run is not None:
-            self.on_run.set()
-        return await self._engine.run(fn, *args)
 
     def event(self, request_id: str) -> asyncio.Event:
         return self.prefilled.setdefault(request_id, asyncio.Event())
