@@ -164,10 +164,10 @@ def summary(report: dict) -> dict:
     if "throughput" in eng:
         out["tok_s"] = (eng["throughput"]["tokens_per_s"], eng.get("transformers", {}).get("tokens_per_s"))
     ttft = report["stages"].get("cluster", {}).get("stages", {}).get("ttft", {})
-    for order, r in ttft.get("by_layout", {}).items():
-        out[f"ttft_{order}"] = (r.get("ttft_s"), r.get("prefill_alone_s"), r.get("transfer_added_fraction"),
-                                r.get("kv_descriptors"))
-        out[f"ttft_{order}_parts"] = r.get("breakdown")
+    for setup, r in ttft.get("by_setup", {}).items():
+        out[f"ttft_{setup}"] = (r.get("ttft_s"), r.get("prefill_alone_s"), r.get("transfer_added_fraction"),
+                                r.get("kv_writes"), r.get("kv_descriptors"))
+        out[f"ttft_{setup}_parts"] = r.get("breakdown")
     for name, s in report["stages"].items():
         if not s.get("ok"):
             out[f"{name}_error"] = (s.get("error") or s.get("summary") or "")[:300]

@@ -41,9 +41,11 @@ with this one, `pdserve.procs`). Node logs go to `log_dir`, the results so far t
   "exposed"); `transfer_tail_s`: median `usage.kv_transfer_time_s` (WRITEs still running
   after the prefill ended); `kv_writes` and `kv_descriptors`: medians per window, from
   the prefill node's request log lines.
-  All of it twice, in `by_layout`: one cluster whose pools are page-major and one whose
+  All of it per set-up, in `by_setup`: one cluster whose pools are page-major, one whose
   pools are layer-major (`--kv-layout`: a layer-wise WRITE of a page-major pool has a
-  descriptor per page, of a layer-major one two per run of pages); `best_layout` and its
+  descriptor per page, of a layer-major one two per run of pages), and one layer-major
+  whose WRITEs wait for 16 MiB of layers (`--layer-write-mb`: fewer WRITEs, a longer
+  last one); `breakdown`: where the time went; `best_setup` and its
   `transfer_added_fraction` sum them up.
 - faults, on the exact stage's cluster, whose prefill node stops requests named
   `gcf-sigstop-...` after the first layer-wise WRITE of their window (`--test-gates`: the
@@ -80,7 +82,10 @@ SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
              initializer_range=0.02)
 PAGE = 16
-TTFT_LAYOUTS = ("page-major", "layer-major")  # --kv-layout of each ttft cluster
+# Each ttft cluster's (worker flags, prefill flags).
+TTFT_SETUPS = {"page-major": (["--kv-layout", "page-major"], []),
+               "layer-major": (["--kv-layout", "layer-major"], []),
+               "layer-major-16mib": (["--kv-layout", "layer-major"], ["--layer-write-mb", "16"])}
 
 
 @dataclass(frozen=True)
@@ -146,18 +151,18 @@ def run(device: str, workdir: Path, log_dir: Path, quick: bool | None = None,
                     decode_flags=["--no-prefix-cache"])
         clusters.append(a.start())
         ttft_clusters: dict[str, Cluster | Exception] = {}
-        for order in TTFT_LAYOUTS:  # one cluster per pool order, started together
+        for setup, (worker_flags, prefill_flags) in TTFT_SETUPS.items():  # started together
             try:  # a ttft cluster's failures are the ttft stage's
                 ttft_dir = ttft_model or checkpoint(workdir / ("cluster-small" if quick else "cluster-1b"),
                                                     sizes.ttft_geometry)
                 pages = 4 * (sizes.ttft_tokens // PAGE + 2)
-                b = Cluster(f"ttft-{order}", ttft_dir, [*worker, "--dtype", "bfloat16", "--num-pages", str(pages),
-                                                        "--kv-layout", order, "--log-format", "json"], log_dir,
-                            prefill_flags=["--kv-send", "layerwise", "--transfer-timeout-s", "120"])
+                b = Cluster(f"ttft-{setup}", ttft_dir, [*worker, "--dtype", "bfloat16", "--num-pages", str(pages),
+                                                        *worker_flags, "--log-format", "json"], log_dir,
+                            prefill_flags=["--kv-send", "layerwise", "--transfer-timeout-s", "120", *prefill_flags])
                 clusters.append(b.start())
-                ttft_clusters[order] = b
+                ttft_clusters[setup] = b
             except Exception as err:
-                ttft_clusters[order] = err
+                ttft_clusters[setup] = err
         rng = random.Random(0)  # the reference runs here while the nodes start
         prompts = [random_ids(n, EXACT["vocab_size"], rng) for n in sizes.exact_lengths]
         fault_prompt = random_ids(sizes.fault_tokens, EXACT["vocab_size"], rng)
@@ -188,17 +193,17 @@ def run(device: str, workdir: Path, log_dir: Path, quick: bool | None = None,
         def ttft_of(b: Cluster | Exception):
             return on(b, lambda: ttft(b, *_ttft_shape(b.model, sizes), _vocab(b.model)), checked=False)
 
-        def both_orders(limit_s: float) -> dict:
+        def every_setup(limit_s: float) -> dict:
             end = time.monotonic() + limit_s
-            by_order = {}
-            for i, (order, b) in enumerate(ttft_clusters.items()):
-                by_order[order] = ttft_of(b)((end - time.monotonic()) / (len(ttft_clusters) - i))
-            added = {o: r["transfer_added_fraction"] for o, r in by_order.items() if "transfer_added_fraction" in r}
+            by_setup = {}
+            for i, (setup, b) in enumerate(ttft_clusters.items()):
+                by_setup[setup] = ttft_of(b)((end - time.monotonic()) / (len(ttft_clusters) - i))
+            added = {o: r["transfer_added_fraction"] for o, r in by_setup.items() if "transfer_added_fraction" in r}
             best = min(added, key=added.get) if added else None
-            return {"ok": all(r.get("ok") for r in by_order.values()), "best_layout": best,
-                    "transfer_added_fraction": added.get(best), "by_layout": by_order}
+            return {"ok": all(r.get("ok") for r in by_setup.values()), "best_setup": best,
+                    "transfer_added_fraction": added.get(best), "by_setup": by_setup}
 
-        _stage(report, "ttft", left("ttft"), both_orders, log_dir)
+        _stage(report, "ttft", left("ttft"), every_setup, log_dir)
         _stage(report, "faults", left("faults"),
                on(a, lambda: faults(a, fault_prompt, reference[-1], EXACT["vocab_size"])), log_dir)
     except BaseException as err:  # noqa: BLE001 - set-up failed: say so, stop everything
