@@ -71,17 +71,20 @@ def append_text(seq: Sequence, token: int, is_stop_token: bool) -> None:
 
 def take_delta(request: Request) -> RequestOutput:
     """What `request` made since its last delta (its new tokens and text then count as sent)."""
+    # Once per sequence and step, at every batch size: one copy of the output ids, and the
+    # new ids handed over (the sequence starts a fresh list).
     outs = []
+    finished = True
     for seq in request.seqs:
         outs.append(
             CompletionOutput(
-                seq.index, list(seq.output_token_ids), seq.text, seq.new_token_ids, seq.new_text,
-                seq.finish_reason, list(seq.logprobs) if seq.logprobs is not None else None,
+                seq.index, seq.token_ids[seq.num_prompt_tokens:], seq.text, seq.new_token_ids,
+                seq.new_text, seq.finish_reason, list(seq.logprobs) if seq.logprobs is not None else None,
             )
         )
+        finished = finished and seq.finish_reason is not None
         seq.new_token_ids = []
         seq.new_text = ""
-    finished = request.finished
     if not request.prefilled_at and request.scheduled_at and (
             finished or any(o.new_token_ids for o in outs)):
         request.prefilled_at = time.perf_counter()

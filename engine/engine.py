@@ -4,8 +4,8 @@ Single-threaded: entry points assert that they run on the owner thread (`AsyncEn
 servers; engine/owner_thread.py). Ways a request enters, each with its checks in one place:
 - `add_request`: an ordinary request, prefilled and decoded here.
 - `add_request(prefill_only=True)` (prefill node): computes the prompt's KV, never samples,
-  finishes with "prefilled" and keeps its pages pinned until `release`; `slots_of` says
-  where each position's KV lives so a role can send it.
+  finishes with "prefilled" and keeps its pages pinned until `release`; that output names
+  each position's slot (`slots`) and, on a GPU, the event to wait for before reading them.
 - `prepare_receive` then `start_generation` (decode node): reserve slots for KV computed
   elsewhere, park the request, then generate once the KV has arrived.
 Invariants: `abort` and `release` return every page a request holds; an idle engine has
@@ -245,11 +245,12 @@ class Engine(SingleThreaded):
                 self._publish(seq)
             # While the device runs this step: the text of the last one's tokens.
             outputs = self._finish_text()
+            kv_ready = None
             if self.runner.on_gpu and any(s.request.prefill_only and s.num_computed == s.num_tokens for s in seqs):
-                # A prefill-only request is reported done only once its KV is in memory: the
-                # role sends it next. (The kernels are asynchronous; a step that samples
-                # already waited for its ids.)
-                torch.cuda.current_stream(self.runner.device).synchronize()
+                # The kernels are asynchronous: a prefill-only request is reported done with an
+                # event its KV's readers wait for, and this thread goes on to the next step.
+                kv_ready = torch.cuda.Event()
+                kv_ready.record(torch.cuda.current_stream(self.runner.device))
             sampling = [s for s, w in zip(seqs, wants) if w]
             if sampling:
                 self._sample(sampling, logits)
@@ -260,6 +261,7 @@ class Engine(SingleThreaded):
                     self.scheduler.remove(seq)
                     seq.status = Status.PREFILLED
                     seq.finish_reason = "prefilled"
+                    request.kv_ready = kv_ready
                 if seq.new_token_ids and not self.overlap_output or seq.is_finished and not self._text_due(seq):
                     touched[request.request_id] = request
         else:
@@ -343,6 +345,6 @@ class Engine(SingleThreaded):
         if out.finished and not request.prefill_only:
             self.requests.pop(request.request_id, None)
         elif request.seqs[0].status is Status.PREFILLED:
-            out.slots = self.slots_of(request.request_id)
+            out.slots, out.kv_ready = self.slots_of(request.request_id), request.kv_ready
         return out
 

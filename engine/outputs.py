@@ -31,8 +31,10 @@ class RequestOutput:
     queued_s: float = 0.0   # from add_request to its first scheduled step
     prefill_s: float = 0.0  # from then to its first token (or, prefill-only, its last prompt KV)
     # A prefill-only request's "prefilled" output: the slot of every prompt position (what
-    # `Engine.slots_of` says), so the role writes its KV without another engine call.
+    # `Engine.slots_of` says), so the role writes its KV without another engine call, and
+    # on a GPU the CUDA event to wait for before reading that KV (None: it is in memory).
     slots: list[int] | None = None
+    kv_ready: object = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -89,6 +89,7 @@ class Request:
     added_at: float = field(default_factory=time.perf_counter)
     scheduled_at: float = 0.0
     prefilled_at: float = 0.0
+    kv_ready: object = None  # prefill-only on a GPU: a CUDA event, done once its KV is in memory
 
     @property
     def finished(self) -> bool:

@@ -52,6 +52,7 @@ class LayerStream:
         self.no_write = b""
         self.in_flight: list = []
         self.finishing: tuple[bytes, np.ndarray] | None = None  # (notification, every src slot)
+        self.kv_ready = None  # GPU: the prefill's CUDA event, before the leftovers are written
         self.error: str | None = None
         self.future: Future = Future()
         self.total_bytes = self.num_descriptors = self.writes = 0

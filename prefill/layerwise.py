@@ -33,7 +33,8 @@ Invariants (the whole-window path's, per span):
   (or aborts the engine request) only after that, and a stream that ends without its
   notification tells the decode node that nothing more will be written (no-write tag).
 - Positions the engine did not compute (a prefix this node had cached) and any position a
-  layer missed are written at the end, before the notification.
+  layer missed are written at the end, before the notification (on a GPU once the
+  prefill's `kv_ready` event has completed: no layer's event covers them).
 """
 
 from __future__ import annotations
@@ -102,10 +103,12 @@ class LayerSends:
             stream.peer = peer
             self._cond.notify()
 
-    def finish(self, stream: LayerStream, notification: bytes, src_slots) -> Future:
-        """Write what is left, then the notification; the future ends with the stream."""
+    def finish(self, stream: LayerStream, notification: bytes, src_slots, kv_ready=None) -> Future:
+        """Write what is left (once `kv_ready`, the prefill's CUDA event, has completed),
+        then the notification; the future ends with the stream."""
         with self._cond:
             stream.finishing = (notification, np.asarray(src_slots, dtype=np.int64))
+            stream.kv_ready = kv_ready
             self._cond.notify()
         return stream.future
 
@@ -296,6 +299,8 @@ class LayerSends:
             for a, b in gaps:
                 if a < b:
                     todo.setdefault((a, b), []).append(layer)
+        if todo and s.kv_ready is not None:  # positions no span's event covers
+            s.kv_ready.synchronize()
         for (a, b), layers in todo.items():
             self._post(s, src_all[a:b], a, b, layers)
 

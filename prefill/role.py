@@ -194,9 +194,10 @@ class PrefillRole:
             sending.writing = True
             tag = notification_tag(request_id, window.lease_id)
             if sending.stream is not None:
-                plan = await self._finish_stream(sending, tag, src_slots)
+                plan = await self._finish_stream(sending, tag, src_slots, last.kv_ready)
             else:
-                await write_window(self, sending, request_id, peer.agent_name, plan, tag, remaining)
+                await write_window(self, sending, request_id, peer.agent_name, plan, tag, remaining,
+                                   last.kv_ready)
             t2 = time.perf_counter()
         finally:
             if destination is not None:
@@ -243,10 +244,10 @@ class PrefillRole:
                         min(deadline, window.lease_deadline), no_write_tag(request_id, window.lease_id))
         return dst_slots
 
-    async def _finish_stream(self, sending: Sending, tag: bytes, src_slots: list[int]):
+    async def _finish_stream(self, sending: Sending, tag: bytes, src_slots: list[int], kv_ready):
         """The rest of a layer-wise window and its notification, awaited to the end."""
         try:
-            await asyncio.shield(on_loop(self.layers.finish(sending.stream, tag, src_slots)))
+            await asyncio.shield(on_loop(self.layers.finish(sending.stream, tag, src_slots, kv_ready)))
         except StreamFailed as err:
             if sending.aborted:
                 raise RequestAborted(f"RemoteSend aborted during its layer-wise write: {err}") from None

@@ -65,8 +65,9 @@ def delivered_of(future: asyncio.Future | None):
 
 
 async def write_window(role, sending: Sending, request_id: str, agent_name: str, plan, tag: bytes,
-                       timeout_s: float) -> None:
-    """The whole window's NIXL write on the role's writer threads, awaited to its end even if
+                       timeout_s: float, kv_ready=None) -> None:
+    """The whole window's NIXL write on the role's writer threads, once the engine's kernels
+    stored the KV (`kv_ready`: their CUDA event; None on the CPU), awaited to its end even if
     this call is cancelled (a test gate holds it at its start, as a write that lands late)."""
     def write_in_halves():  # a writer frozen mid-window (runtime/gates.py)
         first, rest = plan.halves()
@@ -82,7 +83,7 @@ async def write_window(role, sending: Sending, request_id: str, agent_name: str,
             await role.gates.passage("kv_write", request_id)
             if role.gates.stops_mid_write(request_id):
                 write = write_in_halves
-        await asyncio.get_running_loop().run_in_executor(role._writers, write)
+        await asyncio.get_running_loop().run_in_executor(role._writers, after(kv_ready, write))
 
     write = sending.write = asyncio.ensure_future(write_kv())
     try:
@@ -95,6 +96,16 @@ async def write_window(role, sending: Sending, request_id: str, agent_name: str,
         raise
     except TransferError as err:
         raise PeerUnavailable(f"KV write failed: {err}") from None
+
+
+def after(event, fn):
+    """`fn`, run once `event` (a CUDA event, or None) has completed: in the caller's thread,
+    never the event loop's."""
+    def run():
+        if event is not None:
+            event.synchronize()
+        return fn()
+    return run
 
 
 def tell_no_write(role, agent_name: str, tag: bytes) -> None:
