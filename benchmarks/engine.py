@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from pdserve.benchmarks import peer as peers
 from pdserve.benchmarks.engine_table import print_table
@@ -237,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor_parallel_size > 1:  # engine_tp.py runs with this file's functions (no import back)
         from pdserve.benchmarks.engine_tp import compare_tp
         return compare_tp(args, model, config, workloads, warmup, engine_kv_bytes, step_batches,
-                          run_engine=run_engine, match=match, count_parameters=count_parameters, steps=STEPS)
+                          run_engine=run_engine, match=match, steps=STEPS)
 
     peer = peer_env = None
     if args.peer:
@@ -265,9 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = measure(workloads, llm, hf, pad_id, peer)
     report = {
-        "model": {**model.record(args.dtype), "parameters": count_parameters(model.dir),
-                  "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-                  "num_layers": config.num_hidden_layers},
+        "model": model.described(args.dtype, config),
         "dtype": args.dtype,
         "device": args.device,
         "threads": torch.get_num_threads(),
@@ -323,17 +319,6 @@ def measure(workloads: list[Workload], llm, hf, pad_id: int, peer) -> list[Resul
                 r.peer_match = match(engine_tokens, theirs.token_ids)
             results.append(r)
     return results
-
-
-def count_parameters(model_dir: str) -> int:
-    """Parameters stored in the checkpoint (a tied output layer is stored, and counted, once)."""
-    from safetensors import safe_open
-
-    total = 0
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-    return total
 
 
 def match(ours: list[list[int]], theirs: list[list[int]]) -> float:

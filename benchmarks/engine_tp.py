@@ -24,7 +24,7 @@ def thread_counts(cores: int, tp_size: int) -> list[tuple[int, int]]:
 
 
 def compare_tp(args, model, config, workloads, warmup, kv_bytes: int, step_batches: list[int], *,
-               run_engine, match, count_parameters, steps: int) -> int:
+               run_engine, match, steps: int) -> int:
     """`bench engine --tensor-parallel-size N`; the engine benchmark's own runners come in
     as arguments (benchmarks/engine.py imports this file)."""
     if args.peer or args.transformers or args.device != "cpu":
@@ -50,9 +50,7 @@ def compare_tp(args, model, config, workloads, warmup, kv_bytes: int, step_batch
                      "tp_ratio": round(b["seconds"] / t["seconds"], 4),
                      "greedy_match": match(ours, theirs)})
     report = {
-        "model": {**model.record(args.dtype), "parameters": count_parameters(model.dir),
-                  "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-                  "num_layers": config.num_hidden_layers},
+        "model": model.described(args.dtype, config),
         "dtype": args.dtype,
         "device": args.device,
         "cores": cores,

@@ -19,6 +19,7 @@ engines loaded, and the dtype they ran in.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -48,6 +49,22 @@ class MeasuredModel:
 
     def record(self, dtype: str) -> dict:
         return {"name": self.name, "dir": self.dir, "dtype": dtype}
+
+    def described(self, dtype: str, config) -> dict:
+        """`record`, with the checkpoint's size and shape (`config`: its transformers config)."""
+        return {**self.record(dtype), "parameters": count_parameters(self.dir), "vocab_size": config.vocab_size,
+                "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers}
+
+
+def count_parameters(model_dir: str) -> int:
+    """Parameters stored in the checkpoint (a tied output layer is stored, and counted, once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
 
 
 def add_model_flag(p, help: str = MODEL_HELP) -> None:

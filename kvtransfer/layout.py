@@ -38,11 +38,35 @@ DTYPE_SIZES = {
 }
 
 PAGE_MAJOR, LAYER_MAJOR = "page-major", "layer-major"
+
+
+class KVSizes:
+    """Sizes derived from a pool's dtype, KV heads, head_dim, layers, slots and page size:
+    one definition for a pool (`KVLayout`) and for a node's shards of one (`KVShards`)."""
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one slot's K (or V) in one layer over the heads held: the unit a
+        descriptor is made of."""
+        return self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's KV occupies over all layers, K and V."""
+        return self.bytes_per_slot * 2 * self.num_layers
+
+    @property
+    def num_pages(self) -> int:
+        return self.num_slots // self.page_size
 LAYOUT_KINDS = (PAGE_MAJOR, LAYER_MAJOR)
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class KVLayout(KVSizes):
     dtype: str
     num_layers: int
     num_kv_heads: int
@@ -99,24 +123,6 @@ class KVLayout:
                     f"page_stride={self.page_stride}, slot_stride={self.slot_stride})"
                 )
             span += stride * (count - 1)
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPE_SIZES[self.dtype]
-
-    @property
-    def bytes_per_slot(self) -> int:
-        """Bytes of one slot's K (or V) in one layer: the unit a descriptor is made of."""
-        return self.num_kv_heads * self.head_dim * self.itemsize
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token's KV occupies over all layers, K and V."""
-        return self.bytes_per_slot * 2 * self.num_layers
-
-    @property
-    def num_pages(self) -> int:
-        return self.num_slots // self.page_size
 
     @property
     def kind(self) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .layout import DTYPE_SIZES, KVLayout
+from .layout import KVLayout, KVSizes
 
 _AGREE = ("dtype", "num_layers", "head_dim", "page_size", "num_slots")
 
@@ -43,7 +43,7 @@ class KVShard:
 
 
 @dataclass(frozen=True)
-class KVShards:
+class KVShards(KVSizes):
     shards: tuple[KVShard, ...]
     num_kv_heads: int  # the model's KV heads, over all shards
 
@@ -102,27 +102,10 @@ class KVShards:
         return self.shards[0].layout.num_slots
 
     @property
-    def num_pages(self) -> int:
-        return self.num_slots // self.page_size
-
-    @property
     def device(self) -> str:
         """The first shard's device (rank 0's, as ``head_ranges`` orders them); the others
         share its kind."""
         return self.shards[0].layout.device
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPE_SIZES[self.dtype]
-
-    @property
-    def bytes_per_slot(self) -> int:
-        """Bytes of one position's K (or V) in one layer over all the model's heads."""
-        return self.num_kv_heads * self.head_dim * self.itemsize
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.bytes_per_slot * 2 * self.num_layers
 
     def incompatibilities(self, other: "KVShards | KVLayout") -> list[str]:
         """Why KV cannot move between ``self`` and ``other`` (empty when it can). Head
