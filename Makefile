@@ -55,11 +55,17 @@ bench-peers: $(VLLM_STAMP)
 # The GPU check (benchmarks/gpu.py): kernels, parity with transformers, P/D over VRAM NIXL
 # and the engine's speed, into benchmarks/results/gpu_check.json. It uses the machine's own
 # python3 and packages (a GPU image has torch): pdserve alone goes into build/gpu, no venv.
+# PYTHONSAFEPATH: `python -m` would put the repository first on sys.path, where the source
+# folder pdserve/ (the CLI alone) hides the installed package; the nodes it starts inherit it.
+# `make gpu-check GPU_OUT=DIR`: the JSON and the nodes' logs (one .tar.gz) go to DIR instead;
+# GPU_ARGS: more flags (`GPU_ARGS="--device cpu --quick"` tries it on a CPU).
 GPU_TREE := build/gpu
+GPU_OUT_ARGS = $(if $(GPU_OUT),--out $(GPU_OUT)/gpu_check.json --logs-archive $(GPU_OUT)/gpu_check_logs.tar.gz)
 gpu-check:
 	rm -rf $(GPU_TREE)
 	$(PYTHON) -m pip install -q --no-deps --no-index --no-build-isolation --target $(GPU_TREE) .
-	PYTHONPATH=$(CURDIR)/$(GPU_TREE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pdserve.benchmarks.gpu
+	PYTHONSAFEPATH=1 PYTHONPATH=$(CURDIR)/$(GPU_TREE)$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(PYTHON) -m pdserve.benchmarks.gpu $(GPU_OUT_ARGS) $(GPU_ARGS)
 
 proto: $(STAMP)
 	$(PY) -m pdserve.proto.generate

@@ -1,8 +1,9 @@
 """`pdserve bench gpu` (`make gpu-check`): the whole GPU check in one run, sized for one
 H200 and a few minutes, model creation included. It writes one JSON file.
 
-Stages, each in its own child process with a time limit, so one failing or hanging
-stage still leaves the others' figures:
+Stages, each in its own child process (and process group) with a time limit, within one
+deadline for the whole check, so one failing or hanging stage still leaves the others'
+figures; they run engine, cluster, parity, kernels: a run cut short loses the least:
 - engine: a random "1B-class" Llama in bfloat16 (16 layers, hidden 2048, 32/8 heads,
   intermediate 8192, vocab 49152). Decode steps at batch 1, 64 and 256 (prompts of 128
   tokens; each step timed whole with `Engine.step()`: scheduling, inputs, the forward,
@@ -11,7 +12,7 @@ stage still leaves the others' figures:
   device-to-device copy rate measured here); the graph replay alone, timed with CUDA
   events; then 64 prompts of 512 tokens, 256 new tokens each, against transformers'
   `generate` on the same prompts in the same run (the baseline, `--hf-new-tokens` new
-  tokens each, since its tokens per second hardly move with the length).
+  tokens each, 256 unless told).
 - parity: SmolLM2's geometry (30 layers, hidden 576, 9/3 heads) with random weights in
   float32; six prompts of 7 to 1030 tokens, 32 greedy tokens each, against transformers'
   greedy `generate` on the same device, with the Triton backend (and its CUDA graphs)
@@ -31,6 +32,8 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -82,75 +85,101 @@ def stage_kernels(device: str, workdir: Path, quick: bool) -> dict:
     # tree's pdserve/ folder, which lacks the subpackages that only the build maps into it.
     cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=append",
            "-k", "cuda or gpu", *files]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)  # the stage's limit ends it
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
     return {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "summary": tail[-1] if tail else "",
             "tail": tail, "ok": proc.returncode == 0}
 
 
-def stage_cluster(device: str, workdir: Path, quick: bool) -> dict:
+def stage_cluster(device: str, workdir: Path, quick: bool, deadline: float) -> dict:
     from pdserve.benchmarks import gpu_cluster
 
-    big = None if quick else checkpoint(workdir / "llama-1b", ONE_B)
-    return gpu_cluster.run(device, workdir, workdir / "logs", quick=quick, ttft_model=big)
+    big = None if quick else checkpoint(workdir / "llama-1b", ONE_B)  # written by the engine stage
+    budget = deadline - time.time() - 15  # 15 s: the nodes' stop, and the result's way back
+    return gpu_cluster.run(device, workdir, workdir / "logs", quick=quick, ttft_model=big, budget_s=budget)
 
 
 STAGES = {"engine": gpu_engine.stage_engine, "parity": stage_parity, "kernels": stage_kernels, "cluster": stage_cluster}
 LIMITS_S = {"engine": 150, "parity": 90, "kernels": 150, "cluster": 180}
+# The figures that matter most run first: a run cut short by its deadline loses the rest.
+ORDER = "engine,cluster,parity,kernels"
 
 
-def _child(name: str, args, conn) -> None:
+def _child(fn, params: tuple, conn) -> None:
+    os.setsid()  # its own process group: a stage killed at its limit takes its children along
     try:
-        fn = STAGES[name]
-        extra = (args.hf_new_tokens,) if name == "engine" else ()
-        conn.send({"ok": True, **fn(args.device, Path(args.workdir), args.quick, *extra)})
+        conn.send({"ok": True, **fn(*params)})
     except BaseException as err:  # the parent records it and goes on with the next stage
         conn.send({"ok": False, "error": repr(err), "traceback": traceback.format_exc()[-4000:]})
 
 
-def run_stage(name: str, args) -> dict:
+def run_stage(fn, params: tuple, limit_s: float) -> dict:
+    """`fn(*params)` in a child process for at most `limit_s`; a crash is reported as soon as
+    the child dies, with its exit code."""
     ctx = mp.get_context("spawn")  # CUDA does not survive fork
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(name, args, child))
+    proc = ctx.Process(target=_child, args=(fn, params, child))
     start = time.perf_counter()
     proc.start()
-    limit = args.stage_limit_s or LIMITS_S[name]
-    result = parent.recv() if parent.poll(limit) else {"ok": False, "error": f"timed out after {limit} s"}
+    child.close()  # else the parent's copy keeps the pipe open and a dead child is never seen
+    try:
+        result = parent.recv() if parent.poll(limit_s) else {"ok": False, "error": f"timed out after {limit_s:.0f} s"}
+    except EOFError:
+        proc.join(5)
+        result = {"ok": False, "error": f"the stage's process died (exit code {proc.exitcode})"}
     proc.join(5)
-    if proc.is_alive():
-        proc.kill()
+    try:  # the stage (if still there) and whatever it started: pytest, nodes
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.join(5)
     result.setdefault("ok", False)
     result["wall_s"] = round(time.perf_counter() - start, 1)
     return result
+
+
+def stage_params(name: str, args, limit_s: float) -> tuple:
+    extra = {"engine": (args.hf_new_tokens,), "cluster": (time.time() + limit_s,)}.get(name, ())
+    return (args.device, Path(args.workdir), args.quick, *extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu with --quick (default cuda)")
     p.add_argument("--quick", action="store_true", help="tiny models and sizes: a smoke test of this script")
-    p.add_argument("--stages", default="engine,parity,kernels,cluster", help="comma-separated subset, in order")
+    p.add_argument("--stages", default=ORDER, help=f"comma-separated subset, in order (default {ORDER})")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_check.json"), help="JSON file")
     p.add_argument("--workdir", default="/tmp/pdserve-gpu-check", help="checkpoints and logs")
-    p.add_argument("--hf-new-tokens", type=int, default=64,
-                   help="new tokens per prompt of the transformers baseline (default 64)")
+    p.add_argument("--hf-new-tokens", type=int, default=256,
+                   help="new tokens per prompt of the transformers baseline (default 256, as pdserve's)")
     p.add_argument("--stage-limit-s", type=float, default=None, help="time limit of each stage")
+    p.add_argument("--deadline-s", type=float, default=520,
+                   help="time limit of the whole check; a stage gets at most what is left (default 520 s,"
+                        " inside a 10-minute command with the installs)")
+    p.add_argument("--logs-archive", default=None,
+                   help="also write the nodes' logs as one .tar.gz here (a device machine returns few files)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    end = time.monotonic() + args.deadline_s
     report = {"command": "pdserve bench gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "stages": {}}
     for name in args.stages.split(","):
         print(f"[gpu-check] {name} ...", file=sys.stderr, flush=True)
-        report["stages"][name] = run_stage(name, args)
+        limit = min(args.stage_limit_s or LIMITS_S[name], end - time.monotonic())
+        report["stages"][name] = run_stage(STAGES[name], stage_params(name, args, limit), limit) if limit > 5 else {
+            "ok": False, "error": f"not run: {args.deadline_s:.0f} s deadline reached", "wall_s": 0}
         print(f"[gpu-check] {name}: ok={report['stages'][name]['ok']} in {report['stages'][name]['wall_s']} s",
               file=sys.stderr, flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     report["ok"] = all(s["ok"] for s in report["stages"].values())
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.logs_archive and (Path(args.workdir) / "logs").is_dir():
+        shutil.make_archive(args.logs_archive.removesuffix(".tar.gz"), "gztar", Path(args.workdir) / "logs")
     print(json.dumps(summary(report), indent=1))
     return 0 if report["ok"] else 1
 

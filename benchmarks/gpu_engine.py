@@ -94,25 +94,31 @@ def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng: random.Ra
 
 
 class GraphTimer:
-    """GPU time of each decode step's input copy and graph replay, by CUDA events around
-    `DecodeGraphs.run` (the host's share of a step is its wall time less this)."""
+    """GPU time of each decode step's input copy and graph replay, by CUDA events: the start
+    is recorded when `DecodeGraphs.run` has filled its host buffer and copies it, the end
+    when the replay is queued (the host's share of a step is its wall time less this)."""
 
     def __init__(self, engine):
         import torch
 
         self.graphs = engine.runner.graphs
         self.pairs: list = []
-        run = self.graphs.run
+        run, copy = self.graphs.run, self.graphs._copy
+        started: list = []
 
-        def timed(seqs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        def timed_copy(b):
+            started.append(torch.cuda.Event(enable_timing=True))
+            started[-1].record()
+            copy(b)
+
+        def timed_run(seqs):
             out = run(seqs)
+            end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.pairs.append((start, end))
+            self.pairs.append((started.pop(), end))
             return out
 
-        self.graphs.run = timed
+        self.graphs._copy, self.graphs.run = timed_copy, timed_run
 
     def take_median_ms(self) -> float | None:
         times = [s.elapsed_time(e) for s, e in self.pairs]

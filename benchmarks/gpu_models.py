@@ -10,7 +10,8 @@ from pathlib import Path
 
 ONE_B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-             initializer_range=0.02, tie_word_embeddings=True)
+             initializer_range=0.02, tie_word_embeddings=True,
+             weights_dtype="bfloat16")  # as every run of it loads it: half the bytes to write and read
 SMOLLM2_GEOMETRY = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
                         initializer_range=0.02, tie_word_embeddings=True, rope_theta=100000.0)

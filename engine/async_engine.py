@@ -18,6 +18,8 @@ import asyncio
 import threading
 from collections import deque
 
+import torch
+
 from .config import EngineConfig, SamplingParams
 from .engine import Engine
 from .outputs import CompletionOutput, RequestOutput
@@ -56,6 +58,8 @@ class AsyncEngine:
         try:
             engine = config_or_engine if isinstance(config_or_engine, Engine) else Engine(config_or_engine)
             engine.bind_to_current_thread()  # one built elsewhere is this thread's from here on
+            if engine.kv_cache.device.type == "cuda":  # as Engine() does on its own thread: Triton
+                torch.cuda.set_device(engine.kv_cache.device)  # launches there (a tensor's has an index)
             self.engine, self.capacity = engine, engine.capacity
         except BaseException as e:  # raised to the constructor's caller; the thread ends
             failed.append(e)

@@ -124,13 +124,15 @@ def write_checkpoint(
     seed: int = 0,
     vocab_size: int = 512,
     max_shard_size: str | None = None,
+    weights_dtype: str = "float32",
     **config_overrides,
 ) -> Path:
     """Write a randomly initialised checkpoint of `family` into `out_dir` and return it.
 
     `config_overrides` go into the transformers config (hidden_size, num_hidden_layers,
     num_key_value_heads, head_dim, ...). `max_shard_size` (e.g. "200KB") splits the weights
-    over several safetensors files with an index, as large checkpoints are.
+    over several safetensors files with an index, as large checkpoints are. `weights_dtype`:
+    the weights' as stored (initialised in float32 all the same, so the values match).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -141,7 +143,7 @@ def write_checkpoint(
     config = _config(family, vocab_size, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.eval()
+    model.eval().to(getattr(torch, weights_dtype))
     kwargs = {"safe_serialization": True}
     if max_shard_size:
         kwargs["max_shard_size"] = max_shard_size

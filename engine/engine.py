@@ -31,7 +31,7 @@ from pdserve.arith import ceil_div
 from .capacity import KVCapacity
 from .completion import append_text, append_token, append_token_id, eos_token_ids, take_delta
 from .config import EngineConfig, SamplingParams
-from .detokenizer import IncrementalDetokenizer
+from .intake import new_request
 from .kv_pool import kv_pool
 from .memory import kv_cache_pages
 from .model import ModelRunner
@@ -56,6 +56,8 @@ class UnknownRequest(ValueError):
 class Engine(SingleThreaded):
     def __init__(self, config: EngineConfig):
         config.validate()
+        if (device := torch.device(config.device)).type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # Triton launches on the thread's current device ("cuda" is it)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)  # never pinned: cores are shared
         if torch.device(config.device).type == "cpu":
@@ -97,6 +99,10 @@ class Engine(SingleThreaded):
         # returns the previous step's tokens. (sequence, token, is stop token) to finish.
         self.overlap_output = config.overlap_output and self.runner.on_gpu
         self._text_pending: list[tuple[Sequence, int, bool]] = []
+        # On a GPU: a step that sampled nothing may still have KV stores queued (sampling
+        # waits for the step). Pages freed meanwhile must not go to a remote writer, whose
+        # copies are not ordered after this stream's work: `prepare_receive` waits first.
+        self._stores_queued = False
 
     # ---- accounting -------------------------------------------------------------------
     @entry_point
@@ -134,6 +140,9 @@ class Engine(SingleThreaded):
         if not isinstance(kv_window_end, int) or not 0 <= kv_window_end < len(prompt_token_ids or []):
             raise ValueError(f"kv_window_end must be in [0, {len(prompt_token_ids or [])}), got {kv_window_end!r}")
         request = self._new_request(request_id, prompt_token_ids, params, False, cache_salt)
+        if self._stores_queued:
+            torch.cuda.current_stream(self.runner.device).synchronize()
+            self._stores_queued = False
         seq = request.seqs[0]
         ps = self.page_size
         max_pages = max(0, kv_window_end - 1) // ps
@@ -196,32 +205,9 @@ class Engine(SingleThreaded):
     def _new_request(self, request_id, prompt_token_ids, params, prefill_only, cache_salt="") -> Request:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt = list(prompt_token_ids or [])
-        if not prompt:
-            raise ValueError("prompt must not be empty, got 0 tokens")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
-            bad = next(t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size)
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad!r}")
-        limit = self.max_model_len if prefill_only else self.max_model_len - 1
-        if len(prompt) > limit:
-            raise ValueError(f"prompt of {len(prompt)} tokens is longer than the model's context allows ({limit})")
-        if ceil_div(len(prompt), self.page_size) > self.num_pages:
-            raise ValueError(f"prompt of {len(prompt)} tokens needs more than the {self.num_pages} KV pages of this engine")
-        params.validate(self.vocab_size, self.max_model_len)
         self._arrivals += 1
-        if not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
-        request = Request(request_id, prompt, params, prefill_only, self._arrivals, cache_salt=cache_salt)
-        for i in range(1 if prefill_only else params.n):
-            seq = Sequence(request, i, list(prompt), len(prompt))
-            if params.seed is not None:
-                seq.generator = torch.Generator().manual_seed(params.seed + i)
-            if not prefill_only:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, True, prompt)
-            if params.logprobs is not None:
-                seq.logprobs = []
-            request.seqs.append(seq)
-        return request
+        return new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt, self.capacity,
+                           self.vocab_size, self.tokenizer, self._arrivals)
 
     # ---- one step ----------------------------------------------------------------------
     @entry_point
@@ -254,6 +240,7 @@ class Engine(SingleThreaded):
             sampling = [s for s, w in zip(seqs, wants) if w]
             if sampling:
                 self._sample(sampling, logits)
+            self._stores_queued = self.runner.on_gpu and not sampling
             self.step_budget.observe(batch.num_decodes, batch.num_prefill_tokens, time.perf_counter() - now)
             for seq in seqs:
                 request = seq.request

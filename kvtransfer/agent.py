@@ -3,10 +3,10 @@
 Invariants:
 - The whole KV pool is registered once, at construction, and stays registered until
   ``close()``; transfers only name addresses inside it (NIXL rejects anything else).
-- A remote agent is loaded once per distinct metadata blob and reused; new metadata under
-  a known name (the peer restarted) replaces the stale entry (and its regions) instead of failing.
+- A remote agent is loaded once per distinct metadata blob and reused (peer_table.py).
 - Each descriptor carries the device id of the registered region holding it, on its own
   side (NIXL matches on it); one outside every known region is refused (regions.py).
+- A cancelled WRITE of GPU memory is waited for on the device before `release` returns.
 - ``write`` returns only when every byte has landed remotely, and the notification it
   carries is delivered after the data (NIXL sends it once the writes are flushed). It
   raises ``TransferError`` on failure or timeout and never waits past its deadline.
@@ -23,7 +23,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections import deque
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .peer_table import PeerLoadError, PeerTable
 from .plan import TransferPlan
 from .poller import Poller
 from .regions import RegionTable, memory_regions
@@ -45,16 +45,6 @@ def _bindings() -> Any:
     import nixl  # imported lazily: it loads UCX and is not needed to plan or validate
 
     return nixl._bindings
-
-
-def _agent_name(metadata: bytes) -> str | None:
-    """The agent name inside NIXL metadata (``nixlSerDes|Agent`` + u64 length + name)."""
-    head = b"nixlSerDes|Agent"
-    if not metadata.startswith(head) or len(metadata) < len(head) + 8:
-        return None
-    n = int.from_bytes(metadata[len(head) : len(head) + 8], "little")
-    raw = metadata[len(head) + 8 : len(head) + 8 + n]
-    return raw.decode(errors="replace") if len(raw) == n else None
 
 
 class TransferAgent:
@@ -80,10 +70,8 @@ class TransferAgent:
         b = _bindings()
         self._b = b
         self.name = name
-        self._lock = threading.Lock()  # guards the notification buffer and remote cache
+        self._lock = threading.Lock()  # guards the notification buffer
         self._notifs: deque[tuple[str, bytes]] = deque(maxlen=65536)
-        self._remotes: dict[str, str] = {}  # remote name -> digest of its loaded metadata
-        self._remote_regions: dict[str, RegionTable] = {}  # only for peers added with regions
         self._closed = False
 
         cfg = b.nixlAgentConfig()
@@ -96,6 +84,7 @@ class TransferAgent:
         if "UCX" not in self._agent.getAvailPlugins():
             raise TransferError("the NIXL UCX plugin is not available")
         self._backend = self._agent.createBackend("UCX", dict(backend_params or {}))
+        self._peers = PeerTable(self._agent, {"DRAM": b.DRAM_SEG, "VRAM": b.VRAM_SEG})
 
         regions, kind = memory_regions(memory)
         self._mem = b.DRAM_SEG if kind == "DRAM" else b.VRAM_SEG
@@ -108,7 +97,15 @@ class TransferAgent:
         self._poller: Poller | None = None
         if not progress_thread:
             self._poller = Poller(self._poll_once, f"nixl-poll-{name}", poll_interval_s, idle_poll_interval_s,
-                                  idle_after_s)
+                                  idle_after_s, on_start=self.bind_device)
+
+    def bind_device(self) -> None:
+        """Make the pool's CUDA device current on the calling thread (nothing for host
+        memory): UCX progress there completes CUDA copies, which wants the device's context."""
+        if self._mem != self._b.DRAM_SEG:
+            import torch  # a GPU pool was registered from a torch tensor
+
+            torch.cuda.set_device(int(self._regions.dev_ids[0]))
 
     def stay_active(self, seconds: float | None = None) -> None:
         """Poll at the busy interval for `seconds` (default ``idle_after_s``): a node about
@@ -128,55 +125,26 @@ class TransferAgent:
         """This agent's NIXL metadata (connection info + registered pool), for peers."""
         return self._agent.getLocalMD()
 
-    def add_remote(self, metadata: bytes, regions: Sequence[tuple[int, int, int]] | None = None) -> str:
-        """Load a peer's metadata once and return its agent name (cached by content).
+    def add_remote(self, metadata: bytes, regions: Sequence[tuple[int, int, int]] | None = None,
+                   memory_kind: str = "") -> str:
+        """Load a peer's metadata once and return its agent name (peer_table.py).
         ``regions``, the peer's ``[(addr, nbytes, device id), ...]`` (`regions_of` its layout),
         set each destination descriptor's device id; never given, every destination carries
-        this agent's first device id, which is right only when both use one device."""
+        this agent's first device id, which is right only when both use one device.
+        ``memory_kind`` ("DRAM" or "VRAM", `memory_kind_of` its layout): the peer's, where it
+        may differ from this agent's."""
         self.stay_active()
-        digest = hashlib.sha256(metadata).hexdigest()
-        table = None if regions is None else RegionTable(regions)
-        with self._lock:
-            for remote, known in self._remotes.items():
-                if known == digest:
-                    if table is not None:
-                        self._remote_regions[remote] = table
-                    return remote
-            try:
-                name = self._agent.loadRemoteMD(metadata)
-            except Exception as e:
-                # a known name with new metadata means the peer restarted: NIXL refuses to
-                # overwrite it, so drop the stale entry and load the new one
-                stale = _agent_name(metadata)
-                if stale is None or stale not in self._remotes:
-                    raise TransferError(f"cannot load remote agent metadata: {e}") from e
-                self._invalidate(stale)
-                try:
-                    name = self._agent.loadRemoteMD(metadata)
-                except Exception as e2:
-                    raise TransferError(f"cannot load remote agent metadata: {e2}") from e2
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            self._remotes[name] = digest
-            if table is not None:
-                self._remote_regions[name] = table
-            return name
+        try:
+            return self._peers.add(metadata, regions, memory_kind)
+        except PeerLoadError as e:
+            raise TransferError(str(e)) from e
 
     def remove_remote(self, remote_name: str) -> None:
-        with self._lock:
-            self._invalidate(remote_name)
-
-    def _invalidate(self, remote_name: str) -> None:
-        self._remotes.pop(remote_name, None)
-        self._remote_regions.pop(remote_name, None)
-        try:
-            self._agent.invalidateRemoteMD(remote_name)
-        except Exception:
-            pass  # already gone: nothing left to drop
+        self._peers.remove(remote_name)
 
     @property
     def remotes(self) -> list[str]:
-        with self._lock:
-            return list(self._remotes)
+        return self._peers.names()
 
     # ------------------------------------------------------------------------ transfers
     def _dlist(self, addrs: np.ndarray, sizes: np.ndarray, remote_name: str | None = None) -> Any:
@@ -184,13 +152,14 @@ class TransferAgent:
         arr = np.empty((addrs.size, 3), dtype=np.uint64)
         arr[:, 0] = addrs
         arr[:, 1] = sizes
-        table = self._regions if remote_name is None else self._remote_regions.get(remote_name)
+        peer = None if remote_name is None else self._peers.get(remote_name)
+        table = self._regions if remote_name is None else peer and peer.regions
         try:  # a peer added without regions: assume one device, ours
             arr[:, 2] = self._regions.dev_ids[0] if table is None else table.device_ids(arr[:, 0], arr[:, 1])
         except ValueError as e:
             side = "local" if remote_name is None else f"remote {remote_name!r}"
             raise TransferError(f"{side} {e}") from None
-        return self._b.nixlXferDList(self._mem, arr)
+        return self._b.nixlXferDList(self._mem if peer is None or peer.mem is None else peer.mem, arr)
 
     def post(self, remote_name: str, plan: TransferPlan | Sequence[tuple[int, int, int]],
              notification: bytes = b"") -> Any:
@@ -202,7 +171,7 @@ class TransferAgent:
             notification = notification.encode()
         if self._closed:
             raise TransferError(f"agent {self.name!r} is closed")
-        if remote_name not in self._remotes:
+        if self._peers.get(remote_name) is None:
             raise TransferError(f"unknown remote agent {remote_name!r}: call add_remote first")
         if isinstance(plan, TransferPlan):
             src, dst, sizes = plan.src_addrs, plan.dst_addrs, plan.sizes
@@ -237,11 +206,23 @@ class TransferAgent:
         return True
 
     def release(self, handle: Any) -> None:
-        """Free a handle (cancelling its WRITE if still in flight)."""
+        """Free a handle, cancelling its WRITE if still in flight. In GPU memory a WRITE's
+        copies are queued on the device when it is posted (UCX's cuda_ipc: one per
+        descriptor), where a cancel does not reach: a cancelled one is waited for there, so
+        that both sides' pages may be reused once this returns."""
+        try:
+            cancelled = self._mem != self._b.DRAM_SEG and self._agent.getXferStatus(handle) == self._b.NIXL_IN_PROG
+        except Exception:
+            cancelled = True  # failed midway: some copies may be queued all the same
         try:
             self._agent.releaseXferReq(handle)
         except Exception:
             pass  # NIXL could not cancel; the agent frees it at destruction
+        if cancelled and self._mem != self._b.DRAM_SEG:
+            import torch  # only a GPU pool gets here, and it was registered from a torch tensor
+
+            for device in sorted(set(self._regions.dev_ids)):
+                torch.cuda.synchronize(device)
 
     def write(self, remote_name: str, plan: TransferPlan | Sequence[tuple[int, int, int]], notification: bytes,
               timeout_s: float = 30.0) -> None:
@@ -332,9 +313,7 @@ class TransferAgent:
         self._closed = True
         if self._poller is not None:
             self._poller.close()
-        with self._lock:
-            for r in list(self._remotes):
-                self._invalidate(r)
+        self._peers.close()
         try:
             self._agent.deregisterMem(self._reg, [self._backend])
         except Exception:

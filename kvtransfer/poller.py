@@ -21,11 +21,13 @@ from typing import Callable
 
 
 class Poller:
-    def __init__(self, poll: Callable[[], bool], name: str, busy_s: float, idle_s: float, idle_after_s: float):
+    def __init__(self, poll: Callable[[], bool], name: str, busy_s: float, idle_s: float, idle_after_s: float,
+                 on_start: Callable[[], None] | None = None):
+        """`on_start`: called first on the thread (to set thread-local state such as a CUDA device)."""
         if busy_s <= 0 or idle_s < busy_s:
             raise ValueError(f"poll intervals must be positive, the idle one ({idle_s}) no shorter than the "
                              f"busy one ({busy_s})")
-        self._poll = poll
+        self._poll, self._on_start = poll, on_start
         self._busy_s, self._idle_s, self._idle_after_s = busy_s, idle_s, idle_after_s
         self._active_until = time.monotonic() + idle_after_s
         self._stop = threading.Event()
@@ -51,6 +53,8 @@ class Poller:
         return self._idle_s if self.idle else self._busy_s
 
     def _run(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         while not self._stop.is_set():
             self._wake.wait(self.next_wait())
             self._wake.clear()

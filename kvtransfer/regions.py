@@ -37,6 +37,12 @@ def regions_of(layout: KVLayout | KVShards) -> list[tuple[int, int, int]]:
     return [(lay.base_addr, lay.extent, device_index(lay.device)) for lay in layouts]
 
 
+def memory_kind_of(layout: KVLayout | KVShards) -> str:
+    """"DRAM" or "VRAM": the NIXL memory kind a pool described by ``layout`` was registered as."""
+    layouts = [sh.layout for sh in layout.shards] if isinstance(layout, KVShards) else [layout]
+    return "DRAM" if all(lay.device == "cpu" for lay in layouts) else "VRAM"
+
+
 def memory_regions(memory: Any) -> tuple[list[tuple[int, int, int]], str]:
     """(addr, nbytes, device id) regions and memory kind ("DRAM"/"VRAM") of a KV pool given
     as a tensor or as ``[(addr, nbytes), ...]`` (host memory)."""

@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -119,6 +120,8 @@ class NodeProcess:
         if threads is not None:
             env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self._log = open(self.log_path, "w") if self.log_path is not None else None
+        self._stdout_copier: threading.Thread | None = None
+        self._start_error = ""
         command = program or [sys.executable, "-m", module]  # `program`: another binary
         # Set up by pdserve.launch in the child, not by a preexec_fn: see there why.
         argv = launch.command([*command, *self.args], parent_death=death_signal, netns=netns, cores=cores)
@@ -127,7 +130,12 @@ class NodeProcess:
 
     def wait_ready(self, timeout_s: float = 120.0) -> str:
         """The node's `HOST:PORT` once it listens (see `dial_address`); raises RuntimeError
-        if it exits or does not listen within `timeout_s` (and stops it)."""
+        if it exits or does not listen within `timeout_s` (and stops it). Called again, it
+        answers the same."""
+        if self.address or self._start_error:
+            if self._start_error:
+                raise RuntimeError(self._start_error)
+            return self.address
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if select.select([self.proc.stdout], [], [], 0.2)[0]:
@@ -137,6 +145,7 @@ class NodeProcess:
                     self.ready_line = line.strip()
                     self.port = int(match.group(3))
                     self.address = dial_address(match.group(2), self.port)
+                    self._copy_stdout()
                     return self.address
                 if not line and self.proc.poll() is not None:
                     break
@@ -147,7 +156,27 @@ class NodeProcess:
         code = self.proc.poll()
         self.stop()
         tail = f"; {self.log_path}:\n{self.log_path.read_text()[-3000:]}" if self.log_path else ""
-        raise RuntimeError(f"pdserve {self.name} did not start (exit code {code}){tail}")
+        self._start_error = f"pdserve {self.name} did not start (exit code {code}){tail}"
+        raise RuntimeError(self._start_error)
+
+    def _copy_stdout(self) -> None:
+        """Past the ready line nothing else reads the node's stdout, and a library writing
+        there (UCX logs to stdout by default) would block the node once the pipe's 64 KiB
+        filled: a thread copies it on, to our stdout (`echo`) or the node's log."""
+        def copy() -> None:
+            try:
+                for line in self.proc.stdout:  # until the node and its children have exited
+                    out = sys.stdout if self.echo else self._log
+                    if out is not None:
+                        out.write(line)
+                        out.flush()
+            except (ValueError, OSError):
+                pass  # the log was closed: the node was stopped
+            finally:
+                self.proc.stdout.close()
+
+        self._stdout_copier = threading.Thread(target=copy, name=f"stdout-{self.name}", daemon=True)
+        self._stdout_copier.start()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -191,7 +220,9 @@ class NodeProcess:
         self.proc.wait()
 
     def _close(self) -> None:
-        if self.proc.stdout is not None:
+        if self._stdout_copier is not None:  # it ends, and closes the pipe, at the pipe's end
+            self._stdout_copier.join(2.0)  # the node's last lines, into its log
+        elif self.proc.stdout is not None:
             self.proc.stdout.close()
         if self._log is not None:
             self._log.close()

@@ -14,7 +14,7 @@ from functools import partial
 import grpc
 
 from pdserve.kvtransfer.layout import KVLayout
-from pdserve.kvtransfer.regions import regions_of
+from pdserve.kvtransfer.regions import memory_kind_of, regions_of
 from pdserve.kvtransfer.shards import KVShard, KVShards
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.runtime.errors import PeerUnavailable, Refused
@@ -89,8 +89,10 @@ class DecodePeers:
                     raise IncompatiblePeer(f"decode node {ref.address} cannot receive this "
                                            "node's KV: " + "; ".join(problems))
                 loop = asyncio.get_running_loop()
-                # the peer's regions give each destination descriptor its own device id
-                add = partial(self.agent.add_remote, info.agent_metadata, regions=regions_of(info.layout))
+                # the peer's regions give each destination descriptor its own device id, and
+                # its memory kind the descriptors' (a GPU pool may write into a CPU one)
+                add = partial(self.agent.add_remote, info.agent_metadata, regions=regions_of(info.layout),
+                              memory_kind=memory_kind_of(info.layout))
                 await loop.run_in_executor(None, add)
                 peer = self._peers[ref.agent_name] = DecodePeer(ref.agent_name, info.layout, info.host_id)
         return peer

@@ -44,7 +44,18 @@ def host_id() -> str:
     return f"{boot}/{'net' if network_only else 'ipc'}:{ns}"
 
 
-_UCX_MEMORY_TRANSPORTS = {"all", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"}
+def ucx_moves_gpu_memory() -> bool:
+    """Whether UCX_TLS (unset: every transport) leaves UCX a way to copy GPU memory."""
+    import os
+
+    tls = os.environ.get("UCX_TLS", "").lower().strip()
+    names = {t.strip().lstrip("^") for t in tls.split(",") if t.strip()}
+    if tls.startswith("^"):  # all but those named
+        return not names & {"cuda", "cuda_copy"}
+    return not tls or bool(names & {"all", "cuda", "cuda_copy"})
+
+
+_UCX_MEMORY_TRANSPORTS = {"all", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "cuda_ipc"}
 
 
 def model_hash(model_dir: str | Path) -> str:

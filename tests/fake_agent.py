@@ -133,7 +133,7 @@ class FakeAgent:
     def metadata(self) -> bytes:
         return _META_PREFIX + self.name.encode()
 
-    def add_remote(self, metadata: bytes, regions=None) -> str:
+    def add_remote(self, metadata: bytes, regions=None, memory_kind: str = "") -> str:
         if not isinstance(metadata, bytes) or not metadata.startswith(_META_PREFIX):
             raise TransferError(f"cannot load remote agent metadata: {metadata!r}")
         name = metadata[len(_META_PREFIX):].decode()

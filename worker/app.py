@@ -33,7 +33,7 @@ from pdserve.prefill.role import PrefillRole
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.runtime import metrics
 from pdserve.runtime.gates import Gates
-from pdserve.runtime.identity import NodeIdentity, model_hash
+from pdserve.runtime.identity import NodeIdentity, model_hash, ucx_moves_gpu_memory
 from pdserve.runtime.server import new_server, serve, wait_idle
 from pdserve.worker.config import ROLES, WorkerConfig
 from pdserve.worker.node import Node
@@ -74,6 +74,9 @@ async def build_node(config: WorkerConfig, gates: Gates | None = None) -> Node:
              sum(p.numel() * p.element_size() for p in pools) >> 20,
              f" over {len(pools)} tensor-parallel ranks" if len(pools) > 1 else "", sizing)
     bind_to_host(config.server.host)  # UCX listens only where the node's ports do
+    if not on_cpu and not ucx_moves_gpu_memory():
+        log.warning("UCX_TLS=%s leaves out cuda_copy: UCX cannot move this node's KV pool in GPU memory, "
+                    "and every KV write will fail; add cuda_copy (and cuda_ipc)", os.environ["UCX_TLS"])
     layout = KVLayout.from_tensor(kv_cache, page_size)
     if len(pools) > 1:  # every rank's pool, each with its heads, under this node's one agent
         layout = KVShards(tuple(KVShard(KVLayout.from_tensor(p, page_size), b, r)

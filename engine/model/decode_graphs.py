@@ -82,18 +82,19 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.sizes):  # largest first: the pool is sized once
-            self._rows_bucket = 0  # the padding below overwrites table rows
-            self._fill_padding(0, b)
-            self._copy(b)
-            self._forward(b)  # compiles the Triton kernels outside the capture
+        with torch.cuda.device(self.device):  # capture and Triton use the current device
+            pool = torch.cuda.graph_pool_handle()
+            for b in reversed(self.sizes):  # largest first: the pool is sized once
+                self._rows_bucket = 0  # the padding below overwrites table rows
+                self._fill_padding(0, b)
+                self._copy(b)
+                self._forward(b)  # compiles the Triton kernels outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    logits = self._forward(b)
+                self.graphs[b] = (graph, logits)
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                logits = self._forward(b)
-            self.graphs[b] = (graph, logits)
-        torch.cuda.synchronize(self.device)
 
     def bucket(self, n: int) -> int | None:
         """The smallest captured batch size >= n (None: no graph holds n rows)."""

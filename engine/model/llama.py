@@ -78,37 +78,31 @@ class LlamaModel:
             t = state.pop(name, None)
             return t.contiguous() if t is not None else None
 
-        def fuse(*tensors):
-            if all(t is None for t in tensors):
-                return None
-            return torch.cat(tensors, dim=0).contiguous()
+        def fused(prefix: str, names: tuple[str, ...]) -> Linear:
+            """One matmul of several: their weights stacked, and their biases (zeros for
+            any one missing, as a partly biased checkpoint has) unless none has one."""
+            weights = [take(f"{prefix}{n}.weight") for n in names]
+            biases = [maybe(f"{prefix}{n}.bias") for n in names]
+            if all(b is None for b in biases):
+                return Linear(torch.cat(weights, dim=0).contiguous(), None)
+            biases = [torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
+                      for w, b in zip(weights, biases)]
+            return Linear(torch.cat(weights, dim=0).contiguous(), torch.cat(biases, dim=0).contiguous())
 
         self.embed = take("model.embed_tokens.weight")
         self.layers = []
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            q_b, k_b, v_b = maybe(a + "q_proj.bias"), maybe(a + "k_proj.bias"), maybe(a + "v_proj.bias")
-            if q_b is not None or k_b is not None or v_b is not None:
-                q_b = q_b if q_b is not None else torch.zeros(self.num_heads * self.head_dim, dtype=dtype)
-                k_b = k_b if k_b is not None else torch.zeros(self.num_kv_heads * self.head_dim, dtype=dtype)
-                v_b = v_b if v_b is not None else torch.zeros(self.num_kv_heads * self.head_dim, dtype=dtype)
-            g_b, u_b = maybe(m + "gate_proj.bias"), maybe(m + "up_proj.bias")
             self.layers.append(
                 Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=Linear(
-                        fuse(take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")),
-                        fuse(q_b, k_b, v_b),
-                    ),
+                    qkv=fused(a, ("q_proj", "k_proj", "v_proj")),
                     q_norm=maybe(a + "q_norm.weight"),
                     k_norm=maybe(a + "k_norm.weight"),
                     o=Linear(take(a + "o_proj.weight"), maybe(a + "o_proj.bias")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(
-                        fuse(take(m + "gate_proj.weight"), take(m + "up_proj.weight")),
-                        fuse(g_b, u_b) if g_b is not None else None,
-                    ),
+                    gate_up=fused(m, ("gate_proj", "up_proj")),
                     down=Linear(take(m + "down_proj.weight"), maybe(m + "down_proj.bias")),
                 )
             )

@@ -127,7 +127,9 @@ class ModelRunner:
     def _attention_inputs(self, query_lens, seq_lens, page_lists) -> list[np.ndarray]:
         """Block tables, query start offsets and context lengths, as host arrays."""
         ps = self.page_size
-        width = max(ceil_div(n, ps) for n in seq_lens)
+        # A multiple of 16 always: Triton compiles a kernel per class of an integer argument
+        # (1, a multiple of 16, other), and warm-up cannot foresee every class a prompt hits.
+        width = 16 * ceil_div(max(ceil_div(n, ps) for n in seq_lens), 16)
         tables = np.zeros((len(seq_lens), width), dtype=np.int64)
         for b, (pages, n) in enumerate(zip(page_lists, seq_lens)):
             used = ceil_div(n, ps)

@@ -136,3 +136,35 @@ def test_prefill_only_pins_pages_until_release_and_abort_frees_them(make_engine,
     assert prefill.release("a") and prefill.abort("b")
     with pytest.raises(UnknownRequest):
         prefill.slots_of("a")
+
+
+def test_on_a_gpu_pages_go_to_a_remote_writer_only_after_the_stores_queued_on_them(make_engine, monkeypatch,
+                                                                                   prompts_of_lengths):
+    # A step that samples nothing (a prefill chunk) returns with its KV stores queued on
+    # the device; sampling waits for a step. Pages an abort freed meanwhile may be the next
+    # reservation's, which a prefill node's copies fill unordered with this stream: the
+    # reservation waits for the stream first. The CPU engine runs as if on a GPU here, with
+    # a stand-in stream that counts the waits.
+    engine = make_engine("llama", page_size=4, num_pages=64, max_num_batched_tokens=8)
+    waits = []
+
+    class Stream:
+        def synchronize(self):
+            waits.append("wait")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    engine.runner.on_gpu = True
+    prompt = prompts_of_lengths([30], seed=3)[0]
+    engine.add_request("chunked", prompt, GREEDY)
+    engine.step()  # its first 8 tokens: nothing sampled
+    assert engine.abort("chunked")
+    engine.prepare_receive("r1", prompt, GREEDY, kv_window_end=20)
+    assert waits == ["wait"]  # once, before handing out pages
+    engine.prepare_receive("r2", prompt, GREEDY, kv_window_end=20)
+    assert waits == ["wait"]  # nothing queued since
+    engine.add_request("short", prompt[:5], GREEDY)
+    engine.step()  # prefills and samples: the sample waited for the step
+    engine.prepare_receive("r3", prompt, GREEDY, kv_window_end=20)
+    assert waits == ["wait"]
+    for rid in ("r1", "r2", "r3", "short"):
+        engine.abort(rid)

@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is jitted
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# Triton picks the interpreter when it is imported, for the whole process: on a host with
+# CUDA, these interpreter tests would turn the GPU tests of the same session into
+# interpreted ones. tests/engine/test_gpu_kernels.py runs the kernels compiled there.
+if torch.cuda.is_available():
+    pytest.skip("Triton interpreter tests; with CUDA, test_gpu_kernels.py runs the kernels compiled",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, and so before anything jits
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.model.decode_graphs import DecodeGraphs, bucket_sizes  # noqa: E402

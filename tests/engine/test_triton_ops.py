@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import os
 
-# The interpreter must be chosen before the kernels are jitted (on their first call).
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
+
+# Triton picks the interpreter when it is imported, for the whole process: on a host with
+# CUDA, these interpreter tests would turn the GPU tests of the same session into
+# interpreted ones. tests/engine/test_gpu_kernels.py runs the kernels compiled there.
+if torch.cuda.is_available():
+    pytest.skip("Triton interpreter tests; with CUDA, test_gpu_kernels.py runs the kernels compiled",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, and so before anything jits
 
 import math  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
 import triton  # noqa: E402, F401  (a dependency: these tests run its interpreter)
 
 from pdserve.engine.attention import cpu_ops, triton_ops  # noqa: E402

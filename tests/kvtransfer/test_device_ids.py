@@ -75,6 +75,23 @@ def test_destination_descriptors_carry_the_peers_device_id_not_ours(pair):
     assert torch.equal(dst[200:208], src[:8])
 
 
+def test_destination_descriptors_carry_the_peers_memory_kind_not_ours(pair):
+    # A GPU pool writing into a CPU one (or back) names the peer's kind: NIXL finds the
+    # peer's registration by it. Named VRAM, this DRAM peer has none: the kind reached the WRITE.
+    a, src, b, dst = pair
+    remote = a.add_remote(b.metadata(), regions=[(dst.data_ptr(), POOL, 0)], memory_kind="VRAM")
+    try:
+        with pytest.raises(TransferError, match="cannot create a WRITE"):
+            a.write(remote, [(src.data_ptr(), dst.data_ptr() + 300, 8)], b"wrong-kind", timeout_s=5)
+        assert not dst[300:308].any()
+        assert a.add_remote(b.metadata(), memory_kind="DRAM") == remote  # known peer, kind updated
+        a.write(remote, [(src.data_ptr(), dst.data_ptr() + 300, 8)], b"right-kind", timeout_s=10)
+        assert b.wait_notification(b"right-kind", 10)
+        assert torch.equal(dst[300:308], src[:8])
+    finally:
+        a.remove_remote(remote)
+
+
 def test_a_restarted_peer_does_not_keep_its_old_regions(pair):
     a, src, _, _ = pair
     old_pool, new_pool = torch.zeros(POOL, dtype=torch.uint8), torch.zeros(POOL, dtype=torch.uint8)

@@ -84,3 +84,22 @@ def test_close_stops_the_thread_and_bad_intervals_are_refused():
     assert not p._thread.is_alive()
     with pytest.raises(ValueError, match="no shorter"):
         Poller(Polls(), "bad", 0.1, 0.01, 1.0)
+
+
+def test_on_start_runs_on_the_polling_thread_before_any_poll():
+    # A GPU pool's agent makes its device current there: UCX progress completes CUDA copies.
+    seen = []
+    polled = threading.Event()
+
+    def poll():
+        seen.append(("poll", threading.current_thread().name))
+        polled.set()
+        return False
+
+    p = Poller(poll, "test-poller", 0.001, 0.001, idle_after_s=1.0,
+               on_start=lambda: seen.append(("start", threading.current_thread().name)))
+    try:
+        assert polled.wait(10)
+    finally:
+        p.close()
+    assert seen[0] == ("start", "test-poller") and seen[1] == ("poll", "test-poller")

@@ -71,3 +71,26 @@ def test_starting_a_node_runs_no_at_fork_handler_in_the_parent(tmp_path):
     finally:
         node.stop(grace_s=5)
     assert forked == []
+
+
+CHATTY = """
+import sys
+print("pdserve fake listening on 127.0.0.1:1", flush=True)
+for i in range(4000):  # 4000 lines of 40 bytes: past a pipe's 64 KiB
+    print(f"UCX  WARN  a library's line {i:05d} ............", flush=True)
+open(sys.argv[1], "w").write("done")
+"""
+
+
+def test_a_node_writing_to_stdout_after_its_ready_line_is_never_blocked(tmp_path):
+    # Nothing else reads a node's stdout past the ready line; UCX logs there by default.
+    done = tmp_path / "done"
+    node = NodeProcess([str(done)], program=[sys.executable, "-c", CHATTY], log=tmp_path / "chatty.log")
+    try:
+        assert node.wait_ready(60) == "127.0.0.1:1"
+        assert node.wait_ready(60) == "127.0.0.1:1"  # asked again: the same answer
+        node.proc.wait(120)  # a blocked node would never end, nor write `done`
+        assert done.read_text() == "done"
+    finally:
+        node.stop(grace_s=5)
+    assert "line 03999" in (tmp_path / "chatty.log").read_text()  # copied to its log

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.runtime.identity import host_id
+from pdserve.runtime.identity import host_id, ucx_moves_gpu_memory
 
 
 def test_processes_sharing_memory_have_one_id_keyed_by_the_ipc_namespace(monkeypatch):
@@ -25,3 +25,15 @@ def test_a_node_whose_ucx_has_only_network_transports_is_its_network_namespace(m
     monkeypatch.setenv("UCX_TLS", tls)
     net = os.stat("/proc/self/ns/net").st_ino
     assert host_id().endswith(f"/net:{net}") and host_id() != ""
+
+
+@pytest.mark.parametrize("tls, moves", [(None, True), ("all", True), ("tcp,cuda_copy,cuda_ipc", True),
+                                        ("sm,cuda", True), ("^tcp", True), ("tcp", False), ("sm,self", False),
+                                        ("^cuda_copy", False)])
+def test_a_gpu_node_can_tell_whether_ucx_tls_leaves_it_a_cuda_transport(monkeypatch, tls, moves):
+    # A GPU node warns at start when it cannot: its every KV write would fail.
+    if tls is None:
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    else:
+        monkeypatch.setenv("UCX_TLS", tls)
+    assert ucx_moves_gpu_memory() is moves

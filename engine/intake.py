@@ -1,0 +1,49 @@
+"""A new request checked against what the engine can run, and built: its `Request` and its
+sequences (one for a prefill-only request, else `params.n`).
+
+Every way a request enters the engine (`add_request`, `prepare_receive`) comes through
+`new_request`, so a bad value is refused the same way everywhere, with a ValueError that
+names it, before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.arith import ceil_div
+
+from .capacity import KVCapacity
+from .config import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .sequence import Request, Sequence
+
+
+def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefill_only: bool, cache_salt,
+                capacity: KVCapacity, vocab_size: int, tokenizer, arrival: int) -> Request:
+    prompt = list(prompt_token_ids or [])
+    if not prompt:
+        raise ValueError("prompt must not be empty, got 0 tokens")
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {bad[0]!r}")
+    max_len = capacity.max_model_len
+    limit = max_len if prefill_only else max_len - 1
+    if len(prompt) > limit:
+        raise ValueError(f"prompt of {len(prompt)} tokens is longer than the model's context allows ({limit})")
+    if ceil_div(len(prompt), capacity.page_size) > capacity.num_pages:
+        raise ValueError(f"prompt of {len(prompt)} tokens needs more than the {capacity.num_pages} KV pages "
+                         "of this engine")
+    params.validate(vocab_size, max_len)
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+    request = Request(request_id, prompt, params, prefill_only, arrival, cache_salt=cache_salt)
+    for i in range(1 if prefill_only else params.n):
+        seq = Sequence(request, i, list(prompt), len(prompt))
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed + i)
+        if not prefill_only:
+            seq.detokenizer = IncrementalDetokenizer(tokenizer, True, prompt)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        request.seqs.append(seq)
+    return request
