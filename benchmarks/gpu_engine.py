@@ -20,7 +20,7 @@ def _sync(device: str) -> None:
     import torch
 
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device: str) -> float | None:
@@ -57,8 +57,10 @@ def weight_bytes(engine) -> int:
     return total
 
 
-def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng: random.Random, device: str) -> dict:
-    """Median wall time of `steps` decode steps of `batch` sequences, all decoding."""
+def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng: random.Random, device: str,
+                 timer: "GraphTimer | None" = None) -> dict:
+    """Median wall time of `steps` decode steps of `batch` sequences, all decoding (and,
+    with `timer`, the median GPU time of their graph replays)."""
     from pdserve.engine import SamplingParams
 
     vocab = engine.vocab_size
@@ -73,6 +75,8 @@ def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng: random.Ra
         engine.step()
     times, scheduled = [], []
     contexts = [s.num_tokens for r in engine.requests.values() for s in r.seqs]
+    if timer:
+        timer.take_median_ms()  # not the replays of the steps that filled the batch
     for _ in range(steps):
         _sync(device)
         start = time.perf_counter()
@@ -90,6 +94,7 @@ def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng: random.Ra
             "all_steps_full": all(n == batch for n in scheduled),
             "median_ms": round(1e3 * statistics.median(times), 3),
             "p90_ms": round(1e3 * sorted(times)[int(0.9 * (len(times) - 1))], 3),
+            "graph_replay_ms": timer.take_median_ms() if timer else None,
             "bytes_read_per_step": int(step_bytes)}
 
 
@@ -140,10 +145,7 @@ def step_report(engine, batches, prompt_len: int, steps: int, device: str) -> di
     rows = []
     for b in batches:
         print(f"[bench] decode steps at batch {b}", file=sys.stderr, flush=True)
-        if timer:
-            timer.take_median_ms()
-        r = decode_steps(engine, b, prompt_len, steps, rng, device)
-        r["graph_replay_ms"] = timer.take_median_ms() if timer else None
+        r = decode_steps(engine, b, prompt_len, steps, rng, device, timer)
         for label, bw in (("limit_ms_datasheet", datasheet), ("limit_ms_measured_copy", rate)):
             r[label] = round(1e3 * r["bytes_read_per_step"] / bw, 3) if bw else None
         rows.append(r)
