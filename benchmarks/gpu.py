@@ -28,6 +28,7 @@ figures; they run engine, cluster, parity, kernels: a run cut short loses the le
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -40,6 +41,7 @@ import time
 import traceback
 from pathlib import Path
 
+from pdserve import launch
 from pdserve.benchmarks import gpu_engine
 from pdserve.benchmarks.gpu_models import FIRST_ID, ONE_B, SMOLLM2_GEOMETRY, TINY, checkpoint, transformers_greedy
 
@@ -96,6 +98,8 @@ def stage_cluster(device: str, workdir: Path, quick: bool, deadline: float) -> d
 
     big = None if quick else checkpoint(workdir / "llama-1b", ONE_B)  # written by the engine stage
     budget = deadline - time.time() - 15  # 15 s: the nodes' stop, and the result's way back
+    if budget < 30:
+        raise TimeoutError(f"{budget:.0f} s left: too little to start the clusters")
     return gpu_cluster.run(device, workdir, workdir / "logs", quick=quick, ttft_model=big, budget_s=budget)
 
 
@@ -107,6 +111,7 @@ ORDER = "engine,cluster,parity,kernels"
 
 def _child(fn, params: tuple, conn) -> None:
     os.setsid()  # its own process group: a stage killed at its limit takes its children along
+    launch.set_parent_death_signal(signal.SIGKILL)  # out of our group, it must die with us
     try:
         conn.send({"ok": True, **fn(*params)})
     except BaseException as err:  # the parent records it and goes on with the next stage
@@ -115,7 +120,7 @@ def _child(fn, params: tuple, conn) -> None:
 
 def run_stage(fn, params: tuple, limit_s: float) -> dict:
     """`fn(*params)` in a child process for at most `limit_s`; a crash is reported as soon as
-    the child dies, with its exit code."""
+    the child dies, with its exit code. Whatever happens, nothing of the stage is left."""
     ctx = mp.get_context("spawn")  # CUDA does not survive fork
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(fn, params, child))
@@ -123,16 +128,23 @@ def run_stage(fn, params: tuple, limit_s: float) -> dict:
     proc.start()
     child.close()  # else the parent's copy keeps the pipe open and a dead child is never seen
     try:
-        result = parent.recv() if parent.poll(limit_s) else {"ok": False, "error": f"timed out after {limit_s:.0f} s"}
-    except EOFError:
+        if not parent.poll(limit_s):
+            result = {"ok": False, "error": f"timed out after {limit_s:.0f} s"}
+        else:
+            try:
+                result = parent.recv()
+            except EOFError:
+                proc.join(5)
+                result = {"ok": False, "error": f"the stage's process died (exit code {proc.exitcode})"}
+            proc.join(5)  # it answered (or died): let it end by itself
+    finally:  # a timeout, or our own end (Ctrl-C, SIGTERM): the stage and what it started
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if proc.is_alive():  # killed before its setsid: not a group of its own yet
+            proc.kill()
         proc.join(5)
-        result = {"ok": False, "error": f"the stage's process died (exit code {proc.exitcode})"}
-    proc.join(5)
-    try:  # the stage (if still there) and whatever it started: pytest, nodes
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.join(5)
     result.setdefault("ok", False)
     result["wall_s"] = round(time.perf_counter() - start, 1)
     return result
@@ -161,12 +173,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# What the check and the nodes it starts import beyond the standard library: named at the
+# start when missing, so a run without them says why its stages fail.
+NEEDED = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "grpc", "grpc_health",
+          "grpc_reflection", "google.protobuf", "nixl", "uvloop", "aiohttp", "prometheus_client", "pytest")
+
+
+def missing_packages() -> list[str]:
+    return [name for name in NEEDED if importlib.util.find_spec(name) is None]
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM (an outer `timeout`) ends the check as Ctrl-C does
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     end = time.monotonic() + args.deadline_s
     report = {"command": "pdserve bench gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "stages": {}}
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "missing_packages": missing_packages(), "stages": {}}
+    if report["missing_packages"]:
+        print(f"[gpu-check] not importable here: {', '.join(report['missing_packages'])}", file=sys.stderr, flush=True)
     for name in args.stages.split(","):
         print(f"[gpu-check] {name} ...", file=sys.stderr, flush=True)
         limit = min(args.stage_limit_s or LIMITS_S[name], end - time.monotonic())

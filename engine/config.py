@@ -33,8 +33,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # the flag is --kv-cache-mb
     kv_cache_memory_fraction: float = _flag(
         DEFAULT_KV_CACHE_MEMORY_FRACTION, "share of the memory free once the weights are loaded "
-        "(the container's limit counts) that the KV pool takes, unless --num-pages or "
-        "--kv-cache-mb says otherwise")
+        "(the container's limit counts; on a GPU, of its total memory, at most 0.9 of what is "
+        "free) that the KV pool takes, unless --num-pages or --kv-cache-mb says otherwise")
     # 2048, as vLLM's server on CPU: under Poisson load a prompt prefilled in one step stalls
     # the running decodes once, not up to three times. `bench serve --compare`, SmolLM2
     # fp32, 512-1536-token prompts: p90 inter-token latency of the 1P1D decode node (which

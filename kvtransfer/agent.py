@@ -221,7 +221,7 @@ class TransferAgent:
         if cancelled and self._mem != self._b.DRAM_SEG:
             import torch  # only a GPU pool gets here, and it was registered from a torch tensor
 
-            for device in sorted(set(self._regions.dev_ids)):
+            for device in sorted({int(d) for d in self._regions.dev_ids}):  # ints: torch takes no numpy ids
                 torch.cuda.synchronize(device)
 
     def write(self, remote_name: str, plan: TransferPlan | Sequence[tuple[int, int, int]], notification: bytes,

@@ -53,16 +53,18 @@ class PeerTable:
         """The peer's agent name, its metadata loaded if new; `regions` and `memory_kind`
         (when given) replace what was known of it."""
         digest = hashlib.sha256(metadata).hexdigest()
+        table = None if regions is None else RegionTable(regions)  # refused before anything is loaded
+        mem = self._kinds[memory_kind] if memory_kind else None
         with self._lock:
             name = next((n for n, peer in self._peers.items() if peer.digest == digest), None)
             if name is None:
                 name = self._load(metadata)
                 self._peers[name] = Peer(digest)
             peer = self._peers[name]
-            if regions is not None:
-                peer.regions = RegionTable(regions)
-            if memory_kind:
-                peer.mem = self._kinds[memory_kind]
+            if table is not None:
+                peer.regions = table
+            if mem is not None:
+                peer.mem = mem
             return name
 
     def _load(self, metadata: bytes) -> str:

@@ -9,7 +9,8 @@ subcommand included, so a flag added later gets its variable without any extra c
 Values are read the way the flag reads them: through the flag's `type` and checked
 against its `choices`; a switch (`store_true`) takes 1/true/yes/on or 0/false/no/off; a
 repeatable flag (`append`) takes a comma-separated list, which the flag's values on the
-command line replace. A variable that sets a required flag makes the flag optional.
+command line replace. A variable that sets a required flag makes the flag optional. An
+empty variable is as if unset (a compose override file can clear one that way).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser,
             continue
         if action.help is not argparse.SUPPRESS:
             action.help = f"{action.help or ''} [env: {name}]".lstrip()
-        if name in environ:
+        if environ.get(name, "") != "":
             action.default = _convert(parser, action, name, environ[name])
             action.required = False
             if type(action) is argparse._AppendAction:

@@ -125,8 +125,8 @@ class NodeProcess:
         command = program or [sys.executable, "-m", module]  # `program`: another binary
         # Set up by pdserve.launch in the child, not by a preexec_fn: see there why.
         argv = launch.command([*command, *self.args], parent_death=death_signal, netns=netns, cores=cores)
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, bufsize=1, start_new_session=session)
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     errors="replace", bufsize=1, start_new_session=session)
 
     def wait_ready(self, timeout_s: float = 120.0) -> str:
         """The node's `HOST:PORT` once it listens (see `dial_address`); raises RuntimeError

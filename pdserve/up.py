@@ -6,11 +6,11 @@ come up before the workers. Each node reports the port it bound on its first std
 Ctrl-C or SIGTERM stops all three (SIGTERM, then SIGKILL after a grace period), and if any
 child dies the others are stopped too: `up` never leaves a process behind.
 
-KV cache: both workers start at once, each sizing its pool against the same free memory
-(pools are mapped lazily, so neither sees the other's), so `up` splits the default share
-(`--kv-cache-memory-fraction`, 0.25) between them, a third to prefill (its pages are held
-only until the window is sent) and two thirds to decode; a sizing flag given to `up`
-(`--kv-cache-mb`, `--num-pages`, `--kv-cache-memory-fraction`) goes to both as given.
+KV cache: both workers start at once, each sizing its pool against the same memory (on a
+CPU pools are mapped lazily, so neither sees the other's; on a GPU the share is of the
+device's total, engine/memory.py), so `up` splits `--kv-cache-memory-fraction` (default
+0.25) between them, a third to prefill (its pages are held only until the window is sent)
+and two thirds to decode; `--kv-cache-mb` or `--num-pages` given to `up` goes to both as given.
 
 Worker flags: `up` takes the ones users reach for (`--dtype`, `--device`, `--page-size`,
 `--num-pages`, `--kv-cache-mb`, `--kv-cache-memory-fraction`, `--max-num-seqs`) and
@@ -20,7 +20,8 @@ The OpenAI API is on port 8000 by default (as vLLM's), and the ready line names 
 Device: both workers run their engine, and keep their KV pool, on `--device` (cpu, cuda or
 cuda:N); by default on "cuda" when this machine has one torch can use, else on the CPU.
 The check runs here, in `up`, before the workers start: on a machine with no NVIDIA driver
-or no CUDA build of torch it reads a few files and imports nothing (`default_device`).
+or no CUDA build of torch it reads a few files and imports nothing (`default_device`). On
+a GPU the workers run in bfloat16 unless `--dtype` says otherwise.
 
 Credentials: `up` makes a fresh random cluster key for its three nodes, so Worker calls
 are authenticated with no set-up; with `--api-key`/`--api-key-file` its router requires
@@ -32,8 +33,6 @@ children get no key variables from our environment: their flags say it all.
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import os
 import secrets
 import signal
@@ -41,18 +40,18 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION, DTYPES
 from pdserve.procs import NodeProcess, free_port, stop_all
 from pdserve.runtime.auth import APIKeyConfig
+from pdserve.runtime.devices import default_device
 from pdserve.runtime.logs import LOG_FORMATS
 from pdserve.runtime.options import option
 
 SIZING_FLAGS = ("--kv-cache-mb", "--num-pages", "--kv-cache-memory-fraction")
-WORKER_OPTIONS = ("dtype", "page_size", "num_pages", "kv_cache_mb", "kv_cache_memory_fraction",
+WORKER_OPTIONS = ("dtype", "page_size", "num_pages", "kv_cache_mb",
                   "max_num_seqs")  # UpConfig fields passed to both workers as their flags
-KV_SHARES = {"prefill": 1 / 3, "decode": 2 / 3}  # of the default fraction, see the docstring
+KV_SHARES = {"prefill": 1 / 3, "decode": 2 / 3}  # of the KV fraction, see the docstring
 KEY_VARIABLES = ("PDSERVE_CLUSTER_KEY", "PDSERVE_CLUSTER_KEY_FILE", "PDSERVE_API_KEY",
                  "PDSERVE_API_KEY_FILE")
 
@@ -71,16 +70,16 @@ class UpConfig:
     http_port: int = option(8000, "router's OpenAI API and /metrics port; 0 = any free one "
                                   "(printed either way)")
     # Worker flags `up` takes itself (WORKER_OPTIONS), for both workers; None: theirs.
-    dtype: str | None = option(None, "both workers' weights and KV dtype (default: float32)",
-                               type=str, choices=DTYPES)
+    dtype: str | None = option(None, "both workers' weights and KV dtype (default: float32; "
+                                     "bfloat16 on a GPU)", type=str, choices=DTYPES)
     page_size: int | None = option(None, "both workers' tokens per KV page (default: 16)",
                                    type=int)
     num_pages: int | None = option(None, "KV pages in each worker's pool (default: sized by "
                                          "memory, see above)", type=int)
     kv_cache_mb: int | None = option(None, "memory for each worker's KV pool, in MiB", type=int)
     kv_cache_memory_fraction: float | None = option(
-        None, "share of the free memory each worker's KV pool takes (default: 0.25 split "
-              "between the two)", type=float)
+        None, "share of the memory the two workers' KV pools take together, a third to "
+              "prefill and two thirds to decode (default: 0.25; on a GPU, of its total)", type=float)
     max_num_seqs: int | None = option(None, "sequences each worker runs at once (default: 64)",
                                       type=int)
     prefill_tp: int = option(1, "tensor-parallel ranks of the prefill worker (its "
@@ -180,13 +179,16 @@ def node_args(config: UpConfig, prefill_port: int, decode_port: int, http_port: 
     name = [] if config.served_model_name is None else ["--served-model-name",
                                                           config.served_model_name]
     common = ["--model", config.model, *name, "--log-format", config.log_format]
-    worker = [*common, "--host", "127.0.0.1", "--num-threads", str(config.num_threads),
-              *device_flag(config.device, extra), *cluster, *extra]
+    device = device_flag(config.device, extra)
+    worker = [*common, "--host", "127.0.0.1", "--num-threads", str(config.num_threads), *device,
+              *gpu_dtype(device, extra), *cluster, *extra]
     return {
         "prefill": ["prefill", "--port", str(prefill_port), *tp_flag(config.prefill_tp), *worker,
-                    *kv_share("prefill", extra), *_metrics_flag(config.prefill_metrics_port)],
+                    *kv_share("prefill", extra, config.kv_cache_memory_fraction),
+                    *_metrics_flag(config.prefill_metrics_port)],
         "decode": ["decode", "--port", str(decode_port), *tp_flag(config.decode_tp), *worker,
-                   *kv_share("decode", extra), *_metrics_flag(config.decode_metrics_port)],
+                   *kv_share("decode", extra, config.kv_cache_memory_fraction),
+                   *_metrics_flag(config.decode_metrics_port)],
         "router": ["router", *common, "--host", config.host, "--port", str(config.port),
                    "--http-port", str(http_port), *cluster, *api,
                    "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}"],
@@ -209,12 +211,13 @@ def tp_flag(size: int) -> list[str]:
     return [] if size == 1 else ["--tensor-parallel-size", str(size)]
 
 
-def kv_share(role: str, extra: list[str]) -> list[str]:
-    """The KV sizing flag of `role`'s worker: its share of the default fraction, unless the
-    user sized the pools."""
+def kv_share(role: str, extra: list[str], fraction: float | None = None) -> list[str]:
+    """The KV sizing flag of `role`'s worker: its share of `fraction` (default 0.25), unless
+    the worker flags size its pool."""
     if any(a.split("=", 1)[0] in SIZING_FLAGS for a in extra):
         return []
-    return ["--kv-cache-memory-fraction", f"{DEFAULT_KV_CACHE_MEMORY_FRACTION * KV_SHARES[role]:.4f}"]
+    whole = DEFAULT_KV_CACHE_MEMORY_FRACTION if fraction is None else fraction
+    return ["--kv-cache-memory-fraction", f"{whole * KV_SHARES[role]:.4f}"]
 
 
 def device_flag(device: str | None, extra: list[str]) -> list[str]:
@@ -225,19 +228,12 @@ def device_flag(device: str | None, extra: list[str]) -> list[str]:
     return ["--device", device or default_device()]
 
 
-def default_device() -> str:
-    """The workers' default device: "cuda" when torch can use a GPU here, else "cpu". torch
-    (a second or more to import) is asked only when an NVIDIA device and a CUDA build of
-    torch are both present."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return "cpu"
-    torch_lib = Path(next(iter(spec.submodule_search_locations))) / "lib"
-    if not glob.glob(str(torch_lib / "libtorch_cuda*.so*")) or not glob.glob("/dev/nvidia[0-9]*"):
-        return "cpu"
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def gpu_dtype(device: list[str], extra: list[str]) -> list[str]:
+    """bfloat16 for workers `up` puts on a GPU, unless a dtype is given: float32 there keeps
+    torch's unfused ops and IEEE attention (the exactness oracle's), at a fraction of the speed."""
+    if device[-1:] and device[-1].startswith("cuda") and not any(a.split("=", 1)[0] == "--dtype" for a in extra):
+        return ["--dtype", "bfloat16"]
+    return []
 
 
 def _start(args: list[str]) -> NodeProcess:

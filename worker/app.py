@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import uuid
+from dataclasses import replace
 
 from pdserve.decode.role import DecodeRole
 from pdserve.engine import native
@@ -33,6 +34,7 @@ from pdserve.prefill.role import PrefillRole
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.runtime import metrics
 from pdserve.runtime.gates import Gates
+from pdserve.runtime.devices import default_device
 from pdserve.runtime.identity import NodeIdentity, model_hash, ucx_moves_gpu_memory
 from pdserve.runtime.server import new_server, serve, wait_idle
 from pdserve.worker.config import ROLES, WorkerConfig
@@ -62,8 +64,12 @@ async def build_node(config: WorkerConfig, gates: Gates | None = None) -> Node:
     kernels = await asyncio.to_thread(native.build_all) if on_cpu else None  # before any request
     if kernels is not None and kernels.state != "c":
         log.warning("%s", kernels.describe())
+    if on_cpu and default_device() == "cuda":
+        log.warning("this machine has a GPU torch can use, and this node runs on the CPU: pass --device cuda "
+                    "(`pdserve up` picks it by itself)")
     metrics.set_c_kernels(kernels.state if kernels else "unused", kernels.reason if kernels else "")
-    engine = AsyncEngine(config.engine)
+    # A prefill node never decodes: CUDA graphs of decode steps would only hold GPU memory.
+    engine = AsyncEngine(replace(config.engine, cuda_graphs=False) if role == "prefill" else config.engine)
     await engine.run(warm_up)
     pools, head_begins, page_size, vocab_size, max_model_len, sizing = await engine.run(
         lambda e: (e.kv_pools, e.kv_head_begins, e.page_size, e.vocab_size, e.max_model_len, e.kv_cache_sizing))

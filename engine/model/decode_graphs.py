@@ -5,7 +5,8 @@ one by one from Python the host, not the GPU, sets the pace. Captured once, a st
 one replay (as vLLM and nano-vllm do).
 
 How: every graph reads its inputs from one device buffer at fixed addresses and writes its
-logits into a tensor of its own. A step fills a pinned host buffer with the batch's
+logits into the first rows of one shared buffer (one tensor per graph would hold
+sum(buckets) x vocab floats: 16 GiB at 1024 sequences and a 128k vocabulary). A step fills a pinned host buffer with the batch's
 token ids, positions, slots, context lengths and block tables, copies it to the device in
 one transfer and replays the graph of the smallest bucket that holds the batch. Rows past
 the batch are padding: slot -1 (the KV store skips it), context length 1, page 0.
@@ -16,8 +17,9 @@ Invariants:
 - Graphs are captured at construction, on the engine's thread, before any other thread
   uses the device (`capture_error_mode="thread_local"` all the same), and share one
   memory pool: they replay one at a time.
-- The host buffer is rewritten only after the previous step's logits were read (the
-  sampler copies the chosen ids to the host every step), so no copy is in flight then.
+- The host buffer and the logits rows are rewritten only after the previous step's
+  logits were read (the sampler copies the chosen ids to the host every step), so no copy
+  is in flight then and no reader is left.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class DecodeGraphs:
         self.host_np = self.host.numpy()
         self.inputs = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.logits = torch.empty(max_batch, model.vocab_size, dtype=torch.float32, device=self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._rows: list = []  # per row of the host buffer: (pages list, entries) it holds
         self._rows_bucket = 0
         self.captured = capture
@@ -78,7 +81,8 @@ class DecodeGraphs:
             return triton_ops.paged_attention(q, k_cache, v_cache, tables, qsl, lens, ps, scale, max_query_len=1)
 
         step = StepAttention(slots, triton_ops.store_kv, attend)
-        return self.model.logits(self.model.forward(ids, pos, self.kv_cache, step))
+        hidden = self.model.forward(ids, pos, self.kv_cache, step)
+        return self.logits[:b].copy_(self.model.lm_head(hidden))  # float32, as `logits()` gives
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -92,8 +96,8 @@ class DecodeGraphs:
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    logits = self._forward(b)
-                self.graphs[b] = (graph, logits)
+                    self._forward(b)
+                self.graphs[b] = graph
             torch.cuda.synchronize(self.device)
 
     def bucket(self, n: int) -> int | None:
@@ -150,6 +154,5 @@ class DecodeGraphs:
         self._copy(b)
         if not self.captured:
             return self._forward(b)[:n]
-        graph, logits = self.graphs[b]
-        graph.replay()
-        return logits[:n]
+        self.graphs[b].replay()
+        return self.logits[:n]

@@ -5,6 +5,7 @@ short run: a stage must neither wait out its limit for nothing nor leave work be
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +21,12 @@ def dies(code: int) -> dict:
 def starts_a_child_and_hangs(pid_file: str) -> dict:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     Path(pid_file).write_text(str(child.pid))
+    time.sleep(600)
+    return {}
+
+
+def hangs(pid_file: str) -> dict:
+    Path(pid_file).write_text(str(os.getpid()))
     time.sleep(600)
     return {}
 
@@ -52,6 +59,32 @@ def test_a_stage_past_its_limit_is_killed_with_its_children(tmp_path):
             break
         time.sleep(0.05)
     assert gone(pid), f"the stage's child {pid} outlived it"
+
+
+def test_a_stage_dies_with_the_check_though_it_has_a_process_group_of_its_own(tmp_path):
+    # Its own group keeps it from a terminal's Ctrl-C and an outer `timeout`: killed, the
+    # check takes it along all the same (a stage left running would hold the GPU).
+    pid_file = tmp_path / "pid"
+    check = subprocess.Popen([sys.executable, "-c", "import sys; from pdserve.benchmarks.gpu import run_stage; "
+                              "from tests.benchmarks.test_gpu_check import hangs; run_stage(hangs, (sys.argv[1],), 600)",
+                              str(pid_file)], cwd=Path(__file__).resolve().parents[2])
+    try:
+        for _ in range(1200):  # until the stage has started
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        stage = int(pid_file.read_text())
+    finally:
+        check.kill()
+        check.wait()
+    for _ in range(200):
+        if gone(stage):
+            break
+        time.sleep(0.05)
+    survived = not gone(stage)
+    if survived:
+        os.kill(stage, signal.SIGKILL)  # not left behind for the rest of the suite
+    assert not survived, f"the stage {stage} outlived the check"
 
 
 def test_a_stage_answer_comes_back():

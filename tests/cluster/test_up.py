@@ -78,6 +78,17 @@ def test_up_answers_and_idles_under_5_percent_of_a_core(tiny_model, tmp_path):
 def test_up_leaves_a_kv_size_the_user_gave_to_both_workers():
     assert kv_share("prefill", ["--kv-cache-mb", "64"]) == kv_share("decode", ["--num-pages=8"]) == []
     assert kv_share("decode", []) == ["--kv-cache-memory-fraction", "0.1667"]
+    # A fraction given to `up` is the two pools' together: on one GPU, 0.9 each would not fit.
+    config = UpConfig(model="m", device="cuda", kv_cache_memory_fraction=0.9)
+    args = node_args(config, 1001, 1002, 1003, [], [])
+    shares = [float(build_parser().parse_args(args[r]).kv_cache_memory_fraction) for r in ("prefill", "decode")]
+    assert shares == [0.3, 0.6]
+    # On a GPU the workers run in bfloat16 unless told otherwise; on the CPU, float32.
+    assert build_parser().parse_args(args["decode"]).dtype == "bfloat16"
+    config.dtype = "float32"
+    assert build_parser().parse_args(node_args(config, 1001, 1002, 1003, [], [])["decode"]).dtype == "float32"
+    config.device, config.dtype = "cpu", None
+    assert build_parser().parse_args(node_args(config, 1001, 1002, 1003, [], [])["decode"]).dtype == "float32"
 
 
 def _device_args(monkeypatch, found: str, **config) -> dict[str, list[str]]:

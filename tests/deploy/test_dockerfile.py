@@ -128,14 +128,18 @@ def test_image_compiles_the_kernels_after_the_source_in_a_stage_it_leaves_behind
     assert "PDSERVE_CACHE=" not in text, "the step must use the image's PDSERVE_CACHE"
     assert image_environment(until=build)["PDSERVE_CACHE"] == image_environment()["PDSERVE_CACHE"]
     assert 'chmod -R a+rX "${PDSERVE_CACHE}/kernels"' in text
-    # A stage of its own has the compiler; the image is built FROM the stage before it and
-    # copies only the kernels, owned by the runtime user.
+    # A stage of its own has the compiler; the CPU image is built FROM the stage before it
+    # and copies only the kernels, owned by the runtime user. (The CUDA image also has gcc,
+    # which Triton needs at run time.)
     all_stages = stages()
     (kernels,) = [n for n, (_, s) in all_stages.items() if build in [i for i, _, _ in s]]
-    _, (parent, final_steps) = list(all_stages.items())[-1]
+    _, (variant, final_steps) = list(all_stages.items())[-1]
+    assert variant == "runtime-${VARIANT}"
     compiler = [n for n, (_, s) in all_stages.items()
                 if any(re.search(r"apt-get install .*\bgcc\b", t) for _, _, t in s)]
-    assert compiler == [kernels] and all_stages[kernels][0] == parent != kernels
+    assert compiler == [kernels, "runtime-cuda"]
+    assert all_stages[kernels][0] == all_stages["runtime-cpu"][0] == all_stages["runtime-cuda"][0] != kernels
+    assert all_stages["runtime-cpu"][1] == [], "the CPU image adds nothing to the install stage"
     copies = [t for _, instruction, t in final_steps if instruction == "COPY"]
     assert copies == [f"--from={kernels} --chown=pdserve:pdserve ${{PDSERVE_CACHE}}/kernels "
                       "${PDSERVE_CACHE}/kernels"]
@@ -193,3 +197,11 @@ def test_image_exposes_every_port_the_compose_nodes_serve():
     exposed = {int(p) for p in dockerfile_instruction("EXPOSE").split()}
     for name, spec in nodes(load_compose({})).items():
         assert set(served_ports(spec).values()) <= exposed, name
+
+
+def test_the_cuda_image_has_what_triton_builds_its_launchers_with():
+    # Triton compiles each kernel's launcher with a C compiler and Python's headers the first
+    # time the kernel runs on a machine: without them a GPU worker dies at start-up.
+    (install,) = [t for _, i, t in stages()["runtime-cuda"][1] if i == "RUN"]
+    for package in ("gcc", "libc6-dev", "python3-dev"):
+        assert re.search(rf"apt-get install .*\b{package}\b", install), package

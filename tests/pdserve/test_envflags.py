@@ -41,6 +41,14 @@ def test_unset_environment_leaves_defaults_and_required_flags(monkeypatch):
         build_parser().parse_args(["router"])
 
 
+def test_an_empty_variable_is_as_if_unset(monkeypatch):
+    # deploy/docker-compose.cuda.yml clears the CPU's KV size so the GPU's fraction sizes the pool
+    args = parse(["decode"], monkeypatch, PDSERVE_KV_CACHE_MB="", PDSERVE_PORT="", PDSERVE_DTYPE="")
+    assert (args.kv_cache_mb, args.port, args.dtype) == (None, 50062, "float32")
+    with pytest.raises(SystemExit):
+        parse(["router"], monkeypatch, PDSERVE_DECODE="")  # a required flag stays required
+
+
 @pytest.mark.parametrize("name,value", [("PDSERVE_PORT", "eighty"),
                                         ("PDSERVE_DTYPE", "int3"),
                                         ("PDSERVE_NO_PREFIX_CACHE", "maybe")])
