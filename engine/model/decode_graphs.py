@@ -6,10 +6,11 @@ one replay (as vLLM and nano-vllm do).
 
 How: every graph reads its inputs from one device buffer at fixed addresses and writes its
 logits into the first rows of one shared buffer (one tensor per graph would hold
-sum(buckets) x vocab floats: 16 GiB at 1024 sequences and a 128k vocabulary). A step fills a pinned host buffer with the batch's
-token ids, positions, slots, context lengths and block tables, copies it to the device in
-one transfer and replays the graph of the smallest bucket that holds the batch. Rows past
-the batch are padding: slot -1 (the KV store skips it), context length 1, page 0.
+sum(buckets) x vocab floats: 16 GiB at 1024 sequences and a 128k vocabulary). A step
+fills a pinned host buffer with the batch's token ids, positions, slots, context lengths
+and block tables, copies it to the device in one transfer and replays the graph of the
+smallest bucket that holds the batch. Rows past the batch are padding: slot -1 (the KV
+store skips it), context length 1, page 0.
 
 Invariants:
 - Nothing a graph runs reads a tensor's values on the host (attention is given
