@@ -5,10 +5,10 @@ short run: a stage must neither wait out its limit for nothing nor leave work be
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from pdserve.benchmarks.gpu import run_stage
@@ -19,15 +19,15 @@ def dies(code: int) -> dict:
 
 
 def starts_a_child_and_hangs(pid_file: str) -> dict:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     Path(pid_file).write_text(str(child.pid))
-    time.sleep(600)
+    signal.pause()  # until killed: the hang under test
     return {}
 
 
-def hangs(pid_file: str) -> dict:
-    Path(pid_file).write_text(str(os.getpid()))
-    time.sleep(600)
+def hangs() -> dict:
+    print(os.getpid(), flush=True)  # to the check's stdout, which it inherits
+    signal.pause()  # until killed: the hang under test
     return {}
 
 
@@ -35,12 +35,17 @@ def answers(x: int) -> dict:
     return {"x": x}
 
 
-def gone(pid: int) -> bool:
+def ends(pid: int, timeout_s: float = 120) -> bool:
+    """Whether process `pid` has exited (a zombie counts) within `timeout_s`: its pidfd
+    becomes readable when it does."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
         return True
-    return state in ("Z", "X")
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
 
 
 def test_a_stage_that_dies_is_reported_with_its_exit_code_not_as_timed_out():
@@ -54,34 +59,22 @@ def test_a_stage_past_its_limit_is_killed_with_its_children(tmp_path):
     result = run_stage(starts_a_child_and_hangs, (str(pid_file),), 10)
     assert result["error"] == "timed out after 10 s"
     pid = int(pid_file.read_text())
-    for _ in range(200):  # SIGKILL is delivered at once; reaping by init may take a moment
-        if gone(pid):
-            break
-        time.sleep(0.05)
-    assert gone(pid), f"the stage's child {pid} outlived it"
+    assert ends(pid), f"the stage's child {pid} outlived it"
 
 
-def test_a_stage_dies_with_the_check_though_it_has_a_process_group_of_its_own(tmp_path):
+def test_a_stage_dies_with_the_check_though_it_has_a_process_group_of_its_own():
     # Its own group keeps it from a terminal's Ctrl-C and an outer `timeout`: killed, the
     # check takes it along all the same (a stage left running would hold the GPU).
-    pid_file = tmp_path / "pid"
-    check = subprocess.Popen([sys.executable, "-c", "import sys; from pdserve.benchmarks.gpu import run_stage; "
-                              "from tests.benchmarks.test_gpu_check import hangs; run_stage(hangs, (sys.argv[1],), 600)",
-                              str(pid_file)], cwd=Path(__file__).resolve().parents[2])
+    check = subprocess.Popen([sys.executable, "-c", "from pdserve.benchmarks.gpu import run_stage; "
+                              "from tests.benchmarks.test_gpu_check import hangs; run_stage(hangs, (), 600)"],
+                             cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, text=True)
     try:
-        for _ in range(1200):  # until the stage has started
-            if pid_file.exists() and pid_file.read_text():
-                break
-            time.sleep(0.05)
-        stage = int(pid_file.read_text())
+        stage = int(check.stdout.readline())  # once the stage has started
     finally:
         check.kill()
         check.wait()
-    for _ in range(200):
-        if gone(stage):
-            break
-        time.sleep(0.05)
-    survived = not gone(stage)
+        check.stdout.close()
+    survived = not ends(stage)
     if survived:
         os.kill(stage, signal.SIGKILL)  # not left behind for the rest of the suite
     assert not survived, f"the stage {stage} outlived the check"
