@@ -124,3 +124,14 @@ def node_dtype(node_args: list[str]) -> str:
     parser.add_argument("--dtype", default=os.environ.get("PDSERVE_DTYPE")
                         or EngineConfig.__dataclass_fields__["dtype"].default)
     return parser.parse_known_args(node_args)[0].dtype
+
+
+def node_device(node_args: list[str]) -> str:
+    """The device workers started with `node_args` run on: their `--device`, else
+    `$PDSERVE_DEVICE`, else the engine's default (the CPU)."""
+    from pdserve.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--device", default=os.environ.get("PDSERVE_DEVICE")
+                        or EngineConfig.__dataclass_fields__["device"].default)
+    return parser.parse_known_args(node_args)[0].device

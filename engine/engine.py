@@ -31,6 +31,7 @@ from pdserve.arith import ceil_div
 from .capacity import KVCapacity
 from .completion import append_text, append_token, append_token_id, eos_token_ids, take_delta
 from .config import EngineConfig, SamplingParams
+from .device import usable_device
 from .intake import new_request
 from .kv_pool import kv_pool
 from .memory import kv_cache_pages
@@ -56,11 +57,11 @@ class UnknownRequest(ValueError):
 class Engine(SingleThreaded):
     def __init__(self, config: EngineConfig):
         config.validate()
-        if (device := torch.device(config.device)).type == "cuda" and device.index is not None:
+        if (device := usable_device(config.device)).type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # Triton launches on the thread's current device ("cuda" is it)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)  # never pinned: cores are shared
-        if torch.device(config.device).type == "cpu":
+        if device.type == "cpu":
             keep_step_buffers()
         self.config = config
         self.model_config = load_config(config.model_dir)

@@ -89,8 +89,9 @@ def _sample_group(logits: torch.Tensor, rows: list[SamplingRow], kind: str) -> t
 
     ids = None  # candidate position -> token id; None: position is the token id
     if kind == "top_k":
-        top_k = torch.tensor([min(r.top_k, vocab) for r in rows], device=device)
-        scaled, ids = scaled.topk(int(top_k.max()), dim=-1)  # sorted, exactly k even on ties
+        ks = [min(r.top_k, vocab) for r in rows]
+        top_k = torch.tensor(ks, device=device)
+        scaled, ids = scaled.topk(max(ks), dim=-1)  # sorted, exactly k even on ties (k from the host: no wait)
         rank = torch.arange(scaled.shape[-1], device=device)
         scaled = scaled.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
         return _sample_candidates(scaled, ids, rows, scaled.logsumexp(dim=-1, keepdim=True))
@@ -166,14 +167,17 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
-    u = torch.empty(len(rows), device=device)
-    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-    if unseeded:
-        u[torch.tensor(unseeded, device=device)] = torch.rand(len(unseeded), device=device)
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            u[i] = torch.rand((), generator=r.generator, device=r.generator.device)
-    return u
+    """One uniform per row: a seeded row's from its own generator (a host one, as
+    engine/intake.py makes them), the others' from the global RNG on `device`. The seeded
+    draws cross to the device in one copy: one per row, from pageable memory, would each
+    wait for the device's queue, at every step."""
+    if all(r.generator is None for r in rows):
+        return torch.rand(len(rows), device=device)
+    drawn = torch.tensor([-1.0 if r.generator is None else  # -1: none drawn, take the global one
+                          torch.rand((), generator=r.generator, device=r.generator.device).item()
+                          for r in rows])
+    drawn = drawn.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else drawn.to(device)
+    return torch.where(drawn >= 0, drawn, torch.rand(len(rows), device=device))
 
 
 def _with_logprobs(
@@ -184,14 +188,19 @@ def _with_logprobs(
     wanted = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
     if not wanted:
         return samples
-    idx = torch.tensor(wanted, device=logits.device)
-    logprobs = torch.log_softmax(logits[idx], dim=-1)
-    chosen_lp = logprobs.gather(1, token_ids[idx].unsqueeze(1)).squeeze(1).tolist()
+    if len(wanted) < len(rows):
+        idx = torch.tensor(wanted, device=logits.device)
+        logits, token_ids = logits[idx], token_ids[idx]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     n_max = min(max(rows[i].num_logprobs for i in wanted), logits.shape[-1])
     top_vals, top_ids = logprobs.topk(n_max, dim=-1)  # n_max == 0 gives empty lists
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    # One copy to the host, not three (each waits for the device): float64 holds the
+    # float32 logprobs and the token ids exactly.
+    packed = torch.cat([chosen.double(), top_vals.double(), top_ids.double()], dim=1).tolist()
     for j, i in enumerate(wanted):
         n = rows[i].num_logprobs
-        samples[i].logprob = chosen_lp[j]
-        samples[i].top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n]))
+        row = packed[j]
+        samples[i].logprob = row[0]
+        samples[i].top_logprobs = [(int(t), v) for t, v in zip(row[1 + n_max:1 + n_max + n], row[1:1 + n])]
     return samples

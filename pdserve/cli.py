@@ -146,6 +146,7 @@ def cmd_worker(args) -> int:
 
     engine = from_args(EngineConfig, args, model_dir=_model(args),
                        kv_cache_memory_bytes=args.kv_cache_mb and args.kv_cache_mb * 1024 * 1024)
+    _engine_or_exit(args, engine)
     config = WorkerConfig(
         role=WORKER_COMMANDS[args.command], engine=engine, server=from_args(ServerConfig, args),
         prefill=from_args(PrefillConfig, args), decode=from_args(DecodeConfig, args),
@@ -155,6 +156,24 @@ def cmd_worker(args) -> int:
     _start_node(args, "worker")
     run(run_worker(config))
     return 0
+
+
+def _engine_or_exit(args, engine) -> None:
+    """Before the model loads: exit 1 with one line, naming the flag, if an engine flag's
+    value is bad or its --device is not on this machine (engine/device.py)."""
+    from pdserve.engine.device import usable_device
+    from pdserve.runtime.options import flag_fields
+
+    try:
+        engine.validate()
+        usable_device(engine.device)
+    except ValueError as err:
+        message = str(err)
+        for f in flag_fields(type(engine)):  # the field the message starts with, as its flag
+            if message.startswith(f.name + " "):
+                message = (f.metadata.get("flag") or "--" + f.name.replace("_", "-")) + message[len(f.name):]
+                break
+        raise SystemExit(f"pdserve {args.command}: {message}") from None
 
 
 def cmd_up(args) -> int:

@@ -39,11 +39,25 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def parse_cores(text: str) -> tuple[int, int]:
-    cores = tuple(int(c) for c in text.split(","))
-    if len(cores) != 2 or cores[0] == cores[1]:
-        raise argparse.ArgumentTypeError(f"--cores takes two different cores, got {text!r}")
-    return cores
+def parse_cores(text: str) -> tuple[frozenset[int], frozenset[int]]:
+    """"A,B" (a core each side) or "LIST:LIST" (core lists as taskset takes them, "0-3,8").
+    The two sides share no core."""
+    def cpus(part: str) -> frozenset[int]:
+        out = set()
+        for item in part.split(","):
+            low, _, high = item.partition("-")
+            out.update(range(int(low), int(high or low) + 1))
+        return frozenset(out)
+
+    try:
+        parts = text.split(":")
+        sides = tuple(map(cpus, parts)) if len(parts) > 1 else tuple(frozenset({int(c)}) for c in text.split(","))
+    except ValueError:
+        sides = ()
+    if len(sides) != 2 or not all(sides) or sides[0] & sides[1]:
+        raise argparse.ArgumentTypeError(f"--cores takes two different cores A,B or two core lists with no core "
+                                         f"in common, LIST:LIST (e.g. 0-7:8-15), got {text!r}")
+    return sides
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,8 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{', '.join(KNOWN)} (default: %(default)s, the real model; "
                            "bench-random-100m: the random-weight one of `bench engine`)")
     g.add_argument("--cores", type=parse_cores,
-                   help="two CPU cores A,B: 1P1D prefill on A, decode on B; colocated on both "
-                        "(default: the first two this process may use)")
+                   help="two CPU cores A,B, or two core lists A:B (e.g. 0-7:8-15): 1P1D prefill "
+                        "on A, decode on B; colocated on both (default: the first two cores this "
+                        "process may use; with --node-args naming a CUDA --device, half of its "
+                        "cores each, as a GPU worker wants more than one)")
     g.add_argument("--colocated-nodes", type=int, choices=[1, 2], default=1,
                    help="colocated pdserve as one node on both cores with two threads, as "
                         "vLLM's server runs (default), or two nodes, one per core")

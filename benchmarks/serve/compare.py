@@ -96,12 +96,25 @@ def peer_key(peer: str) -> str:
     return "vs_" + peer.replace("-", "_")
 
 
-def default_cores() -> tuple[int, int]:
+def default_cores(node_args: list[str]) -> tuple[frozenset[int], frozenset[int]]:
+    """The first two cores this process may use, one a side; for GPU workers, half of them
+    a side: a GPU node's engine thread, gRPC threads and NIXL progress each want a core,
+    where a CPU node's one core is the fair share it is compared on."""
+    from pdserve.benchmarks.model_choice import node_device
+
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("pdserve bench serve --compare needs two cores; this process may use "
                          f"only {cores}")
-    return cores[0], cores[1]
+    half = len(cores) // 2 if node_device(node_args).startswith("cuda") else 1
+    return frozenset(cores[:half]), frozenset(cores[half:2 * half])
+
+
+def where(cores) -> str:
+    """'core 3' or 'cores 0-7'."""
+    from pdserve.benchmarks.peer import cpu_list
+
+    return f"core{'s' if len(cores) > 1 else ''} {cpu_list(sorted(cores))}"
 
 
 def run_system(name: str, args, model: str, cores, log_dir: Path):
@@ -165,7 +178,7 @@ def main_compare(args) -> int:
     # Resolved once here, so the four processes never convert it at once; the nodes serve
     # the directory under the name its card gives.
     model = resolve_or_exit(args.model, "pdserve bench serve")
-    cores = args.cores or default_cores()
+    cores = args.cores or default_cores(shlex.split(args.node_args))
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-compare-"))
     names = NAMES + ((args.compare_peer,) if args.compare_peer else ())
     if args.compare_peer:
@@ -177,13 +190,13 @@ def main_compare(args) -> int:
     table = compare_rows(rows, results, objs)
     out = {
         "mode": "compare", "systems": {
-            "1p1d": f"prefill on core {cores[0]}, decode on core {cores[1]}, router on both",
-            "colocated": (f"role both on cores {cores[0]} and {cores[1]}, router on both"
+            "1p1d": f"prefill on {where(cores[0])}, decode on {where(cores[1])}, router on both",
+            "colocated": (f"role both on {where(cores[0])} and on {where(cores[1])}, router on both"
                           if args.colocated_nodes == 2 else
-                          f"one role-both node on cores {cores[0]},{cores[1]} with 2 threads, "
-                          "router on both"),
+                          f"one role-both node on {where(cores[0] | cores[1])} with "
+                          f"{len(cores[0] | cores[1])} threads, router on both"),
             **({args.compare_peer: _peer_system(args, cores)} if args.compare_peer else {})},
-        "model": model.record(node_dtype(shlex.split(args.node_args))), "cores": list(cores),
+        "model": model.record(node_dtype(shlex.split(args.node_args))), "cores": [sorted(side) for side in cores],
         "workload": {**workload_info(args), "arrival": args.arrival,
                      "rates": [r if math.isfinite(r) else None for r in args.rates],
                      "max_concurrency": args.max_concurrency},
@@ -207,9 +220,9 @@ def main_compare(args) -> int:
 def _peer_system(args, cores) -> str:
     kv = f"{args.peer_dtype}, {args.peer_kv_cache_gib} GiB KV"
     if args.compare_peer == "vllm-pd":
-        return (f"vLLM 1P1D ({kv} split): prefill server on core {cores[0]}, decode server on "
-                f"core {cores[1]}, NixlConnector, our proxy on both (benchmarks.serve.peer_pd)")
-    return f"vLLM's OpenAI server ({kv}) on cores {cores[0]},{cores[1]}"
+        return (f"vLLM 1P1D ({kv} split): prefill server on {where(cores[0])}, decode server on "
+                f"{where(cores[1])}, NixlConnector, our proxy on both (benchmarks.serve.peer_pd)")
+    return f"vLLM's OpenAI server ({kv}) on {where(cores[0] | cores[1])}"
 
 
 def _peer_settings(args, model_dir: str) -> None:

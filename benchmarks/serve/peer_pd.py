@@ -48,19 +48,19 @@ def site_dir(log_dir: Path) -> Path:
     return site
 
 
-def server_env(site: Path, core: int, side_channel_port: int) -> dict[str, str]:
+def server_env(site: Path, cores, side_channel_port: int) -> dict[str, str]:
     import os
 
     path = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": f"{site}:{path}" if path else str(site),
-            vllm_pd_site.CORES_ENV: str(core),
+            vllm_pd_site.CORES_ENV: ",".join(map(str, sorted(cores))),
             vllm_pd_site.DELAY_ENV: str(NIXL_PTHR_DELAY_US),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)}
 
 
 @contextmanager
-def start_vllm_pd(python: Path, model_dir: str, dtype: str, cores: tuple[int, int],
+def start_vllm_pd(python: Path, model_dir: str, dtype: str, cores: tuple[frozenset[int], frozenset[int]],
                   log_dir: Path, kv_cache_gib: int, max_model_len: int,
                   timeout_s: float = 900.0) -> Iterator[str]:
     """Start both servers and the proxy; yield the proxy's base URL once it answers."""
@@ -72,10 +72,10 @@ def start_vllm_pd(python: Path, model_dir: str, dtype: str, cores: tuple[int, in
     extra = ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
     with ExitStack() as stack:
         servers = []
-        for role, core in (("prefill", cores[0]), ("decode", cores[1])):
-            log = log_dir / f"vllm-pd-{role}-core{core}.log"
-            proc, url = launch_vllm(python, model_dir, dtype, (core,), log, kv_gib, max_model_len,
-                                    extra, server_env(site, core, free_port()), pin=True)
+        for role, side in (("prefill", cores[0]), ("decode", cores[1])):
+            log = log_dir / f"vllm-pd-{role}-core{'-'.join(map(str, sorted(side)))}.log"
+            proc, url = launch_vllm(python, model_dir, dtype, tuple(sorted(side)), log, kv_gib, max_model_len,
+                                    extra, server_env(site, side, free_port()), pin=True)
             stack.callback(stop, proc)
             servers.append((proc, url, log))
         for proc, url, log in servers:  # both load at once, each on its own core
@@ -84,7 +84,7 @@ def start_vllm_pd(python: Path, model_dir: str, dtype: str, cores: tuple[int, in
         command = launch.command([sys.executable, "-m", "pdserve.benchmarks.serve.pd_proxy",
                                   "--prefill", servers[0][1], "--decode", servers[1][1],
                                   "--port", str(port)],
-                                 parent_death=signal.SIGTERM, cores=set(cores))
+                                 parent_death=signal.SIGTERM, cores=set(cores[0] | cores[1]))
         with open(log_dir / "vllm-pd-proxy.log", "w") as out:
             proxy = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)

@@ -27,11 +27,12 @@ SERVED_NAME = "peer"
 
 
 @contextmanager
-def start_vllm_server(python: Path, model_dir: str, dtype: str, cores: tuple[int, ...],
+def start_vllm_server(python: Path, model_dir: str, dtype: str, cores: tuple[frozenset[int], frozenset[int]],
                       log_dir: Path, kv_cache_gib: int, max_model_len: int,
                       timeout_s: float = 900.0) -> Iterator[str]:
-    """Start the server and yield its base URL once `/v1/models` answers."""
-    proc, url = launch_vllm(python, model_dir, dtype, cores, log_dir / "vllm-server.log",
+    """Start the server on both sides' cores and yield its base URL once `/v1/models`
+    answers."""
+    proc, url = launch_vllm(python, model_dir, dtype, tuple(sorted(cores[0] | cores[1])), log_dir / "vllm-server.log",
                             kv_cache_gib, max_model_len)
     try:
         wait_ready(proc, url, timeout_s, log_dir / "vllm-server.log")

@@ -107,11 +107,49 @@ def test_compare_records_the_model_name_directory_and_workers_dtype(tmp_path, mo
     assert out["model"] == {"name": "smollm2-135m-instruct", "dir": str(tmp_path),
                             "dtype": "bfloat16"}
     # Colocated is one node on both cores by default (vLLM's footprint), two on request.
-    assert out["systems"]["colocated"].startswith("one role-both node on cores 0,1 with 2 threads")
+    assert out["systems"]["colocated"].startswith("one role-both node on cores 0-1 with 2 threads")
+    assert out["systems"]["1p1d"].startswith("prefill on core 0, decode on core 1") and out["cores"] == [[0], [1]]
     assert main(["--compare", "--model", str(tmp_path), "--cores", "0,1", "--rates", "0.5",
                  "--colocated-nodes", "2", "--log-dir", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["systems"]["colocated"].startswith("role both on cores 0 and 1")
+    assert out["systems"]["colocated"].startswith("role both on core 0 and on core 1")
+    # Core lists a side (for GPU workers): each node gets its side, colocated both.
+    assert main(["--compare", "--model", str(tmp_path), "--cores", "0-1:2,3", "--rates", "0.5",
+                 "--log-dir", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["systems"]["1p1d"].startswith("prefill on cores 0-1, decode on cores 2-3")
+    assert out["systems"]["colocated"].startswith("one role-both node on cores 0-3 with 4 threads")
+    assert out["cores"] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("text, sides", [("0,1", ({0}, {1})), ("3,1", ({3}, {1})),
+                                         ("0-3:4-7", ({0, 1, 2, 3}, {4, 5, 6, 7})),
+                                         ("0,2:1", ({0, 2}, {1}))])
+def test_cores_are_two_cores_or_two_core_lists(text, sides):
+    from pdserve.benchmarks.serve.cli import parse_cores
+
+    assert parse_cores(text) == sides
+
+
+@pytest.mark.parametrize("text", ["0", "0,0", "0,1,2", "0-3:3-5", "a,b", "0-1:", ":1", "0:1:2"])
+def test_cores_that_are_not_two_disjoint_sides_are_refused_with_the_forms(text):
+    import argparse
+
+    from pdserve.benchmarks.serve.cli import parse_cores
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"A,B or two core lists.*LIST:LIST"):
+        parse_cores(text)
+
+
+def test_gpu_workers_get_half_the_cores_a_side_by_default(monkeypatch):
+    from pdserve.benchmarks.serve.compare import default_cores
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(9)))
+    monkeypatch.delenv("PDSERVE_DEVICE", raising=False)
+    assert default_cores([]) == ({0}, {1})  # CPU workers: a core each, the fair share
+    assert default_cores(["--device", "cuda:0"]) == ({0, 1, 2, 3}, {4, 5, 6, 7})
+    monkeypatch.setenv("PDSERVE_DEVICE", "cuda")
+    assert default_cores(["--dtype", "bfloat16"]) == ({0, 1, 2, 3}, {4, 5, 6, 7})
 
 
 def test_fixed_objectives_give_each_system_goodput_and_the_ratio_over_vllm_pd():
@@ -188,3 +226,30 @@ def test_the_cli_offers_both_peers_and_reads_the_older_objective_spellings():
     args = parser.parse_args(["--ttft-slo-ms", "1500", "--slo-itl-p99-ms", "1000"])
     assert fixed_objectives(args).ttft_s == pytest.approx(1.5)
     assert fixed_objectives(args).itl_p99_ms == 1000
+
+
+@pytest.mark.parametrize("system, nodes, expected", [
+    ("1p1d", 1, [("prefill", {0, 1}, 2), ("decode", {2, 3}, 2), ("router", {0, 1, 2, 3}, 4)]),
+    ("colocated", 1, [("serve", {0, 1, 2, 3}, 4), ("router", {0, 1, 2, 3}, 4)]),
+    ("colocated", 2, [("serve", {0, 1}, 2), ("serve", {2, 3}, 2), ("router", {0, 1, 2, 3}, 4)])])
+def test_each_node_is_pinned_to_its_side_with_a_thread_per_core(tmp_path, monkeypatch, system, nodes,
+                                                                expected):
+    """Which cores each process gets (the processes themselves are stood in for)."""
+    from pdserve.benchmarks.serve import cluster
+
+    started = []
+
+    class Node:
+        def __init__(self, args, log, cores, threads):
+            started.append((args[0], cores, threads))
+            assert args[0] == "router" or args[args.index("--num-threads") + 1] == str(threads)
+
+        def wait_ready(self, timeout_s):
+            return "127.0.0.1:1"
+
+    monkeypatch.setattr(cluster, "NodeProcess", Node)
+    monkeypatch.setattr(cluster, "stop_all", lambda procs: None)
+    with cluster.start_cluster(system, "m", (frozenset({0, 1}), frozenset({2, 3})), tmp_path,
+                               colocated_nodes=nodes):
+        pass
+    assert started == expected

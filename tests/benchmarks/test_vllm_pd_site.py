@@ -65,7 +65,7 @@ def test_a_thread_asked_off_its_configured_core_keeps_it(tmp_path):
         import os
         os.sched_setaffinity(0, [{second}])   # what vLLM's NIXL worker does
         print(sorted(os.sched_getaffinity(0)))
-    """, server_env(tmp_path, first, 5600))
+    """, server_env(tmp_path, {first}, 5600))
     assert out.stdout.strip() == f"[{first}]"
     assert f"kept cores [{first}] of pid/tid self (asked [{second}])" in out.stderr
 
@@ -79,7 +79,8 @@ def test_keep_cores_narrows_a_request_to_the_configured_cores():
 def test_the_servers_get_their_core_side_channel_and_the_site_first_on_pythonpath(tmp_path,
                                                                                  monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    env = server_env(tmp_path / "site", 1, 5601)
+    env = server_env(tmp_path / "site", {1}, 5601)
     assert env["PYTHONPATH"] == f"{tmp_path / 'site'}:/elsewhere"
     assert (env[vllm_pd_site.CORES_ENV], env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ("1", "5601")
     assert int(env[vllm_pd_site.DELAY_ENV]) > 0
+    assert server_env(tmp_path / "site", {5, 4}, 5602)[vllm_pd_site.CORES_ENV] == "4,5"  # a side of several

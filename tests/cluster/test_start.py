@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import pdserve.engine
 from pdserve.procs import NodeProcess, free_port
@@ -52,6 +53,18 @@ def test_a_taken_port_ends_a_worker_with_one_line_before_its_model_loads(tiny_mo
     assert out.returncode == 1
     line = one_line(out.stderr)
     assert f"127.0.0.1:{taken_port} ({flag})" in line and "in use" in line, line
+    assert MODEL_LOADED not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--device", "cuda:99"], ["--device cuda:99", "--device cpu" if not torch.cuda.is_available() else "pass one"]),
+    (["--device", "gpu"], ["--device must be cpu, cuda or cuda:N, got 'gpu'"]),
+    (["--page-size", "0"], ["--page-size must be an integer >= 1, got 0"])])
+def test_a_bad_engine_flag_ends_a_worker_with_one_line_before_its_model_loads(tiny_model, flags, says):
+    out = pdserve("serve", "--model", tiny_model, "--host", "127.0.0.1", "--port", "0", *flags)
+    assert out.returncode == 1
+    line = one_line(out.stderr)
+    assert line.startswith("pdserve serve: ") and all(s in line for s in says), line
     assert MODEL_LOADED not in out.stderr + out.stdout
 
 

@@ -176,3 +176,43 @@ def test_logprobs_only_for_rows_that_ask():
 def test_logits_of_the_wrong_shape_are_rejected():
     with pytest.raises(ValueError, match="3 rows"):
         sample(torch.zeros(2, 10), [SamplingRow()] * 3)
+
+
+def _host_to_device_ops(fn) -> int:
+    """Ops run under `fn` that take a host tensor and give one on the device (the meta
+    device stands in for a GPU: it runs every op's shapes without one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    crossings = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            if isinstance(out, torch.Tensor) and out.device.type == "meta" and \
+                    any(a.device.type == "cpu" for a in inputs):
+                crossings.append(func)
+            return out
+
+    with Count():
+        fn()
+    return len(crossings)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_seeded_rows_cross_to_the_device_in_one_copy_whatever_the_batch(batch):
+    from pdserve.engine.sampler import _uniforms
+
+    rows = [SamplingRow(generator=_gen(i)) if i % 2 == 0 else SamplingRow() for i in range(batch)]
+    assert _host_to_device_ops(lambda: _uniforms(rows, torch.device("meta"))) == 1
+    assert _host_to_device_ops(lambda: _uniforms([SamplingRow()] * batch, torch.device("meta"))) == 0
+
+
+def test_a_seeded_row_draws_one_uniform_of_its_own_generator_a_step():
+    from pdserve.engine.sampler import _uniforms
+
+    gen, twin = _gen(5), _gen(5)
+    torch.manual_seed(0)
+    u = _uniforms([SamplingRow(), SamplingRow(generator=gen), SamplingRow()], torch.device("cpu"))
+    assert u[1].item() == torch.rand((), generator=twin).item()  # exactly its own next draw
+    assert 0 <= u.min().item() and u.max().item() < 1 and u[0] != u[2]
