@@ -22,7 +22,7 @@ def usable_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cpu":
         return device
-    if torch.version.cuda is None:
+    if not torch.backends.cuda.is_built():  # (a ROCm build counts: it runs "cuda" through HIP)
         raise ValueError(f"device {name} needs a CUDA build of torch, and this one ({torch.__version__}) "
                          "has none: pass --device cpu, or install torch built for CUDA")
     count = torch.cuda.device_count()

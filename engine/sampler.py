@@ -71,7 +71,7 @@ def _sample_mixed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
         if not r.is_greedy:
             groups.setdefault(_candidate_kind(r, logits.shape[-1]), []).append(i)
     for kind, members in groups.items():
-        idx = torch.tensor(members, device=logits.device)
+        idx = _on(logits.device, members)
         token_ids[idx] = _sample_group(logits[idx], [rows[i] for i in members], kind)
     return token_ids
 
@@ -84,14 +84,14 @@ def _candidate_kind(row: SamplingRow, vocab: int) -> str:
 
 def _sample_group(logits: torch.Tensor, rows: list[SamplingRow], kind: str) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([r.temperature for r in rows], device=device)
+    temperature = _on(device, [r.temperature for r in rows])
     scaled = logits / temperature.unsqueeze(1)
 
     ids = None  # candidate position -> token id; None: position is the token id
     if kind == "top_k":
         ks = [min(r.top_k, vocab) for r in rows]
-        top_k = torch.tensor(ks, device=device)
-        scaled, ids = scaled.topk(max(ks), dim=-1)  # sorted, exactly k even on ties (k from the host: no wait)
+        top_k = _on(device, ks)
+        scaled, ids = scaled.topk(max(ks), dim=-1)  # sorted, exactly k even on ties (k from the host)
         rank = torch.arange(scaled.shape[-1], device=device)
         scaled = scaled.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
         return _sample_candidates(scaled, ids, rows, scaled.logsumexp(dim=-1, keepdim=True))
@@ -107,7 +107,7 @@ def _sample_top_p_only(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.T
     goes depends on that row alone, so seeded rows stay batch-independent."""
     device, vocab = scaled.device, scaled.shape[-1]
     log_total = scaled.logsumexp(dim=-1, keepdim=True)
-    top_p = torch.tensor([r.top_p for r in rows], device=device)
+    top_p = _on(device, [r.top_p for r in rows])
     vals, ids = scaled.topk(min(vocab, TOP_P_CANDIDATES), dim=-1)
     covered = (vals - log_total).exp().sum(dim=-1) >= top_p
     out = torch.empty(len(rows), dtype=torch.long, device=device)
@@ -132,7 +132,7 @@ def _sample_candidates(
     (top-k-filtered) vocabulary, so top-p sees true probabilities."""
     device = scaled.device
     if ids is not None:
-        top_p = torch.tensor([r.top_p for r in rows], device=device).unsqueeze(1)
+        top_p = _on(device, [r.top_p for r in rows]).unsqueeze(1)
         probs = (scaled - log_total).exp()
         # Mass of the tokens strictly before this one: a token stays while that is < top_p,
         # so the most likely token always stays and the kept set is the smallest reaching
@@ -144,7 +144,7 @@ def _sample_candidates(
     # plain threshold.
     weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()
     if any(r.min_p > 0.0 for r in rows):
-        min_p = torch.tensor([r.min_p for r in rows], device=device).unsqueeze(1)
+        min_p = _on(device, [r.min_p for r in rows]).unsqueeze(1)
         weights = weights.masked_fill_(weights < min_p, 0.0)
 
     pos = _inverse_cdf(weights, _uniforms(rows, device))
@@ -169,15 +169,21 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
     """One uniform per row: a seeded row's from its own generator (a host one, as
     engine/intake.py makes them), the others' from the global RNG on `device`. The seeded
-    draws cross to the device in one copy: one per row, from pageable memory, would each
-    wait for the device's queue, at every step."""
+    draws cross to the device in one copy that does not wait (`_on`), not one copy a row."""
     if all(r.generator is None for r in rows):
         return torch.rand(len(rows), device=device)
-    drawn = torch.tensor([-1.0 if r.generator is None else  # -1: none drawn, take the global one
-                          torch.rand((), generator=r.generator, device=r.generator.device).item()
-                          for r in rows])
-    drawn = drawn.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else drawn.to(device)
+    drawn = _on(device, [-1.0 if r.generator is None else  # -1: none drawn, take the global one
+                         torch.rand((), generator=r.generator, device=r.generator.device).item()
+                         for r in rows])
     return torch.where(drawn >= 0, drawn, torch.rand(len(rows), device=device))
+
+
+def _on(device: torch.device, values: list) -> torch.Tensor:
+    """`values` as a tensor on `device`. To a GPU through pinned memory, without waiting: a
+    copy from pageable memory waits for everything queued on the stream (the step's
+    forward first of all), which a step would pay once per parameter vector."""
+    host = torch.tensor(values)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def _with_logprobs(
@@ -189,7 +195,7 @@ def _with_logprobs(
     if not wanted:
         return samples
     if len(wanted) < len(rows):
-        idx = torch.tensor(wanted, device=logits.device)
+        idx = _on(logits.device, wanted)
         logits, token_ids = logits[idx], token_ids[idx]
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))

@@ -162,8 +162,10 @@ def _engine_or_exit(args, engine) -> None:
     """Before the model loads: exit 1 with one line, naming the flag, if an engine flag's
     value is bad or its --device is not on this machine (engine/device.py)."""
     from pdserve.engine.device import usable_device
-    from pdserve.runtime.options import flag_fields
+    from pdserve.runtime.options import flag_fields, flag_name
 
+    if args.kv_cache_mb is not None and args.kv_cache_mb <= 0:  # the engine sees bytes, not this flag
+        raise SystemExit(f"pdserve {args.command}: --kv-cache-mb must be > 0, got {args.kv_cache_mb}")
     try:
         engine.validate()
         usable_device(engine.device)
@@ -171,7 +173,7 @@ def _engine_or_exit(args, engine) -> None:
         message = str(err)
         for f in flag_fields(type(engine)):  # the field the message starts with, as its flag
             if message.startswith(f.name + " "):
-                message = (f.metadata.get("flag") or "--" + f.name.replace("_", "-")) + message[len(f.name):]
+                message = flag_name(f) + message[len(f.name):]
                 break
         raise SystemExit(f"pdserve {args.command}: {message}") from None
 

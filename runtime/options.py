@@ -30,6 +30,17 @@ def flag_fields(cls) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
 
 
+def flag_name(f: dataclasses.Field, default: Any = dataclasses.MISSING) -> str:
+    """The flag that sets field `f` (see the module docstring), under `default` if a
+    parser gives it another."""
+    if f.metadata.get("flag"):
+        return f.metadata["flag"]
+    default = default_of(f) if default is dataclasses.MISSING else default
+    if isinstance(default, bool) and "type" not in f.metadata:
+        return ("--no-" if default else "--") + f.name.replace("_", "-")
+    return "--" + f.name.replace("_", "-")
+
+
 def default_of(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -45,12 +56,11 @@ def add_options(parser, cls, *, defaults: dict | None = None) -> None:
     for f in flag_fields(cls):
         meta = f.metadata
         default = defaults.get(f.name, default_of(f))
+        name = flag_name(f, default)
         if isinstance(default, bool) and "type" not in meta:
-            name = meta.get("flag") or ("--no-" if default else "--") + f.name.replace("_", "-")
             parser.add_argument(name, dest=f.name, default=default, help=meta["help"],
                                 action="store_false" if default else "store_true")
             continue
-        name = meta.get("flag") or "--" + f.name.replace("_", "-")
         kind = meta.get("type") or type(default)
         text = meta["help"] + ("" if default is None else " (default: %(default)s)")
         extra = {k: meta[k] for k in ("choices", "metavar") if k in meta}

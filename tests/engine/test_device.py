@@ -13,7 +13,7 @@ from pdserve.engine.device import usable_device
 def gpus(monkeypatch):
     """Make torch report a CUDA build with `n` GPUs."""
     def have(n: int) -> None:
-        monkeypatch.setattr(torch.version, "cuda", "13.0")
+        monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
     return have
 
@@ -29,7 +29,7 @@ def test_a_malformed_device_names_the_forms(name):
 
 
 def test_cuda_on_a_torch_without_cuda_says_to_use_the_cpu(monkeypatch):
-    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
     with pytest.raises(ValueError, match=r"device cuda needs a CUDA build of torch.*--device cpu"):
         usable_device("cuda")
 

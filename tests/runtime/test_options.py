@@ -50,3 +50,15 @@ def test_a_parser_may_give_a_field_another_default_and_choices_are_enforced():
     assert parser(rate=9.0).parse_args([]).rate == 9.0
     with pytest.raises(SystemExit):
         parser().parse_args(["--kind", "c"])
+
+
+def test_flag_name_is_the_flag_the_parser_takes():
+    from dataclasses import fields
+
+    from pdserve.runtime.options import flag_name
+
+    names = {f.name: flag_name(f) for f in fields(Example) if f.metadata}
+    assert names == {"rate": "--rate", "count": "--count", "fast": "--fast", "careful": "--no-careful",
+                     "enabled": "--no-switch", "kind": "--kind", "targets": "--targets"}
+    for flag in names.values():  # every one parses
+        assert flag in parser().format_help()
