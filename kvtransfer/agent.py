@@ -210,15 +210,16 @@ class TransferAgent:
         copies are queued on the device when it is posted (UCX's cuda_ipc: one per
         descriptor), where a cancel does not reach: a cancelled one is waited for there, so
         that both sides' pages may be reused once this returns."""
+        on_gpu = self._mem != self._b.DRAM_SEG
         try:
-            cancelled = self._mem != self._b.DRAM_SEG and self._agent.getXferStatus(handle) == self._b.NIXL_IN_PROG
+            cancelled = on_gpu and self._agent.getXferStatus(handle) == self._b.NIXL_IN_PROG
         except Exception:
             cancelled = True  # failed midway: some copies may be queued all the same
         try:
             self._agent.releaseXferReq(handle)
         except Exception:
             pass  # NIXL could not cancel; the agent frees it at destruction
-        if cancelled and self._mem != self._b.DRAM_SEG:
+        if cancelled and on_gpu:
             import torch  # only a GPU pool gets here, and it was registered from a torch tensor
 
             for device in sorted({int(d) for d in self._regions.dev_ids}):  # ints: torch takes no numpy ids

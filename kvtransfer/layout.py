@@ -38,6 +38,7 @@ DTYPE_SIZES = {
 }
 
 PAGE_MAJOR, LAYER_MAJOR = "page-major", "layer-major"
+LAYOUT_KINDS = (PAGE_MAJOR, LAYER_MAJOR)
 
 
 class KVSizes:
@@ -62,7 +63,6 @@ class KVSizes:
     @property
     def num_pages(self) -> int:
         return self.num_slots // self.page_size
-LAYOUT_KINDS = (PAGE_MAJOR, LAYER_MAJOR)
 
 
 @dataclass(frozen=True)

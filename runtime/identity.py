@@ -17,6 +17,7 @@ shapes, dtype or seed of a generated checkpoint does not.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,9 +33,7 @@ def host_id() -> str:
     UCX shares memory between processes of one machine (its boot id) that share an IPC
     namespace (containers of one compose project do); a process whose UCX_TLS leaves only
     network transports talks over its network namespace whatever it shares."""
-    import os
-
-    tls = {t.strip().lstrip("^") for t in os.environ.get("UCX_TLS", "").lower().split(",") if t.strip()}
+    _, tls = _ucx_tls()
     network_only = bool(tls) and not tls & _UCX_MEMORY_TRANSPORTS
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -46,13 +45,16 @@ def host_id() -> str:
 
 def ucx_moves_gpu_memory() -> bool:
     """Whether UCX_TLS (unset: every transport) leaves UCX a way to copy GPU memory."""
-    import os
-
-    tls = os.environ.get("UCX_TLS", "").lower().strip()
-    names = {t.strip().lstrip("^") for t in tls.split(",") if t.strip()}
+    tls, names = _ucx_tls()
     if tls.startswith("^"):  # all but those named
         return not names & {"cuda", "cuda_copy"}
     return not tls or bool(names & {"all", "cuda", "cuda_copy"})
+
+
+def _ucx_tls() -> tuple[str, set[str]]:
+    """UCX_TLS, and the transport names it lists (without a leading "^")."""
+    tls = os.environ.get("UCX_TLS", "").lower().strip()
+    return tls, {t.strip().lstrip("^") for t in tls.split(",") if t.strip()}
 
 
 _UCX_MEMORY_TRANSPORTS = {"all", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "cuda_ipc"}
