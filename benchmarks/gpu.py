@@ -222,6 +222,10 @@ def summary(report: dict) -> dict:
         out[f"step_b{r['batch']}_ms"] = (r["median_ms"], r.get("graph_replay_ms"), r.get("limit_ms_datasheet"))
     if "throughput" in eng:
         out["tok_s"] = (eng["throughput"]["tokens_per_s"], eng.get("transformers", {}).get("tokens_per_s"))
+    for r in eng.get("attention") or []:
+        out[f"attn_b{r['batch']}_ctx{r['context']}_us"] = (r["us_as_run"], r["us_one_share"], r["limit_us_datasheet"])
+    for p in eng.get("profile") or []:
+        out[f"profile_b{p['batch']}"] = p.get("error") or [(k["kernel"][:40], k["us_per_step"]) for k in p["top"][:4]]
     ttft = report["stages"].get("cluster", {}).get("stages", {}).get("ttft", {})
     for setup, r in ttft.get("by_setup", {}).items():
         out[f"ttft_{setup}"] = (r.get("ttft_s"), r.get("prefill_alone_s"), r.get("transfer_added_fraction"),

@@ -4,6 +4,8 @@ decode steps beside the memory-bandwidth limit, and throughput against transform
 
 from __future__ import annotations
 
+import contextlib
+import os
 import platform
 import random
 import statistics
@@ -58,9 +60,10 @@ def weight_bytes(engine) -> int:
 
 
 def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng: random.Random, device: str,
-                 timer: "GraphTimer | None" = None) -> dict:
+                 timer: "GraphTimer | None" = None, around=None) -> dict:
     """Median wall time of `steps` decode steps of `batch` sequences, all decoding (and,
-    with `timer`, the median GPU time of their graph replays)."""
+    with `timer`, the median GPU time of their graph replays); `around`, a context manager
+    the measured steps run in (a profiler)."""
     from pdserve.engine import SamplingParams
 
     vocab = engine.vocab_size
@@ -77,13 +80,14 @@ def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng: random.Ra
     contexts = [s.num_tokens for r in engine.requests.values() for s in r.seqs]
     if timer:
         timer.take_median_ms()  # not the replays of the steps that filled the batch
-    for _ in range(steps):
-        _sync(device)
-        start = time.perf_counter()
-        engine.step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-        scheduled.append(engine.last_step_scheduled)
+    with around or contextlib.nullcontext():
+        for _ in range(steps):
+            _sync(device)
+            start = time.perf_counter()
+            engine.step()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+            scheduled.append(engine.last_step_scheduled)
     for rid in ids:
         engine.abort(rid)
     m = engine.model
@@ -153,7 +157,89 @@ def step_report(engine, batches, prompt_len: int, steps: int, device: str) -> di
             "decode_steps": rows}
 
 
+def _time_us(fn, repeats: int, device: str) -> float:
+    """Mean time of `fn()` in microseconds: on a GPU by CUDA events around `repeats` calls."""
+    import torch
+
+    fn()
+    if not device.startswith("cuda"):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return 1e6 * (time.perf_counter() - start) / repeats
+    for _ in range(2):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / repeats
+
+
+def attention_report(engine, device: str, datasheet: float | None, quick: bool) -> list[dict]:
+    """Decode attention alone over one layer's K/V, in the model's geometry: each context cut
+    into shares as the engine does (`decode_splits`) against one program per sequence and
+    KV head, beside the time to read the batch's K and V once at the datasheet's rate. On
+    a CPU, through Triton's interpreter, with three shares standing for a GPU's choice."""
+    import torch
+
+    from pdserve.engine.attention import triton_ops
+
+    on_gpu = device.startswith("cuda")
+    m, ps, dtype = engine.model, engine.page_size, engine.kv_cache.dtype
+    rows = []
+    shapes = ((1, 200), (4, 64)) if quick else ((1, 4096), (1, 32768), (8, 4096), (64, 768), (256, 768))
+    for batch, context in shapes:
+        pages = batch * -(-context // ps)
+        k_cache = torch.randn(pages, ps, m.num_kv_heads, m.head_dim, dtype=dtype, device=device)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.arange(pages, device=device).view(batch, -1)
+        starts = torch.arange(batch + 1, device=device)
+        lens = torch.full((batch,), context, device=device)
+        q = torch.randn(batch, m.num_heads, m.head_dim, dtype=dtype, device=device)
+        splits = triton_ops.decode_splits(batch, m.num_kv_heads, torch.device(device)) if on_gpu else 3
+        times = {n: _time_us(lambda n=n: triton_ops.paged_attention(
+            q, k_cache, v_cache, tables, starts, lens, ps, m.head_dim ** -0.5, max_query_len=1, num_splits=n),
+            2 if quick else 50, device) for n in sorted({1, splits})}
+        kv_bytes = 2 * batch * context * m.num_kv_heads * m.head_dim * k_cache.element_size()
+        rows.append({"batch": batch, "context": context, "splits": splits,
+                     "us_one_share": round(times[1], 1), "us_as_run": round(times[splits], 1),
+                     "speedup": round(times[1] / times[splits], 2),
+                     "limit_us_datasheet": round(1e6 * kv_bytes / datasheet, 1) if datasheet else None})
+        del k_cache, v_cache
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def kernel_profile(engine, batch: int, prompt_len: int, device: str, steps: int = 8) -> dict:
+    """GPU time per decode step by kernel (torch.profiler, CUPTI: the kernels inside a
+    graph replay too), the largest first: where a step's time goes (on a CPU, its ops'
+    own time). Never fails the stage: a profiler that cannot run gives its error instead."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.startswith("cuda")
+    try:
+        prof = profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU])
+        decode_steps(engine, batch, prompt_len, steps, random.Random(2), device, around=prof)
+        kind = torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU
+        per_step = sorted(((e.key, (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / steps,
+                            e.count / steps) for e in prof.key_averages() if e.device_type == kind),
+                          key=lambda k: -k[1])
+        total = sum(t for _, t, _ in per_step)
+        return {"batch": batch, "steps": steps, "us_per_step": round(total, 1),
+                "top": [{"kernel": name[:120], "us_per_step": round(t, 1), "calls_per_step": n,
+                         "share": round(t / total, 3) if total else None} for name, t, n in per_step[:15]]}
+    except Exception as err:  # noqa: BLE001 - a profile is extra; its failure is reported, not raised
+        return {"batch": batch, "error": repr(err)[:300]}
+
+
 def stage_engine(device: str, workdir: Path, quick: bool, hf_new_tokens: int) -> dict:
+    if device == "cpu":  # the stage's own process: Triton, imported after this, interprets
+        os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
     from pdserve.engine import LLM, SamplingParams
@@ -168,6 +254,9 @@ def stage_engine(device: str, workdir: Path, quick: bool, hf_new_tokens: int) ->
     out = {"dtype": dtype, "model": model_dir, "geometry": TINY if quick else ONE_B,
            "engine_start_s": round(time.perf_counter() - start, 2),
            **step_report(engine, batches, prompt_len, steps, device)}
+    print("[gpu-check] engine: decode attention, split and not; a kernel profile", file=sys.stderr, flush=True)
+    out["attention"] = attention_report(engine, device, out["datasheet_bytes_per_s"], quick)
+    out["profile"] = [kernel_profile(engine, b, prompt_len, device) for b in (batches[0], batches[1])]
     rng = random.Random(1)
     prompts = [[rng.randrange(FIRST_ID, engine.vocab_size) for _ in range(in_len)] for _ in range(n_prompts)]
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)

@@ -13,12 +13,18 @@ Invariants:
   heads of one KV head (GQA of any ratio: each K/V tile is loaded once for the whole group).
   It walks the context in tiles with an online softmax, full over the cached prefix and
   causal over the new tokens. Decode is the case of one query.
+- A decode batch too small to fill the GPU (one sequence of 8 KV heads is 8 programs) cuts
+  each context into shares of whole tiles, a program each, whose outputs and log-sum-exps
+  a second kernel combines (flash-decoding). How many depends on the batch's shape only,
+  so a CUDA graph captured for a batch size stays right for any lengths.
 - Any head_dim up to 256 (padded to a power of two inside the kernel, masked) and any page
   size, including 1 and non-powers of two: each key position finds its page by division.
 - fp32 inputs use IEEE fp32 dot products (no TF32), so fp32 results match the torch path.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -30,6 +36,7 @@ triton = None
 tl = None  # triton.language; bound on first use (engine/triton_jit.py) so the kernels see it
 
 MAX_HEAD_DIM = 256
+MAX_SPLITS = 16  # shares of one decode's context (flash-decoding); the combine's width
 
 
 def _store_kv_kernel(
@@ -54,17 +61,22 @@ def _store_kv_kernel(
 
 
 def _paged_attention_kernel(
-    Q, KCache, VCache, Out, BlockTables, QueryStartLoc, SeqLens,
-    scale_log2e, page_size,
+    Q, KCache, VCache, Out, Lse, BlockTables, QueryStartLoc, SeqLens,
+    scale_log2e, page_size, num_splits,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_bt,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     NUM_Q_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    m_block = tl.program_id(2)
+    if SPLIT:  # decode only: the third axis cuts the context, and there is one query block
+        split = tl.program_id(2)
+        m_block = 0
+    else:
+        split = 0
+        m_block = tl.program_id(2)
     q_start = tl.load(QueryStartLoc + b)
     num_new = tl.load(QueryStartLoc + b + 1) - q_start
     seq_len = tl.load(SeqLens + b)
@@ -86,9 +98,16 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
         # The block's last query sees positions up to its own: nothing after it is loaded.
         kv_end = tl.minimum(seq_len, seq_len - num_new + (m_block + 1) * BLOCK_M)
-        for start in range(0, kv_end, BLOCK_N):
+        if SPLIT:  # this program's share: whole tiles, the last share shorter or empty
+            chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = tl.minimum(kv_end, lo + chunk)
+        else:
+            lo = 0
+            hi = kv_end
+        for start in range(lo, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
-            pos_ok = pos < kv_end
+            pos_ok = pos < hi
             page = tl.load(BlockTables + b * stride_bt + pos // page_size, mask=pos_ok, other=0)
             page = page.to(tl.int64)
             offset = (pos % page_size).to(tl.int64)
@@ -117,8 +136,30 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        tl.store(Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if SPLIT:  # the share's log-sum-exp (base 2), which weighs it in the combine; -inf if empty
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+            tl.store(Lse + q_rows * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+
+
+def _combine_splits_kernel(
+    Partial, Lse, Out, num_splits,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < num_splits
+    lse = tl.load(Lse + t * stride_lt + h * stride_lh + s, mask=s_ok, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # share 0 is never empty, so the max is finite
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    part = tl.load(Partial + t * stride_pt + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
 def _load(name: str):
@@ -146,14 +187,18 @@ def store_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size: int, scale: float,
-                    max_query_len: int | None = None):
+                    max_query_len: int | None = None, num_splits: int | None = None):
     """Attention of q [T, H, D] over the paged cache: sequence b's queries are rows
     query_start_loc[b]:query_start_loc[b+1], the last positions of a context of
     seq_lens[b] tokens (causal over them, full over the cached prefix).
 
     `max_query_len`, the most queries of any sequence, when the caller knows it: then
     nothing here reads a tensor's values, so the call is CUDA-graph capturable and never
-    waits for the device (otherwise it is read from query_start_loc)."""
+    waits for the device (otherwise it is read from query_start_loc).
+
+    `num_splits` (decodes only: `max_query_len` 1) cuts each context into that many shares
+    attended by programs of their own, then combined; None: as many as fill the GPU
+    (`decode_splits`), 1 on a CPU."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[1] != page_size:
@@ -170,21 +215,58 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     group = num_heads // num_kv_heads
     group_pad = _pow2_at_least(group)
     max_new = max_query_len or int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if num_splits is None:
+        num_splits = decode_splits(num_seqs, num_kv_heads, q.device) if max_new == 1 else 1
+    if num_splits > 1 and max_new != 1:
+        raise ValueError(f"num_splits={num_splits} needs decodes alone (one query a sequence), got {max_new}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     # tl.dot needs at least 16 rows; decodes fill them with the group's heads, prefills
     # take bigger query blocks to reuse each K/V tile more.
     rows = 16 if max_new == 1 else 64
     block_m = max(1, rows // group_pad)
     head_dim_pad = _pow2_at_least(head_dim, 16)
     block_n = 64 if head_dim_pad <= 128 else 32
-    grid = (num_seqs, num_kv_heads, ceil_div(max_new, block_m))
+    split = num_splits > 1
+    if split:  # each share's output (fp32) and log-sum-exp, for the combine
+        part = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        grid = (num_seqs, num_kv_heads, num_splits)
+    else:
+        part, lse = out, out  # lse: not read or written without splits
+        grid = (num_seqs, num_kv_heads, ceil_div(max_new, block_m))
     kernel = _load("_paged_attention_kernel")
     kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-        scale * 1.4426950408889634, page_size,  # log2(e): the kernel uses exp2
+        q, k_cache, v_cache, part, lse, block_tables, query_start_loc, seq_lens,
+        scale * 1.4426950408889634, page_size, num_splits,  # log2(e): the kernel uses exp2
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), part.stride(0), part.stride(1),
+        part.stride(2) if split else 0, lse.stride(0) if split else 0, lse.stride(1) if split else 0,
+        block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         NUM_Q_PER_KV=group, GROUP_PAD=group_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, SPLIT=split,
     )
+    if split:
+        _load("_combine_splits_kernel")[(num_tokens, num_heads)](
+            part, lse, out, num_splits,
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2_at_least(head_dim), SPLITS_PAD=MAX_SPLITS,
+        )
     return out
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Shares per context for a decode batch: enough programs for about two per SM of the
+    GPU (a batch of one sequence of 8 KV heads is otherwise 8 programs on a 132-SM H200,
+    each walking the whole context alone). It depends on the batch's shape alone, never
+    on its lengths, so a CUDA graph captured for a batch size keeps it."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(MAX_SPLITS, 2 * _sm_count(device.index) // (num_seqs * num_kv_heads)))
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                            ).multi_processor_count

@@ -29,6 +29,15 @@ def test_cuda_paged_attention_matches_reference(name, dtype):
     torch.testing.assert_close(triton_ops.paged_attention(*args, ps, scale), out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [None, 1, 3, 16])
+def test_cuda_decode_split_over_the_context_matches_reference(splits, dtype):
+    args = make_case(4, [1, 1, 1], [5, 300, 1500], 32, 8, 64, 16, dtype=dtype, device="cuda")
+    out = triton_ops.paged_attention(*args, 16, 0.125, max_query_len=1, num_splits=splits)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), reference_attention(*args, 16, 0.125).float(), atol=tol, rtol=tol)
+
+
 def test_cuda_store_kv_skips_padding_slots():
     kv = torch.zeros(4, 2, 2, 3, 2, 8, device="cuda")
     k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]

@@ -62,6 +62,22 @@ def test_gpu_step_path_generates_transformers_greedy_tokens(checkpoint_dirs, hf_
     assert engine.num_free_pages() == engine.num_total_pages()
 
 
+def test_decodes_split_over_their_contexts_generate_transformers_greedy_tokens(checkpoint_dirs, hf_greedy,
+                                                                               monkeypatch):
+    from pdserve.engine.attention import triton_ops
+
+    # As on a GPU with SMs to spare: each decode's context in three shares, combined. The
+    # long prompt's shares are a tile (64 positions) each, the last one partial; the short
+    # ones leave shares empty. Prefills' kept rows are decodes' shape and split too.
+    monkeypatch.setattr(triton_ops, "decode_splits", lambda num_seqs, num_kv_heads, device: 3)
+    model = checkpoint_dirs("llama")
+    llm = gpu_path_llm(model, max_num_seqs=4, page_size=16)
+    prompts = [[(7 * i) % 90 + 3 for i in range(150)], [10, 11, 12]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy("llama", tuple(prompt), 6), len(prompt)
+
+
 def test_graph_buffers_pad_rows_that_store_nothing(checkpoint_dirs):
     llm = gpu_path_llm(checkpoint_dirs("llama"), max_num_seqs=8, page_size=4)
     engine = llm.engine

@@ -39,6 +39,44 @@ def test_paged_attention_matches_reference_and_torch_path(name):
     torch.testing.assert_close(out, cpu_ops.paged_attention(*finite, ps, scale), atol=2e-5, rtol=2e-5)
 
 
+# (query_lens, seq_lens, heads, kv_heads, head_dim, page_size, splits): shares of several
+# tiles and of none (a context shorter than the splits' tiles), odd pages, GQA 1 to 8.
+SPLIT_CASES = {
+    "two_shares_of_tiles": ([1, 1, 1], [1, 17, 300], 4, 2, 64, 16, 2),
+    "five_shares_page3": ([1, 1], [130, 5], 6, 2, 40, 3, 5),
+    "sixteen_shares_dim256": ([1], [700], 8, 1, 256, 5, 16),
+    "mha_page1": ([1, 1], [1, 64], 2, 2, 24, 1, 3),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_decode_split_over_the_context_matches_reference(name):
+    query_lens, seq_lens, h, hkv, d, ps, splits = SPLIT_CASES[name]
+    args = make_case(3, query_lens, seq_lens, h, hkv, d, ps)
+    scale = 1.0 / math.sqrt(d)
+    out = triton_ops.paged_attention(*args, ps, scale, max_query_len=1, num_splits=splits)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference_attention(*args, ps, scale), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, triton_ops.paged_attention(*args, ps, scale, max_query_len=1, num_splits=1),
+                               atol=2e-6, rtol=2e-6)
+
+
+def test_splits_are_for_decodes_and_bounded():
+    args = make_case(0, [3, 1], [8, 4], 4, 2, 16, 4)
+    with pytest.raises(ValueError, match="num_splits=2 needs decodes alone"):
+        triton_ops.paged_attention(*args, 4, 0.25, num_splits=2)
+    with pytest.raises(ValueError, match=r"num_splits must be in \[1, 16\], got 17"):
+        triton_ops.paged_attention(*make_case(0, [1], [8], 4, 2, 16, 4), 4, 0.25, num_splits=17)
+
+
+def test_decode_splits_fill_the_gpu_from_the_batch_shape(monkeypatch):
+    assert triton_ops.decode_splits(1, 8, torch.device("cpu")) == 1
+    monkeypatch.setattr(triton_ops, "_sm_count", lambda index: 132)  # an H200
+    cuda = torch.device("cuda", 0)
+    assert [triton_ops.decode_splits(b, 8, cuda) for b in (1, 2, 16, 32, 64, 256)] == [16, 16, 2, 1, 1, 1]
+    assert triton_ops.decode_splits(8, 3, cuda) == 11
+
+
 def test_paged_attention_in_half_precision():
     args = make_case(1, [1, 6], [20, 6], 4, 2, 64, 16, dtype=torch.float16)
     out = triton_ops.paged_attention(*args, 16, 0.125)

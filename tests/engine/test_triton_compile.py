@@ -1,0 +1,156 @@
+"""Every launch the engine's Triton kernels get on a GPU compiles, through Triton's real
+compiler and NVIDIA's ptxas (both in the triton wheel), into a cubin for sm_90 (H100 and
+H200), with no GPU here: the interpreter tests check what the kernels compute, this that
+the compiler takes them (constexpr branches, loop bounds and types the interpreter does
+not check), before any device time is spent.
+
+Each case runs the engine's own wrapper on CPU tensors with the kernel launch recorded
+instead of run, and compiles the kernel for exactly the arguments it was given. The cases
+run in a process of their own: Triton's library functions are jitted when it is
+imported, interpreted for good if TRITON_INTERPRET was set then, as the interpreter tests
+of this session set it."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.attention import triton_ops
+from pdserve.engine.model import triton_fused
+from pdserve.engine.model.rope import RotaryTables
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+         torch.int32: "i32"}
+
+
+def _recorded(module) -> list:
+    """Launches of `module`'s kernels, recorded as (kernel function, args, kwargs), not run."""
+    calls = []
+
+    class Launch:
+        def __init__(self, name):
+            self.fn = getattr(module, name)
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.fn, args, kwargs))
+
+    module._load("_store_kv_kernel" if module is triton_ops else "_silu_mul_kernel")  # binds tl
+    module._load = Launch  # this process runs the cases and ends
+    return calls
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    return "fp32"
+
+
+def _compile(fn, args, kwargs):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(fn).parameters)
+    constexprs = {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
+    signature = {n: _arg_type(v) for n, v in zip(names, args)}
+    signature.update({n: "constexpr" for n in constexprs})
+    assert list(signature) == names, f"{fn.__name__}: launched with {list(signature)}"
+    src = ASTSource(fn=triton.jit(fn), signature=signature,
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+    binary = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)  # sm_90: H100, H200
+    assert len(binary.asm["cubin"]) > 0
+    return fn.__name__
+
+
+def _attention_case(dtype, query_lens, seq_lens, heads=32, kv_heads=8, head_dim=64, page_size=16):
+    num_pages = sum(-(-n // page_size) for n in seq_lens) + 1
+    pool = torch.zeros(num_pages, 2, 2, page_size, kv_heads, head_dim, dtype=dtype)
+    tables = torch.zeros(len(seq_lens), 16, dtype=torch.int64)
+    starts = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int64)
+    q = torch.zeros(sum(query_lens), heads, head_dim, dtype=dtype)
+    return q, pool[:, 1, 0], pool[:, 1, 1], tables, starts, torch.tensor(seq_lens, dtype=torch.int64)
+
+
+def attention(dtype, shape) -> list:
+    calls = _recorded(triton_ops)
+    query_lens = [70, 1] if shape == "prefill" else [1, 1]
+    args = _attention_case(dtype, query_lens, [75, 300])
+    triton_ops.paged_attention(*args, 16, 0.125, max_query_len=max(query_lens), num_splits=4 if shape == "split" else 1)
+    return calls
+
+
+def store_kv() -> list:
+    calls = _recorded(triton_ops)
+    q, k_cache, v_cache, *_ = _attention_case(torch.bfloat16, [1], [5])
+    kv = torch.zeros(3, 8, 64, dtype=torch.bfloat16)
+    triton_ops.store_kv(k_cache, v_cache, kv, kv, torch.tensor([0, 5, -1]))
+    return calls
+
+
+def fused_layer_ops() -> list:
+    calls = _recorded(triton_fused)
+    dtype, heads, kv_heads, head_dim = torch.bfloat16, 32, 8, 64
+    rope = RotaryTables(types.SimpleNamespace(rope_theta=10000.0), head_dim, 64, dtype, "cpu")
+    ops = triton_fused.TritonOps(rope, heads, kv_heads, head_dim, 1e-5)
+    x = torch.zeros(3, 2048, dtype=dtype)
+    ops.add_rms_norm(x, x, torch.ones(2048, dtype=dtype))
+    ops.add_rms_norm(x, None, torch.ones(2048, dtype=dtype))
+    _, k_cache, v_cache, *_ = _attention_case(dtype, [1], [5])
+    qkv = torch.zeros(3, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    ops.rope_store(qkv, torch.arange(3), None, None, k_cache, v_cache, torch.arange(3), None)
+    ops.silu_mul(torch.zeros(3, 2 * 8192, dtype=dtype))
+    return calls
+
+
+CASES = {
+    **{f"attention_{shape}_{str(dtype)[6:]}": (attention, dtype, shape)
+       for shape in ("decode", "split", "prefill") for dtype in (torch.float32, torch.bfloat16)},
+    "store_kv": (store_kv,),
+    "fused_layer_ops": (fused_layer_ops,),
+}
+WANT = {
+    **{f"attention_{shape}_{d}": ["_paged_attention_kernel"] + (["_combine_splits_kernel"] if shape == "split" else [])
+       for shape in ("decode", "split", "prefill") for d in ("float32", "bfloat16")},
+    "store_kv": ["_store_kv_kernel"],
+    "fused_layer_ops": ["_add_rms_norm_kernel", "_add_rms_norm_kernel", "_rope_store_kernel", "_silu_mul_kernel"],
+}
+
+
+def main() -> None:
+    """In the child: each case's compiled kernels' names, or its error."""
+    out = {}
+    for name, (fn, *params) in CASES.items():
+        try:
+            out[name] = [_compile(*call) for call in fn(*params)]
+        except Exception as err:  # noqa: BLE001 - reported to the test of this case
+            out[name] = f"{type(err).__name__}: {err}"[-3000:]
+    print(json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from tests.engine.test_triton_compile import main; main()"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_compile_for_sm90(compiled, case):
+    assert compiled[case] == WANT[case]
