@@ -181,8 +181,9 @@ def _time_us(fn, repeats: int, device: str) -> float:
 def attention_report(engine, device: str, datasheet: float | None, quick: bool) -> list[dict]:
     """Decode attention alone over one layer's K/V, in the model's geometry: each context cut
     into shares as the engine does (`decode_splits`) against one program per sequence and
-    KV head, beside the time to read the batch's K and V once at the datasheet's rate. On
-    a CPU, through Triton's interpreter, with three shares standing for a GPU's choice."""
+    KV head, beside the time to read the batch's K and V once at the datasheet's rate, and
+    the same call with other (query rows, tile, warps) than `launch_config`'s. On a CPU,
+    through Triton's interpreter, with three shares standing for a GPU's choice."""
     import torch
 
     from pdserve.engine.attention import triton_ops
@@ -204,10 +205,17 @@ def attention_report(engine, device: str, datasheet: float | None, quick: bool) 
             q, k_cache, v_cache, tables, starts, lens, ps, m.head_dim ** -0.5, max_query_len=1, num_splits=n),
             2 if quick else 50, device) for n in sorted({1, splits})}
         kv_bytes = 2 * batch * context * m.num_kv_heads * m.head_dim * k_cache.element_size()
+        # Other (rows, tile, warps) for the same call: which tile the GPU likes, measured.
+        head_dim_pad = 1 << max(4, (m.head_dim - 1).bit_length())
+        default = triton_ops.launch_config(head_dim_pad, dtype == torch.float32, True)
+        tiles = {"x".join(map(str, t)): round(_time_us(lambda t=t: triton_ops.paged_attention(
+            q, k_cache, v_cache, tables, starts, lens, ps, m.head_dim ** -0.5, max_query_len=1, num_splits=splits,
+            launch=t), 2 if quick else 50, device), 1) for t in (default, (16, 32, 4), (16, 64, 8))}
         rows.append({"batch": batch, "context": context, "splits": splits,
                      "us_one_share": round(times[1], 1), "us_as_run": round(times[splits], 1),
                      "speedup": round(times[1] / times[splits], 2),
-                     "limit_us_datasheet": round(1e6 * kv_bytes / datasheet, 1) if datasheet else None})
+                     "limit_us_datasheet": round(1e6 * kv_bytes / datasheet, 1) if datasheet else None,
+                     "us_by_tile": tiles})
         del k_cache, v_cache
     if on_gpu:
         torch.cuda.empty_cache()

@@ -187,7 +187,8 @@ def store_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size: int, scale: float,
-                    max_query_len: int | None = None, num_splits: int | None = None):
+                    max_query_len: int | None = None, num_splits: int | None = None,
+                    launch: tuple[int, int, int] | None = None):
     """Attention of q [T, H, D] over the paged cache: sequence b's queries are rows
     query_start_loc[b]:query_start_loc[b+1], the last positions of a context of
     seq_lens[b] tokens (causal over them, full over the cached prefix).
@@ -198,7 +199,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
 
     `num_splits` (decodes only: `max_query_len` 1) cuts each context into that many shares
     attended by programs of their own, then combined; None: as many as fill the GPU
-    (`decode_splits`), 1 on a CPU."""
+    (`decode_splits`), 1 on a CPU. `launch` overrides `launch_config`'s (rows, tile, warps):
+    benchmarks compare tiles with it."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[1] != page_size:
@@ -221,12 +223,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         raise ValueError(f"num_splits={num_splits} needs decodes alone (one query a sequence), got {max_new}")
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    # tl.dot needs at least 16 rows; decodes fill them with the group's heads, prefills
-    # take bigger query blocks to reuse each K/V tile more.
-    rows = 16 if max_new == 1 else 64
-    block_m = max(1, rows // group_pad)
     head_dim_pad = _pow2_at_least(head_dim, 16)
-    block_n = 64 if head_dim_pad <= 128 else 32
+    ieee = q.dtype == torch.float32
+    rows, block_n, num_warps = launch or launch_config(head_dim_pad, ieee, max_new == 1)
+    block_m = max(1, rows // group_pad)
     split = num_splits > 1
     if split:  # each share's output (fp32) and log-sum-exp, for the combine
         part = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -245,7 +245,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         NUM_Q_PER_KV=group, GROUP_PAD=group_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, SPLIT=split,
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, SPLIT=split, num_warps=num_warps,
     )
     if split:
         _load("_combine_splits_kernel")[(num_tokens, num_heads)](
@@ -254,6 +254,25 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
             HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2_at_least(head_dim), SPLITS_PAD=MAX_SPLITS,
         )
     return out
+
+
+# (query rows a program, K/V positions a tile, warps) by (head_dim padded, IEEE fp32, decode).
+# tl.dot needs at least 16 rows: decodes fill them with the group's heads; prefills take
+# more, to reuse each K/V tile. Each is a large tile whose program keeps its values in
+# registers on sm_90 (H100, H200): ptxas reports no spill (tests/engine/test_triton_compile.py
+# checks it). fp32 dots run on the FMA units (IEEE, for exactness) and hold more per thread.
+_LAUNCH = {
+    (64, False, True): (16, 64, 4), (64, False, False): (64, 64, 4),
+    (128, False, True): (16, 32, 8), (128, False, False): (64, 32, 8),
+    (256, False, True): (16, 32, 8), (256, False, False): (32, 32, 8),
+    (64, True, True): (16, 64, 8), (64, True, False): (64, 32, 8),
+    (128, True, True): (16, 32, 8), (128, True, False): (32, 16, 8),
+    (256, True, True): (16, 16, 8), (256, True, False): (16, 16, 8),
+}
+
+
+def launch_config(head_dim_pad: int, ieee: bool, decode: bool) -> tuple[int, int, int]:
+    return _LAUNCH[max(64, head_dim_pad), ieee, decode]
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
