@@ -42,7 +42,7 @@ import traceback
 from pathlib import Path
 
 from pdserve import launch
-from pdserve.benchmarks import gpu_engine
+from pdserve.benchmarks import gpu_engine, stage_progress
 from pdserve.benchmarks.gpu_models import FIRST_ID, ONE_B, SMOLLM2_GEOMETRY, TINY, checkpoint, transformers_greedy
 
 # `make gpu-check` runs from the repository: its tests/ and benchmarks/results/ are found there.
@@ -112,10 +112,29 @@ ORDER = "engine,cluster,parity,kernels"
 def _child(fn, params: tuple, conn) -> None:
     os.setsid()  # its own process group: a stage killed at its limit takes its children along
     launch.set_parent_death_signal(signal.SIGKILL)  # out of our group, it must die with us
+    stage_progress.attach(conn)
     try:
         conn.send({"ok": True, **fn(*params)})
     except BaseException as err:  # the parent records it and goes on with the next stage
         conn.send({"ok": False, "error": repr(err), "traceback": traceback.format_exc()[-4000:]})
+
+
+def _answer(parent, proc, limit_s: float) -> dict:
+    """The stage's result; failing, with the figures it reported (`stage_progress`) before."""
+    end = time.monotonic() + limit_s
+    partial: dict = {}
+    while True:
+        if not parent.poll(max(0.0, end - time.monotonic())):
+            return {**partial, "ok": False, "error": f"timed out after {limit_s:.0f} s"}
+        try:
+            message = parent.recv()
+        except EOFError:
+            proc.join(5)
+            return {**partial, "ok": False, "error": f"the stage's process died (exit code {proc.exitcode})"}
+        if "partial" not in message:
+            proc.join(5)  # it answered: let it end by itself
+            return message if message.get("ok") else {**partial, **message}
+        partial = message["partial"]
 
 
 def run_stage(fn, params: tuple, limit_s: float) -> dict:
@@ -128,15 +147,7 @@ def run_stage(fn, params: tuple, limit_s: float) -> dict:
     proc.start()
     child.close()  # else the parent's copy keeps the pipe open and a dead child is never seen
     try:
-        if not parent.poll(limit_s):
-            result = {"ok": False, "error": f"timed out after {limit_s:.0f} s"}
-        else:
-            try:
-                result = parent.recv()
-            except EOFError:
-                proc.join(5)
-                result = {"ok": False, "error": f"the stage's process died (exit code {proc.exitcode})"}
-            proc.join(5)  # it answered (or died): let it end by itself
+        result = _answer(parent, proc, limit_s)
     finally:  # a timeout, or our own end (Ctrl-C, SIGTERM): the stage and what it started
         try:
             os.killpg(proc.pid, signal.SIGKILL)

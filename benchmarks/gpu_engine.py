@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve.benchmarks import stage_progress
 from pdserve.benchmarks.gpu_models import FIRST_ID, ONE_B, TINY, checkpoint
 
 DATASHEET_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
@@ -153,6 +154,7 @@ def step_report(engine, batches, prompt_len: int, steps: int, device: str) -> di
         for label, bw in (("limit_ms_datasheet", datasheet), ("limit_ms_measured_copy", rate)):
             r[label] = round(1e3 * r["bytes_read_per_step"] / bw, 3) if bw else None
         rows.append(r)
+        stage_progress.report({"decode_steps": rows})
     return {"device_name": name, "copy_bytes_per_s": rate, "datasheet_bytes_per_s": datasheet,
             "decode_steps": rows}
 
@@ -262,9 +264,12 @@ def stage_engine(device: str, workdir: Path, quick: bool, hf_new_tokens: int) ->
     out = {"dtype": dtype, "model": model_dir, "geometry": TINY if quick else ONE_B,
            "engine_start_s": round(time.perf_counter() - start, 2),
            **step_report(engine, batches, prompt_len, steps, device)}
+    stage_progress.report(out)
     print("[gpu-check] engine: decode attention, split and not; a kernel profile", file=sys.stderr, flush=True)
     out["attention"] = attention_report(engine, device, out["datasheet_bytes_per_s"], quick)
+    stage_progress.report(out)
     out["profile"] = [kernel_profile(engine, b, prompt_len, device) for b in (batches[0], batches[1])]
+    stage_progress.report(out)
     rng = random.Random(1)
     prompts = [[rng.randrange(FIRST_ID, engine.vocab_size) for _ in range(in_len)] for _ in range(n_prompts)]
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
@@ -278,6 +283,7 @@ def stage_engine(device: str, workdir: Path, quick: bool, hf_new_tokens: int) ->
     generated = sum(len(r.outputs[0].token_ids) for r in results)
     out["throughput"] = {"prompts": n_prompts, "prompt_len": in_len, "new_tokens": out_len, "seconds": round(elapsed, 3),
                          "generated_tokens": generated, "tokens_per_s": round(generated / elapsed, 1)}
+    stage_progress.report(out)
     del llm, engine
     if device.startswith("cuda"):
         torch.cuda.empty_cache()

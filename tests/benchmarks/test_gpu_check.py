@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pdserve.benchmarks import stage_progress
 from pdserve.benchmarks.gpu import run_stage
 
 
@@ -33,6 +34,15 @@ def hangs() -> dict:
 
 def answers(x: int) -> dict:
     return {"x": x}
+
+
+def reports_then(x: int, end: str) -> dict:
+    stage_progress.report({"x": x})
+    stage_progress.report({"x": x, "y": 2 * x})  # the last report stands
+    if end == "raises":
+        raise RuntimeError("after the figures")
+    signal.pause()  # until killed at the limit
+    return {}
 
 
 def ends(pid: int, timeout_s: float = 120) -> bool:
@@ -60,6 +70,15 @@ def test_a_stage_past_its_limit_is_killed_with_its_children(tmp_path):
     assert result["error"] == "timed out after 10 s"
     pid = int(pid_file.read_text())
     assert ends(pid), f"the stage's child {pid} outlived it"
+
+
+def test_a_stage_that_fails_keeps_the_figures_it_reported_before():
+    raised = run_stage(reports_then, (3, "raises"), 120)
+    assert (raised["ok"], raised["x"], raised["y"]) == (False, 3, 6)
+    assert raised["error"] == "RuntimeError('after the figures')"
+    timed_out = run_stage(reports_then, (4, "hangs"), 10)
+    assert (timed_out["ok"], timed_out["x"], timed_out["y"]) == (False, 4, 8)
+    assert timed_out["error"] == "timed out after 10 s"
 
 
 def test_a_stage_dies_with_the_check_though_it_has_a_process_group_of_its_own():
