@@ -234,7 +234,7 @@ def summary(report: dict) -> dict:
     if "throughput" in eng:
         out["tok_s"] = (eng["throughput"]["tokens_per_s"], eng.get("transformers", {}).get("tokens_per_s"))
     for r in eng.get("attention") or []:
-        out[f"attn_b{r['batch']}_ctx{r['context']}_us"] = (r["us_as_run"], r["us_one_share"], r["limit_us_datasheet"])
+        out[f"attn_b{r['batch']}_ctx{r['context']}_us"] = (r["us_as_run"], r["us_unsplit"], r["limit_us_datasheet"])
     for p in eng.get("profile") or []:
         out[f"profile_b{p['batch']}"] = p.get("error") or [(k["kernel"][:40], k["us_per_step"]) for k in p["top"][:4]]
     ttft = report["stages"].get("cluster", {}).get("stages", {}).get("ttft", {})

@@ -14,7 +14,7 @@ Invariants:
   It walks the context in tiles with an online softmax, full over the cached prefix and
   causal over the new tokens. Decode is the case of one query.
 - A decode batch too small to fill the GPU (one sequence of 8 KV heads is 8 programs) cuts
-  each context into shares of whole tiles, a program each, whose outputs and log-sum-exps
+  each context into splits of whole tiles, a program each, whose outputs and log-sum-exps
   a second kernel combines (flash-decoding). How many depends on the batch's shape only,
   so a CUDA graph captured for a batch size stays right for any lengths.
 - Any head_dim up to 256 (padded to a power of two inside the kernel, masked) and any page
@@ -36,7 +36,7 @@ triton = None
 tl = None  # triton.language; bound on first use (engine/triton_jit.py) so the kernels see it
 
 MAX_HEAD_DIM = 256
-MAX_SPLITS = 16  # shares of one decode's context (flash-decoding); the combine's width
+MAX_SPLITS = 16  # splits of one decode's context (flash-decoding); the combine's width
 
 
 def _store_kv_kernel(
@@ -98,7 +98,7 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
         # The block's last query sees positions up to its own: nothing after it is loaded.
         kv_end = tl.minimum(seq_len, seq_len - num_new + (m_block + 1) * BLOCK_M)
-        if SPLIT:  # this program's share: whole tiles, the last share shorter or empty
+        if SPLIT:  # this program's split: whole tiles, the last split shorter or empty
             chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
             lo = split * chunk
             hi = tl.minimum(kv_end, lo + chunk)
@@ -138,7 +138,7 @@ def _paged_attention_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        if SPLIT:  # the share's log-sum-exp (base 2), which weighs it in the combine; -inf if empty
+        if SPLIT:  # the split's log-sum-exp (base 2), which weighs it in the combine; -inf if empty
             lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
             tl.store(Lse + q_rows * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
@@ -153,12 +153,16 @@ def _combine_splits_kernel(
     s = tl.arange(0, SPLITS_PAD)
     s_ok = s < num_splits
     lse = tl.load(Lse + t * stride_lt + h * stride_lh + s, mask=s_ok, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # share 0 is never empty, so the max is finite
+    top = tl.max(lse, 0)
+    # Split 0 is empty only for an empty context: then every weight is 0 and so is the output
+    # (as without splits), not -inf - -inf = NaN.
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
     part = tl.load(Partial + t * stride_pt + h * stride_ph + s[:, None] * stride_ps + d[None, :],
                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
@@ -197,7 +201,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     nothing here reads a tensor's values, so the call is CUDA-graph capturable and never
     waits for the device (otherwise it is read from query_start_loc).
 
-    `num_splits` (decodes only: `max_query_len` 1) cuts each context into that many shares
+    `num_splits` (decodes only: `max_query_len` 1) cuts each context into that many splits
     attended by programs of their own, then combined; None: as many as fill the GPU
     (`decode_splits`), 1 on a CPU. `launch` overrides `launch_config`'s (rows, tile, warps):
     benchmarks compare tiles with it."""
@@ -225,10 +229,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     head_dim_pad = _pow2_at_least(head_dim, 16)
     ieee = q.dtype == torch.float32
-    rows, block_n, num_warps = launch or launch_config(head_dim_pad, ieee, max_new == 1)
+    rows, block_n, num_warps = launch or launch_config(head_dim_pad, ieee, max_new == 1, group_pad)
+    if rows < 16 or block_n < 16 or rows & (rows - 1) or block_n & (block_n - 1):
+        raise ValueError(f"launch {launch}: rows and tile must be powers of two >= 16 (tl.dot's least)")
     block_m = max(1, rows // group_pad)
     split = num_splits > 1
-    if split:  # each share's output (fp32) and log-sum-exp, for the combine
+    if split:  # each split's output (fp32) and log-sum-exp, for the combine
         part = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
         grid = (num_seqs, num_kv_heads, num_splits)
@@ -258,25 +264,30 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
 
 # (query rows a program, K/V positions a tile, warps) by (head_dim padded, IEEE fp32, decode).
 # tl.dot needs at least 16 rows: decodes fill them with the group's heads; prefills take
-# more, to reuse each K/V tile. Each is a large tile whose program keeps its values in
-# registers on sm_90 (H100, H200): ptxas reports no spill (tests/engine/test_triton_compile.py
-# checks it). fp32 dots run on the FMA units (IEEE, for exactness) and hold more per thread.
+# more, to reuse each K/V tile. fp32 dots run on the FMA units (IEEE, for exactness) and
+# hold more per thread: their tiles are the ones ptxas compiles for sm_90 without spilling
+# registers to local memory, with Triton 3.6 and 3.9 (tests/engine/test_triton_compile.py).
 _LAUNCH = {
     (64, False, True): (16, 64, 4), (64, False, False): (64, 64, 4),
-    (128, False, True): (16, 32, 8), (128, False, False): (64, 32, 8),
-    (256, False, True): (16, 32, 8), (256, False, False): (32, 32, 8),
-    (64, True, True): (16, 64, 8), (64, True, False): (64, 32, 8),
-    (128, True, True): (16, 32, 8), (128, True, False): (32, 16, 8),
-    (256, True, True): (16, 16, 8), (256, True, False): (16, 16, 8),
+    (128, False, True): (16, 64, 4), (128, False, False): (64, 64, 4),
+    (256, False, True): (16, 32, 4), (256, False, False): (64, 32, 4),
+    (64, True, True): (16, 64, 8), (64, True, False): (32, 32, 8),
+    (128, True, True): (16, 32, 8), (128, True, False): (64, 16, 8),
+    (256, True, True): (16, 32, 8), (256, True, False): (32, 16, 8),
 }
 
 
-def launch_config(head_dim_pad: int, ieee: bool, decode: bool) -> tuple[int, int, int]:
-    return _LAUNCH[max(64, head_dim_pad), ieee, decode]
+def launch_config(head_dim_pad: int, ieee: bool, decode: bool, group_pad: int = 1) -> tuple[int, int, int]:
+    """(rows, tile, warps); a group of more heads than the rows makes the rows, and then a
+    tile as much narrower, so that a program holds what the table's does."""
+    rows, block_n, warps = _LAUNCH[max(64, head_dim_pad), ieee, decode]
+    if group_pad > rows:
+        rows, block_n = group_pad, max(16, block_n * rows // group_pad)
+    return rows, block_n, warps
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Shares per context for a decode batch: enough programs for about two per SM of the
+    """Splits per context for a decode batch: enough programs for about two per SM of the
     GPU (a batch of one sequence of 8 KV heads is otherwise 8 programs on a 132-SM H200,
     each walking the whole context alone). It depends on the batch's shape alone, never
     on its lengths, so a CUDA graph captured for a batch size keeps it."""

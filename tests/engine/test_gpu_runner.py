@@ -66,9 +66,9 @@ def test_decodes_split_over_their_contexts_generate_transformers_greedy_tokens(c
                                                                                monkeypatch):
     from pdserve.engine.attention import triton_ops
 
-    # As on a GPU with SMs to spare: each decode's context in three shares, combined. The
-    # long prompt's shares are a tile (64 positions) each, the last one partial; the short
-    # ones leave shares empty. Prefills' kept rows are decodes' shape and split too.
+    # As on a GPU with SMs to spare: each decode's context in three splits, combined. The
+    # long prompt's splits are a tile (64 positions) each, the last one partial; the short
+    # ones leave splits empty. Prefills' kept rows are decodes' shape and split too.
     monkeypatch.setattr(triton_ops, "decode_splits", lambda num_seqs, num_kv_heads, device: 3)
     model = checkpoint_dirs("llama")
     llm = gpu_path_llm(model, max_num_seqs=4, page_size=16)

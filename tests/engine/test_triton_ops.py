@@ -39,12 +39,12 @@ def test_paged_attention_matches_reference_and_torch_path(name):
     torch.testing.assert_close(out, cpu_ops.paged_attention(*finite, ps, scale), atol=2e-5, rtol=2e-5)
 
 
-# (query_lens, seq_lens, heads, kv_heads, head_dim, page_size, splits): shares of several
+# (query_lens, seq_lens, heads, kv_heads, head_dim, page_size, splits): splits of several
 # tiles and of none (a context shorter than the splits' tiles), odd pages, GQA 1 to 8.
 SPLIT_CASES = {
-    "two_shares_of_tiles": ([1, 1, 1], [1, 17, 300], 4, 2, 64, 16, 2),
-    "five_shares_page3": ([1, 1], [130, 5], 6, 2, 40, 3, 5),
-    "sixteen_shares_dim256": ([1], [700], 8, 1, 256, 5, 16),
+    "two_splits_of_tiles": ([1, 1, 1], [1, 17, 300], 4, 2, 64, 16, 2),
+    "five_splits_page3": ([1, 1], [130, 5], 6, 2, 40, 3, 5),
+    "sixteen_splits_dim256": ([1], [700], 8, 1, 256, 5, 16),
     "mha_page1": ([1, 1], [1, 64], 2, 2, 24, 1, 3),
 }
 
@@ -61,12 +61,23 @@ def test_decode_split_over_the_context_matches_reference(name):
                                atol=2e-6, rtol=2e-6)
 
 
+def test_an_empty_context_gives_zeros_split_or_not():
+    q, k_cache, v_cache, tables, starts, lens = make_case(5, [1, 1], [9, 9], 4, 2, 16, 4)
+    lens = torch.tensor([9, 0], dtype=lens.dtype)
+    for splits in (1, 3):
+        out = triton_ops.paged_attention(q, k_cache, v_cache, tables, starts, lens, 4, 0.25, max_query_len=1,
+                                         num_splits=splits)
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and not out[0].isnan().any(), splits
+
+
 def test_splits_are_for_decodes_and_bounded():
     args = make_case(0, [3, 1], [8, 4], 4, 2, 16, 4)
     with pytest.raises(ValueError, match="num_splits=2 needs decodes alone"):
         triton_ops.paged_attention(*args, 4, 0.25, num_splits=2)
     with pytest.raises(ValueError, match=r"num_splits must be in \[1, 16\], got 17"):
         triton_ops.paged_attention(*make_case(0, [1], [8], 4, 2, 16, 4), 4, 0.25, num_splits=17)
+    with pytest.raises(ValueError, match=r"launch \(8, 64, 4\): rows and tile must be powers of two >= 16"):
+        triton_ops.paged_attention(*make_case(0, [1], [8], 4, 2, 16, 4), 4, 0.25, launch=(8, 64, 4))
 
 
 def test_decode_splits_fill_the_gpu_from_the_batch_shape(monkeypatch):
