@@ -173,7 +173,7 @@ def _time_us(fn, repeats: int, device: str) -> float:
         return 1e6 * (time.perf_counter() - start) / repeats
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(repeats):
             fn()
     graph.replay()
