@@ -256,8 +256,6 @@ def kernel_profile(engine, batch: int, prompt_len: int, device: str, steps: int 
 def stage_engine(device: str, workdir: Path, quick: bool, hf_new_tokens: int) -> dict:
     if device == "cpu":  # the stage's own process: Triton, imported after this, interprets
         os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-
     from pdserve.engine import LLM, SamplingParams
 
     model_dir = checkpoint(workdir / ("tiny" if quick else "llama-1b"), TINY if quick else ONE_B)
