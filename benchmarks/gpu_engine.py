@@ -214,8 +214,7 @@ def attention_report(engine, device: str, datasheet: float | None, quick: bool) 
             2 if quick else 50, device) for n in sorted({1, splits})}
         kv_bytes = 2 * batch * context * m.num_kv_heads * m.head_dim * k_cache.element_size()
         # Other (rows, tile, warps) for the same call: which tile the GPU likes, measured.
-        head_dim_pad = 1 << max(4, (m.head_dim - 1).bit_length())
-        default = triton_ops.launch_config(head_dim_pad, dtype == torch.float32, True)
+        default = triton_ops.launch_config(m.head_dim, dtype == torch.float32, True)
         tiles = {"x".join(map(str, t)): round(_time_us(lambda t=t: triton_ops.paged_attention(
             q, k_cache, v_cache, tables, starts, lens, ps, m.head_dim ** -0.5, max_query_len=1, num_splits=splits,
             launch=t), 2 if quick else 50, device), 1) for t in (default, (16, 32, 4), (16, 64, 8))}

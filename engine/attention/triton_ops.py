@@ -229,9 +229,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     head_dim_pad = _pow2_at_least(head_dim, 16)
     ieee = q.dtype == torch.float32
-    rows, block_n, num_warps = launch or launch_config(head_dim_pad, ieee, max_new == 1, group_pad)
-    if rows < 16 or block_n < 16 or rows & (rows - 1) or block_n & (block_n - 1):
-        raise ValueError(f"launch {launch}: rows and tile must be powers of two >= 16 (tl.dot's least)")
+    if launch is None:
+        rows, block_n, num_warps = launch_config(head_dim, ieee, max_new == 1, group_pad)
+    else:
+        rows, block_n, num_warps = launch
+        if rows < 16 or block_n < 16 or rows & (rows - 1) or block_n & (block_n - 1):
+            raise ValueError(f"launch {launch}: rows and tile must be powers of two >= 16 (tl.dot's least)")
     block_m = max(1, rows // group_pad)
     split = num_splits > 1
     if split:  # each split's output (fp32) and log-sum-exp, for the combine
@@ -277,10 +280,10 @@ _LAUNCH = {
 }
 
 
-def launch_config(head_dim_pad: int, ieee: bool, decode: bool, group_pad: int = 1) -> tuple[int, int, int]:
+def launch_config(head_dim: int, ieee: bool, decode: bool, group_pad: int = 1) -> tuple[int, int, int]:
     """(rows, tile, warps); a group of more heads than the rows makes the rows, and then a
     tile as much narrower, so that a program holds what the table's does."""
-    rows, block_n, warps = _LAUNCH[max(64, head_dim_pad), ieee, decode]
+    rows, block_n, warps = _LAUNCH[_pow2_at_least(head_dim, 64), ieee, decode]
     if group_pad > rows:
         rows, block_n = group_pad, max(16, block_n * rows // group_pad)
     return rows, block_n, warps
