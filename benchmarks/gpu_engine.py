@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.benchmarks import stage_progress
+from pdserve.benchmarks import host_step, stage_progress
 from pdserve.benchmarks.gpu_models import FIRST_ID, ONE_B, TINY, checkpoint
 
 DATASHEET_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
@@ -295,6 +295,9 @@ def stage_engine(device: str, workdir: Path, quick: bool, hf_new_tokens: int) ->
     out["attention"] = attention_report(engine, device, out["datasheet_bytes_per_s"], quick)
     stage_progress.report(out)
     out["profile"] = [kernel_profile(engine, b, prompt_len, device) for b in (batches[0], batches[1])]
+    stage_progress.report(out)
+    # The host's part of those steps on this machine's CPU (`pdserve bench host`).
+    out["host"] = host_step.run(model_dir, list(batches), 4 if quick else 100, 16)
     return out
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from .detokenizer import find_stop
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, GrowingListView, RequestOutput
 from .sequence import Request, Sequence
 
 
@@ -71,17 +71,19 @@ def append_text(seq: Sequence, token: int, is_stop_token: bool) -> None:
 
 def take_delta(request: Request) -> RequestOutput:
     """What `request` made since its last delta (its new tokens and text then count as sent)."""
-    # Once per sequence and step, at every batch size: one copy of the output ids, and the
-    # new ids handed over (the sequence starts a fresh list).
+    # Once per sequence and step, at every batch size: views of the output ids and logprobs
+    # (lists once finished), and the new ids handed over (the sequence starts a fresh list).
     outs = []
     finished = True
     for seq in request.seqs:
-        outs.append(
-            CompletionOutput(
-                seq.index, seq.token_ids[seq.num_prompt_tokens:], seq.text, seq.new_token_ids,
-                seq.new_text, seq.finish_reason, list(seq.logprobs) if seq.logprobs is not None else None,
-            )
-        )
+        if seq.finish_reason is None:
+            ids = GrowingListView(seq.token_ids, seq.num_prompt_tokens, len(seq.token_ids))
+            logprobs = None if seq.logprobs is None else GrowingListView(seq.logprobs, 0, len(seq.logprobs))
+        else:
+            ids = seq.token_ids[seq.num_prompt_tokens:]
+            logprobs = None if seq.logprobs is None else list(seq.logprobs)
+        outs.append(CompletionOutput(seq.index, ids, seq.text, seq.new_token_ids, seq.new_text,
+                                     seq.finish_reason, logprobs))
         finished = finished and seq.finish_reason is not None
         seq.new_token_ids = []
         seq.new_text = ""

@@ -1,6 +1,13 @@
 """Incremental detokenization and stop-string search.
 
-`IncrementalDetokenizer` turns a growing list of token ids into text deltas. Invariants:
+`detokenizer_factory(tokenizer)` makes one detokenizer per sequence; each turns a growing
+list of token ids into text deltas:
+- `ByteLevelDetokenizer`, for byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM): a token's
+  text is a fixed byte string, so a delta is the new tokens' bytes through an incremental
+  UTF-8 decoder, which holds back an unfinished character. No tokenizer call per token
+  (a few per token before, most of a decode step's host time at batch 256).
+- `IncrementalDetokenizer`, for any other decoder (SentencePiece's, say).
+Invariants of both:
 - It never emits part of a multi-byte character. Byte-level BPE tokens may end inside a
   UTF-8 sequence; such a decode ends in U+FFFD, and that text is held back until a later
   token completes it (or `flush()` gives it up at the end).
@@ -16,11 +23,82 @@
 
 from __future__ import annotations
 
+import codecs
+
 REPLACEMENT_CHAR = "\ufffd"
 
 # Prompt tokens kept as left context for the first output tokens; a few are enough for
 # decoders whose output for a token depends on its neighbours (leading-space handling).
 _PROMPT_CONTEXT_TOKENS = 6
+
+
+def detokenizer_factory(tokenizer, skip_special_tokens: bool = True):
+    """`make(prompt_token_ids)` -> a new sequence's detokenizer. The byte table is built
+    here, once (a few tens of milliseconds for a 50k vocabulary)."""
+    table = byte_level_table(tokenizer, skip_special_tokens)
+    if table is not None:
+        return lambda prompt_token_ids=None: ByteLevelDetokenizer(table)
+    return lambda prompt_token_ids=None: IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_token_ids)
+
+
+class ByteLevelDetokenizer:
+    """A byte-level tokenizer's text is the concatenation of its tokens' bytes, decoded
+    with invalid bytes replaced (as tokenizers' ByteLevel decoder does), so no prompt
+    context is needed and a character split over tokens waits in the UTF-8 decoder."""
+
+    __slots__ = ("_table", "_utf8")
+
+    def __init__(self, table: list[bytes]):
+        self._table = table
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, token_ids: list[int]) -> str:
+        table = self._table
+        if len(token_ids) == 1 and token_ids[0] < len(table):  # a decode step's case
+            return self._utf8.decode(table[token_ids[0]])
+        # An id past the tokenizer's vocabulary (a model's padded rows) decodes to nothing.
+        return self._utf8.decode(b"".join(table[i] if i < len(table) else b"" for i in token_ids))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+def _byte_level_map() -> dict[int, int]:
+    """str.translate table: a byte-level character -> its byte; any other character below
+    256 -> one above 255, so that encoding the result as latin-1 fails for a token holding
+    a character outside the byte alphabet (GPT-2's `bytes_to_unicode`)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    mapping = {c: 0xFFFF for c in others}
+    mapping.update({b: b for b in printable})
+    mapping.update({256 + n: b for n, b in enumerate(others)})
+    return mapping
+
+
+def byte_level_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
+    """Each token id's bytes as tokenizers' ByteLevel decoder yields them, or None when
+    the tokenizer's decoder is another one. A token with a character outside the byte
+    alphabet (an added token such as "<think> ") is its UTF-8, as in that decoder; a
+    skipped special token or an id without a token is b""."""
+    from tokenizers import decoders
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder) is not decoders.ByteLevel:
+        return None
+    added = backend.get_added_tokens_decoder()
+    skipped = {i for i, t in added.items() if t.special} if skip_special_tokens else set()
+    size = max([*backend.get_vocab(with_added_tokens=True).values(), *added, -1]) + 1
+    to_bytes = _byte_level_map()
+    table = [b""] * size
+    for i in range(size):
+        token = backend.id_to_token(i)
+        if token is None or i in skipped:
+            continue
+        try:
+            table[i] = token.translate(to_bytes).encode("latin-1")
+        except UnicodeEncodeError:
+            table[i] = token.encode()
+    return table
 
 
 class IncrementalDetokenizer:

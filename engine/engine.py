@@ -31,6 +31,7 @@ from pdserve.arith import ceil_div
 from .capacity import KVCapacity
 from .completion import append_text, append_token, append_token_id, eos_token_ids, take_delta
 from .config import EngineConfig, SamplingParams
+from .detokenizer import detokenizer_factory
 from .device import usable_device
 from .intake import new_request
 from .kv_pool import kv_pool
@@ -42,7 +43,7 @@ from .outputs import RequestOutput, Reservation
 from .owner_thread import SingleThreaded, entry_point
 from .page_pool import OutOfPages, PagePool
 from .prefix_cache import PrefixCache, extend_page_keys
-from .sampler import SamplingRow, sample
+from .sampler import sample
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
 from .step_budget import StepBudget
@@ -91,6 +92,7 @@ class Engine(SingleThreaded):
         self.kv_pools = [self.kv_cache, *(self.tp.pools if self.tp else [])]  # every rank's
         self.kv_head_begins = [s.kv_begin for s in shards]  # the first KV head of each pool
         self.eos_token_ids = eos_token_ids(c, self.tokenizer)
+        self.new_detokenizer = detokenizer_factory(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.layer_hook = None  # hook(layer_idx, [(request_id, begin, end, slots), ...]) per layer
         self._arrivals = 0
@@ -208,7 +210,7 @@ class Engine(SingleThreaded):
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._arrivals += 1
         return new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt, self.capacity,
-                           self.vocab_size, self.tokenizer, self._arrivals)
+                           self.vocab_size, self.new_detokenizer, self._arrivals)
 
     # ---- one step ----------------------------------------------------------------------
     @entry_point
@@ -258,11 +260,7 @@ class Engine(SingleThreaded):
         return outputs + [self.output_of(r) for rid, r in touched.items() if rid not in sent]
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        rows = []
-        for s in seqs:
-            p = s.request.params
-            rows.append(SamplingRow(p.temperature, p.top_k, p.top_p, p.min_p, s.generator, p.logprobs))
-        for seq, smp in zip(seqs, sample(logits, rows)):
+        for seq, smp in zip(seqs, sample(logits, [s.sampling for s in seqs])):
             if seq.is_finished:
                 continue  # a stop string in its last token's text ended it: drop this token
             if self.overlap_output:

@@ -14,12 +14,12 @@ from pdserve.arith import ceil_div
 
 from .capacity import KVCapacity
 from .config import SamplingParams
-from .detokenizer import IncrementalDetokenizer
+from .sampler import SamplingRow
 from .sequence import Request, Sequence
 
 
 def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefill_only: bool, cache_salt,
-                capacity: KVCapacity, vocab_size: int, tokenizer, arrival: int) -> Request:
+                capacity: KVCapacity, vocab_size: int, new_detokenizer, arrival: int) -> Request:
     prompt = list(prompt_token_ids or [])
     if not prompt:
         raise ValueError("prompt must not be empty, got 0 tokens")
@@ -41,8 +41,10 @@ def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefi
         seq = Sequence(request, i, list(prompt), len(prompt))
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed + i)
+        seq.sampling = SamplingRow(params.temperature, params.top_k, params.top_p, params.min_p, seq.generator,
+                                   params.logprobs)
         if not prefill_only:
-            seq.detokenizer = IncrementalDetokenizer(tokenizer, True, prompt)
+            seq.detokenizer = new_detokenizer(prompt)
         if params.logprobs is not None:
             seq.logprobs = []
         request.seqs.append(seq)

@@ -3,22 +3,51 @@ slots a decode node reserved for incoming KV (`Reservation`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+class GrowingListView(Sequence):
+    """items[begin:end] of a list that only grows, read when asked for. A delta carries its
+    sequence's output ids and logprobs so far this way: copying them into every delta
+    would cost each step as much as the output is long."""
+
+    __slots__ = ("_items", "_range")
+
+    def __init__(self, items: list, begin: int, end: int):
+        self._items, self._range = items, range(begin, end)
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    def __getitem__(self, key):
+        r = self._range[key]
+        return self._items[r] if isinstance(r, int) else [self._items[i] for i in r]
+
+    def __iter__(self):
+        return iter(self._items[self._range.start:self._range.stop])
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, tuple, GrowingListView)) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclass
 class CompletionOutput:
     """One sample of a request. `token_ids`/`text` are everything so far; `new_*` is what
     this step added. `logprobs` is a list of the sampler's `Sample` (token_id, logprob,
-    top_logprobs) per output token, or None when not asked for."""
+    top_logprobs) per output token, or None when not asked for. In the output that finishes
+    the sample, `token_ids` and `logprobs` are lists; before, read-only views of them."""
 
     index: int
-    token_ids: list[int]
+    token_ids: list[int] | GrowingListView
     text: str
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "prefilled" | "abort"
-    logprobs: list | None = None
+    logprobs: list | GrowingListView | None = None
 
 
 @dataclass

@@ -95,7 +95,7 @@ class Scheduler:
                 num_new = self._fit_running(seq, num_new, i, batch)
             if num_new == 0:
                 break  # seq itself was preempted or is too long; it was the last one
-            self._add(batch, seq, num_new)
+            self._add(batch, seq, num_new, decoding)
             budget -= num_new
             if not decoding:
                 prefill_left -= num_new
@@ -118,7 +118,7 @@ class Scheduler:
             self._grow(seq, num_new)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._add(batch, seq, num_new)
+            self._add(batch, seq, num_new, _decoding(seq))
             budget -= num_new
             prefill_left -= num_new
         return batch
@@ -129,10 +129,10 @@ class Scheduler:
             sum(s.num_tokens - s.num_computed for s in self.waiting)
 
     @staticmethod
-    def _add(batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
+    def _add(batch: ScheduledBatch, seq: Sequence, num_new: int, decoding: bool) -> None:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)
-        if _decoding(seq):
+        if decoding:
             batch.num_decodes += 1
         else:
             batch.num_prefill_tokens += num_new

@@ -42,6 +42,7 @@ class Sequence:
     num_published: int = 0
     page_keys: list[int] = field(default_factory=list)  # chained keys of full pages
     generator: torch.Generator | None = None
+    sampling: object = None  # its sampler.SamplingRow, made once (the sampler reads it every step)
     detokenizer: object = None
     text: str = ""
     pending_text: str = ""

@@ -36,7 +36,7 @@ from pdserve.envflags import apply_env_defaults
 BENCHMARKS = {"engine": "pdserve.benchmarks.engine", "transfer": "pdserve.benchmarks.transfer",
               "serve": "pdserve.benchmarks.serve", "router": "pdserve.benchmarks.router", "step": "pdserve.benchmarks.step",
               "chaos": "pdserve.benchmarks.chaos", "trust": "pdserve.benchmarks.trust", "ttft": "pdserve.benchmarks.ttft",
-              "gpu": "pdserve.benchmarks.gpu"}
+              "gpu": "pdserve.benchmarks.gpu", "host": "pdserve.benchmarks.host_step"}
 WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 

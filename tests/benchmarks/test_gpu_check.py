@@ -118,3 +118,5 @@ def test_the_engine_stage_runs_on_tiny_models_and_reports_every_figure(tmp_path)
     assert all(a["us_unsplit"] > 0 and a["us_as_run"] > 0 and len(a["us_by_tile"]) >= 2 for a in r["attention"])
     assert [p["batch"] for p in r["profile"]] == [1, 4] and all(p["top"] for p in r["profile"])
     assert r["throughput"]["generated_tokens"] == 8 * 8 and r["transformers"]["tokens_per_s"] > 0
+    assert sorted(r["host"]["batches"]) == ["1", "4", "8"]
+    assert all(row["graph_steps"] == 4 for row in r["host"]["batches"].values())

@@ -100,3 +100,21 @@ def test_a_request_that_could_never_fit_names_its_prompt_and_max_tokens(make_eng
                                          r"pages, more than the 4 of this engine \(16 tokens\)"):
         engine.capacity.check_fits(10, SamplingParams(max_tokens=8))
     engine.capacity.check_fits(16, SamplingParams(max_tokens=8), prefill_only=True)  # a prefill node's
+
+
+def test_each_delta_holds_the_output_as_it_was_then(engine):
+    # Deltas carry views of the sequence's ids and logprobs, not copies: one read after
+    # the sequence grew must still give what it had at that step.
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2))
+    deltas = []
+    while engine.has_unfinished():
+        deltas += [o.outputs[0] for o in engine.step() if o.request_id == "r"]
+    final = deltas[-1]
+    assert final.finish_reason == "length" and type(final.token_ids) is list and len(final.token_ids) == 6
+    seen = 0
+    for d in deltas:
+        seen += len(d.new_token_ids)
+        assert len(d.token_ids) == len(d.logprobs) == seen
+        assert d.token_ids == final.token_ids[:seen] and list(d.token_ids[-1:]) == final.token_ids[seen - 1:seen]
+        assert [s.token_id for s in d.logprobs] == final.token_ids[:seen]
+    assert seen == 6 and len(deltas) > 2
