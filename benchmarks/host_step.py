@@ -141,7 +141,9 @@ def run(model_dir: str, batches: list[int], steps: int, prompt_len: int) -> dict
             base = measure(checkpoint, b, steps, prompt_len, byte_level=False)
             rows[str(b)] = {**this, "baseline": base,
                             "speedup": round(base["ms_per_step"] / max(this["ms_per_step"], 1e-9), 2)}
-    return {"detokenizer": "byte-level" if byte_level else "tokenizers' decode",
+    import torch
+
+    return {"detokenizer": "byte-level" if byte_level else "tokenizers' decode", "threads": torch.get_num_threads(),
             "baseline": "tokenizers' decode per token (IncrementalDetokenizer)", "steps": steps,
             "prompt_len": prompt_len, "batches": rows}
 

@@ -28,7 +28,7 @@ class GrowingListView(Sequence):
         return iter(self._items[self._range.start:self._range.stop])
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, (list, tuple, GrowingListView)) and list(self) == list(other)
+        return isinstance(other, (list, GrowingListView)) and list(self) == list(other)  # as a list compares
 
     def __repr__(self) -> str:
         return repr(list(self))
