@@ -5,17 +5,17 @@ list of token ids into text deltas:
 - `ByteLevelDetokenizer`, for byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM): a token's
   text is a fixed byte string, so a delta is the new tokens' bytes through an incremental
   UTF-8 decoder, which holds back an unfinished character. No tokenizer call per token
-  (a few per token before, most of a decode step's host time at batch 256).
-- `IncrementalDetokenizer`, for any other decoder (SentencePiece's, say).
+  (the window's decodes were a quarter of a batch-256 step's host time, docs/benchmarks.md).
+- `IncrementalDetokenizer`, for any other decoder (SentencePiece's, say). Cost per `add`
+  is a decode of a short trailing window, not of the whole sequence. The window starts at
+  the last point where emitted text ended on a complete character (`_read_offset`);
+  decoding the window and the already-emitted part of it (`_prefix_text`) and taking the
+  difference yields exactly the new text, including the leading space that decoders such
+  as SentencePiece's would drop at a sequence start.
 Invariants of both:
 - It never emits part of a multi-byte character. Byte-level BPE tokens may end inside a
-  UTF-8 sequence; such a decode ends in U+FFFD, and that text is held back until a later
-  token completes it (or `flush()` gives it up at the end).
-- Cost per `add` is a decode of a short trailing window, not of the whole sequence. The
-  window starts at the last point where emitted text ended on a complete character
-  (`_prefix_offset`); decoding the window and the already-emitted part of it
-  (`_prefix_text`) and taking the difference yields exactly the new text, including the
-  leading space that decoders such as SentencePiece's would drop at a sequence start.
+  UTF-8 sequence; that character is held back until a later token completes it (or
+  `flush()` gives it up at the end, as U+FFFD).
 - For byte-level tokenizers, the concatenation of every `add` result and `flush()` equals
   `tokenizer.decode(all_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`.
   Clean-up of tokenization spaces is never applied: it rewrites text already streamed.
