@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from unittest import mock
 
+from pdserve.benchmarks.timers import Timers
+
 TEXT = ("The prefill node computes the prompt's KV cache and the decode node streams the answer: "
         "pages move through NIXL, 東京 to 大阪, naïve café résumé, 🚀 ✓ — done. ") * 2
 TEXT_IDS = 64  # logits columns: distinct tokens of TEXT a row can sample
@@ -96,27 +98,18 @@ def measure(model_dir: str, batch: int, steps: int, prompt_len: int, byte_level:
             s.token_id = text_ids[s.token_id]
         return chosen
 
-    text_s = [0.0]
-    finish_text = engine._finish_text
-
-    def timed_text():
-        start = time.perf_counter()
-        try:
-            return finish_text()
-        finally:
-            text_s[0] += time.perf_counter() - start
-
-    engine._finish_text = timed_text
+    timers = Timers()
+    engine._finish_text = timers.wrap("text", engine._finish_text)
     totals, texts = [], []
     with mock.patch.object(engine_module, "sample", sample):
         for i in range(8 + steps):  # 8 to warm up
             if i == 8:
                 calls[0] = 0
-            text_s[0] = 0.0
+            timers.seconds.clear()
             start = time.perf_counter()
             engine.step()
             totals.append(time.perf_counter() - start)
-            texts.append(text_s[0])
+            texts.append(timers.seconds["text"])
     for request_id in list(engine.requests):
         engine.abort(request_id)
     # Medians: a garbage collection or another process now and then lengthens one step.
@@ -128,6 +121,7 @@ def measure(model_dir: str, batch: int, steps: int, prompt_len: int, byte_level:
 
 
 def run(model_dir: str, batches: list[int], steps: int, prompt_len: int) -> dict:
+    import torch
     from transformers import AutoTokenizer
 
     from pdserve.engine.detokenizer import byte_level_table
@@ -141,8 +135,6 @@ def run(model_dir: str, batches: list[int], steps: int, prompt_len: int) -> dict
             base = measure(checkpoint, b, steps, prompt_len, byte_level=False)
             rows[str(b)] = {**this, "baseline": base,
                             "speedup": round(base["ms_per_step"] / max(this["ms_per_step"], 1e-9), 2)}
-    import torch
-
     return {"detokenizer": "byte-level" if byte_level else "tokenizers' decode", "threads": torch.get_num_threads(),
             "baseline": "tokenizers' decode per token (IncrementalDetokenizer)", "steps": steps,
             "prompt_len": prompt_len, "batches": rows}

@@ -21,28 +21,11 @@ import json
 import random
 import sys
 import time
-from collections import defaultdict
 
 from pdserve.arith import ceil_div
+from pdserve.benchmarks.timers import Timers
 
 KINDS = ("matmuls", "attention", "norms/rope/activation", "sampling", "scheduling")
-
-
-class Timers:
-    def __init__(self):
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    def wrap(self, kind: str, fn):
-        seconds = self.seconds
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                seconds[kind] += time.perf_counter() - start
-
-        return timed
 
 
 def instrument(engine, timers: Timers) -> None:
