@@ -45,7 +45,8 @@ with this one, `pdserve.procs`). Node logs go to `log_dir`, the results so far t
   pools are layer-major (`--kv-layout`: a layer-wise WRITE of a page-major pool has a
   descriptor per page, of a layer-major one two per run of pages), and one layer-major
   whose WRITEs wait for 16 MiB of layers (`--layer-write-mb`: fewer WRITEs, a longer
-  last one); `breakdown`: where the time went; `best_setup` and its
+  last one); `breakdown`: where the time went, with its `legs` (the router logs JSON
+  too, so each request's lines join by id across the three nodes); `best_setup` and its
   `transfer_added_fraction` sum them up.
 - faults, on the exact stage's cluster, whose prefill node stops requests named
   `gcf-sigstop-...` after the first layer-wise WRITE of their window (`--test-gates`: the
@@ -159,7 +160,8 @@ def run(device: str, workdir: Path, log_dir: Path, quick: bool | None = None,
                 pages = 4 * (sizes.ttft_tokens // PAGE + 2)
                 b = Cluster(f"ttft-{setup}", ttft_dir, [*worker, "--dtype", "bfloat16", "--num-pages", str(pages),
                                                         *worker_flags, "--log-format", "json"], log_dir,
-                            prefill_flags=["--kv-send", "layerwise", "--transfer-timeout-s", "120", *prefill_flags])
+                            prefill_flags=["--kv-send", "layerwise", "--transfer-timeout-s", "120", *prefill_flags],
+                            router_flags=["--log-format", "json"])
                 clusters.append(b.start())
                 ttft_clusters[setup] = b
             except Exception as err:

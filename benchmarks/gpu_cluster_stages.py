@@ -106,8 +106,12 @@ async def ttft(cluster: Cluster, n: int, repeats: int, vocab: int) -> dict:
     # How the prefill node sent each window: WRITEs and descriptors (its request log lines).
     sends = [r for r in cluster.request_records("prefill")
              if r.get("outcome") == "ok" and str(r.get("kv_window", "")).endswith(f":{n - 1}")][-repeats:]
+    decodes, routed = cluster.request_records("decode"), cluster.request_records("router")
+    parts = breakdown(sends, decodes, n, repeats, ttft_s, alone_s)
+    parts["legs"] = legs(routed, cluster.request_records("prefill"), decodes, [r["ttft_s"] for r in pd], n, True)
+    parts["legs_alone"] = legs(routed, [], decodes, [r["ttft_s"] for r in alone], n, False)
     return {"ok": all(is_full(x) for x in pools), "prompt_tokens": n, "repeats": repeats,
-            "breakdown": breakdown(sends, cluster.request_records("decode"), n, repeats, ttft_s, alone_s),
+            "breakdown": parts,
             "kv_writes": statistics.median(r["kv_writes"] for r in sends) if sends else None,
             "kv_descriptors": statistics.median(r["kv_descriptors"] for r in sends) if sends else None,
             "ttft_s": ttft_s, "prefill_alone_s": alone_s, "transfer_added_fraction": (ttft_s - alone_s) / alone_s,
@@ -138,6 +142,40 @@ def breakdown(sends: list[dict], decodes: list[dict], n: int, repeats: int, ttft
     if out["d_alone_s"] is not None:
         out["rest_alone_s"] = alone_s - out["d_alone_s"]
     return out
+
+
+def legs(routed: list[dict], sends: list[dict], decodes: list[dict], client_ttfts: list[float], n: int,
+         remote: bool) -> dict:
+    """The path of a first token, leg by leg (medians over the measured requests), each
+    request's lines in the three nodes' logs joined by its id. A line is written as its
+    call ends (`ts`), so a call began `e2e_s` (`remote_send_s`) before. `client_s`: the
+    client's TTFT less the router's own (the connection and the trips to the router and
+    back); `to_prefill_s` (`to_decode_s` alone): from the router's receipt to the node's
+    call; `prefill_s`: the prefill node's RemoteSend; `relay_s`: from its end to the
+    decode node's StartGeneration (the reply, the router, the call); `first_token_s`: the
+    decode node's StartGeneration to its first token; `to_router_s`: that token's way to
+    the router. They add up to the client's TTFT, less what the log lines' own writing
+    takes. `client_ttfts` are the measured requests' in order, the last `len` of the
+    router's lines of `n`-token prompts that took this path."""
+    mine = [r for r in routed if r.get("prompt_tokens") == n and r.get("remote_send_skipped") is not remote
+            and "ttft_s" in r][-len(client_ttfts):]
+    by_id = {r["request_id"]: r for r in sends}, {r["request_id"]: r for r in decodes}
+    rows = []
+    for r, client in zip(mine, client_ttfts if len(mine) == len(client_ttfts) else [None] * len(mine)):
+        p, d = by_id[0].get(r["request_id"]), by_id[1].get(r["request_id"])
+        if d is None or "ttft_s" not in d or remote and p is None:
+            continue
+        arrived, d_start = r["ts"] - r["e2e_s"], d["ts"] - d["e2e_s"]
+        row = {"first_token_s": d["ttft_s"], "to_router_s": arrived + r["ttft_s"] - (d_start + d["ttft_s"])}
+        if client is not None:
+            row["client_s"] = client - r["ttft_s"]
+        if remote:
+            row.update(to_prefill_s=p["ts"] - p["remote_send_s"] - arrived, prefill_s=p["remote_send_s"],
+                       relay_s=d_start - p["ts"])
+        else:
+            row["to_decode_s"] = d_start - arrived
+        rows.append(row)
+    return {k: round(statistics.median(row[k] for row in rows), 6) for k in rows[0]} if rows else {}
 
 
 # ---- stage c: faults ----------------------------------------------------------------------

@@ -30,6 +30,7 @@ class Cluster:
     log_dir: Path
     prefill_flags: list[str] = field(default_factory=list)
     decode_flags: list[str] = field(default_factory=list)
+    router_flags: list[str] = field(default_factory=list)
     nodes: dict[str, NodeProcess] = field(default_factory=dict)
 
     def start(self) -> "Cluster":
@@ -40,7 +41,8 @@ class Cluster:
                               str(ports[role]), *self.worker, *flags[role]])
         self._node("router", ["router", "--model", self.model, "--host", "127.0.0.1", "--port", "0",
                               "--prefill", f"127.0.0.1:{ports['prefill']}",
-                              "--decode", f"127.0.0.1:{ports['decode']}", "--health-interval-s", "0.3"])
+                              "--decode", f"127.0.0.1:{ports['decode']}", "--health-interval-s", "0.3",
+                              *self.router_flags])
         return self
 
     def _node(self, role: str, args: list[str]) -> None:

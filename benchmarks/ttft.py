@@ -18,7 +18,9 @@ transfer runs beside it; TTFT is the client's, from sending to the first token. 
 exposed time is the median over its requests of TTFT minus that request's own prefill time:
 a prefill of thousands of tokens varies by more than the transfer it hides, so subtracting
 another request's would measure noise. What layer-wise sends cost the prefill itself (CPU
-for the sends beside it) shows in `ttft_layerwise_s` against `ttft_whole_s`.
+for the sends beside it) shows in `ttft_layerwise_s` against `ttft_whole_s`. With `--busy N`,
+N other requests of the same length keep the nodes busy while each measured one runs: its
+exposed time then also holds whatever waits for another request's step after its prefill.
 
 `--first-request` measures something else: a cold node's first request after its ready
 line against the next ones (benchmarks/first_request.py).
@@ -58,6 +60,9 @@ def _parse(argv):
     p.add_argument("--threads", type=int, default=2, help="threads of each node's engine (default 2)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the prefill nodes' step budget (default: the engine's)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="other requests of the same length that keep the nodes busy while each measured "
+                        "one runs (each followed by another until it ends; default 0)")
     p.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache of each node (default 1024)")
     p.add_argument("--kv-layout", choices=("page-major", "layer-major"), default="page-major",
                    help="memory order of every node's KV pool (default page-major)")
@@ -126,7 +131,25 @@ def _prompt(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(200, 40000) for _ in range(n)]
 
 
-def measure(nodes: Nodes, lengths: list[int], repeats: int, link_gbit: float | None, emit) -> list[dict]:
+async def _beside(address: str, prompt: list[int], others: int) -> dict:
+    """`_one(prompt)` while `others` requests of its length keep the nodes busy: the prefill
+    node is then in another request's step when this one's KV has landed."""
+    rng, done = random.Random(len(prompt)), False
+
+    async def keep_busy():
+        while not done:
+            await _one(address, _prompt(len(prompt), rng))
+
+    busy = [asyncio.ensure_future(keep_busy()) for _ in range(others)]
+    try:
+        return await _one(address, prompt)
+    finally:
+        done = True
+        await asyncio.gather(*busy)
+
+
+def measure(nodes: Nodes, lengths: list[int], repeats: int, link_gbit: float | None, emit,
+            busy: int = 0) -> list[dict]:
     rng = random.Random(0)
     rows = []
     for mode in nodes.modes:  # warm-up: connections, first-step costs
@@ -135,8 +158,8 @@ def measure(nodes: Nodes, lengths: list[int], repeats: int, link_gbit: float | N
         runs = {m: [] for m in nodes.modes}
         for _ in range(repeats):
             for mode in nodes.modes:
-                runs[mode].append(asyncio.run(_one(nodes.routers[mode], _prompt(n, rng))))
-        row = {"prompt_tokens": n, "link_gbit": link_gbit}
+                runs[mode].append(asyncio.run(_beside(nodes.routers[mode], _prompt(n, rng), busy)))
+        row = {"prompt_tokens": n, "link_gbit": link_gbit, "busy": busy}
         alone = runs.get("whole") or runs["layerwise"]
         row["prefill_s"] = statistics.median(r["prefill_s"] for r in alone)
         for mode in MODES:
@@ -176,7 +199,7 @@ def main(argv=None) -> int:
     with (Link(rate, delay_ms) if rate else contextlib.nullcontext()) as link:
         nodes = Nodes(a, link, logs, modes)
         try:
-            measure(nodes, lengths, a.repeats, link_gbit, emit)
+            measure(nodes, lengths, a.repeats, link_gbit, emit, a.busy)
         finally:
             nodes.stop()
     if not a.json:

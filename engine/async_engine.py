@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import deque
 
@@ -23,6 +24,8 @@ import torch
 from .config import EngineConfig, SamplingParams
 from .engine import Engine
 from .outputs import CompletionOutput, RequestOutput
+
+log = logging.getLogger("pdserve.engine")
 
 # When sequences wait but a step could schedule nothing (all pages pinned by parked or
 # prefilled requests), poll at this interval instead of spinning.
@@ -85,6 +88,13 @@ class AsyncEngine:
         future = loop.create_future()
         self._submit(fn, args, loop, future)
         return await future
+
+    def post(self, fn, *args) -> None:
+        """`fn(engine, *args)` on the engine thread, between steps, not waited for: ahead of
+        every command submitted after it. What it raises is logged. For clean-up a caller
+        must not wait on: a command waits for the step in progress, a whole prefill chunk
+        on a busy node."""
+        self._submit(_logged(fn), args, None, None)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        prefill_only: bool = False, cache_salt: str = ""):
@@ -229,6 +239,15 @@ class AsyncEngine:
         for _, _, loop, future in pending:
             if future is not None:
                 loop.call_soon_threadsafe(_settle, future, None, error)
+
+
+def _logged(fn):
+    def run(engine, *args):
+        try:
+            return fn(engine, *args)
+        except Exception:
+            log.exception("engine command %r failed", fn)
+    return run
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

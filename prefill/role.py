@@ -213,7 +213,7 @@ class PrefillRole:
 
     async def _end_send(self, request_id: str, sending: Sending, stream) -> None:
         """After a send, however it ended: no WRITE of it in flight past the first step, then
-        its pages released, and its decode node told if nothing was written."""
+        its pages' release queued, and its decode node told if nothing was written."""
         if stream is not None:
             self.layers.drop(stream)
             await self.layers.stopped(stream, "the send ended")
@@ -225,7 +225,9 @@ class PrefillRole:
         if not sending.writing and delivered is not None:
             window, peer = delivered
             tell_no_write(self, peer.agent_name, no_write_tag(request_id, window.lease_id))
-        await self.engine.run(lambda e: e.release(request_id))
+        # Queued, not awaited: the reply (and StartGeneration after it) would wait for the step
+        # in progress, another request's prefill chunk. A later command sees the pages free.
+        self.engine.post(lambda e: e.release(request_id))
 
     async def _send_layers_to_window(self, request_id: str, prompt_len: int, end: int, sending: Sending,
                                      stream, deadline: float, dst_slots: list[int] | None) -> list[int]:

@@ -53,6 +53,23 @@ def test_run_propagates_exceptions(async_engine):
     asyncio.run(main())
 
 
+def test_post_runs_in_order_without_a_wait_and_logs_what_it_raises(async_engine, caplog):
+    ran = []
+
+    def fails(engine):
+        ran.append("fails")
+        raise RuntimeError("posted and broken")
+
+    async def main():
+        async_engine.post(fails)
+        async_engine.post(lambda e, x: ran.append(x), "after")
+        return await async_engine.run(lambda e: list(ran))
+
+    with caplog.at_level("ERROR", logger="pdserve.engine"):
+        assert asyncio.run(main()) == ["fails", "after"]  # run came later: it saw both
+    assert "posted and broken" in caplog.text
+
+
 def test_abort_ends_the_stream_and_frees_pages(async_engine, prompts_of_lengths):
     prompt = prompts_of_lengths([10], seed=42)[0]
     long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)

@@ -6,6 +6,7 @@ The set-up, and how a phase is reached without waiting for time: tests/prefill/w
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from tests.prefill.world import (
     P_PAGES,
     PROMPT,
     PROMPT_LEN,
+    WAIT_S,
     fill_pools,
     free_pages,
     generate_tokens,
@@ -108,5 +110,42 @@ def test_decode_peer_is_added_once_for_concurrent_sends(nodes):
         for i, p in enumerate(prompts):
             assert await started_tokens(nodes.decode, f"c{i}") == \
                 await generate_tokens(nodes.engine(), f"ref{i}", p)
+
+    asyncio.run(go())
+
+
+def test_the_reply_does_not_wait_for_the_engine_step_in_progress(nodes):
+    """A send's pages are released after its write, but its reply goes first: on a busy
+    node the engine is then in another request's step (a whole prefill chunk), and the
+    decode node's StartGeneration, the time to first token, waits for the reply."""
+    reached, proceed, left = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_busy(layer: int, ranges) -> None:  # the engine thread, in "busy"'s forward
+        if layer == 0 and any(r[0] == "busy" for r in ranges) and not reached.is_set():
+            reached.set()
+            proceed.wait(2 * WAIT_S)
+            left.set()
+
+    async def go():
+        role = nodes.role()
+        expected = await generate_tokens(nodes.engine(), "local", PROMPT)
+        res = await nodes.reserve("r")
+        hold = nodes.p_agent.hold_writes()
+        send = asyncio.ensure_future(role.remote_send(RemoteSend("r", PROMPT, END, nodes.window(res))))
+        assert await asyncio.to_thread(hold.started.wait, WAIT_S)  # prefilled, its write posted
+        nodes.prefill.add_layer_hook(hold_busy)
+        busy = asyncio.ensure_future(generate_tokens(nodes.prefill, "busy", prompt_of(20, seed=3)))
+        assert await asyncio.to_thread(reached.wait, WAIT_S)  # the engine is in busy's step
+        engine_held_at_reply = []
+        send.add_done_callback(lambda _: engine_held_at_reply.append(not left.is_set()))
+        hold.release()
+        await asyncio.wait([send], timeout=WAIT_S)
+        proceed.set()
+        assert (await within(send)).num_tokens_sent == END
+        assert engine_held_at_reply == [True], "RemoteSend answered only after the engine's step"
+        await within(busy)
+        nodes.prefill.remove_layer_hook(hold_busy)
+        assert await free_pages(nodes.prefill) == (P_PAGES, P_PAGES)  # released, in order
+        assert await started_tokens(nodes.decode, "r") == expected
 
     asyncio.run(go())
