@@ -94,7 +94,7 @@ class Engine(SingleThreaded):
         self.eos_token_ids = eos_token_ids(c, self.tokenizer)
         self.new_detokenizer = detokenizer_factory(self.tokenizer)
         self.requests: dict[str, Request] = {}
-        self.layer_hook = None  # hook(layer_idx, [(request_id, begin, end, slots), ...]) per layer
+        self.layer_hook = None  # hook(layer_idx, [(request_id, begin, end, slots int64 array), ...]) per layer
         self._arrivals = 0
         self.last_step_scheduled = 0  # sequences the last step ran (0: blocked or idle)
         # On a GPU a step's text (detokenizing, stop strings, outputs) is done during the
@@ -298,7 +298,7 @@ class Engine(SingleThreaded):
         if (hook := self.layer_hook) is None:
             return None
         ranges = [(s.request.request_id, s.num_computed, s.num_computed + n,
-                   s.slots(s.num_computed, s.num_computed + n, self.page_size)) for s, n in zip(seqs, num_new)]
+                   s.slot_array(s.num_computed, s.num_computed + n, self.page_size)) for s, n in zip(seqs, num_new)]
         return lambda layer_idx: hook(layer_idx, ranges)
 
     def _publish(self, seq: Sequence) -> None:

@@ -130,7 +130,7 @@ def test_prefill_only_pins_pages_until_release_and_abort_frees_them(make_engine,
         prefill.step()
     assert prefill.num_free_pages() == 64 - 3 - 4
     assert {r[:3] for _, ranges in seen for r in ranges} == {("a", 0, 10), ("b", 0, 13)}
-    assert all(slots == prefill.slots_of(rid)[b:e] for _, ranges in seen for rid, b, e, slots in ranges)
+    assert all(slots.tolist() == prefill.slots_of(rid)[b:e] for _, ranges in seen for rid, b, e, slots in ranges)
     assert sorted({layer for layer, _ in seen}) == [0, 1]
     assert len(set(prefill.slots_of("b"))) == 13
     assert prefill.release("a") and prefill.abort("b")
@@ -168,3 +168,17 @@ def test_on_a_gpu_pages_go_to_a_remote_writer_only_after_the_stores_queued_on_th
     assert waits == ["wait"]
     for rid in ("r1", "r2", "r3", "short"):
         engine.abort(rid)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_the_slots_of_any_range_are_each_positions_page_and_offset(page_size):
+    from pdserve.engine.sequence import Sequence
+
+    g = torch.Generator().manual_seed(page_size)
+    pages = torch.randperm(500, generator=g)[:40].tolist()
+    seq = Sequence(None, 0, list(range(40 * page_size)), 40 * page_size, pages=pages)
+    every = [pages[i // page_size] * page_size + i % page_size for i in range(40 * page_size)]
+    for begin, end in [(0, 40 * page_size), (0, 1), (page_size, 2 * page_size + 1), (5, 5),
+                       (40 * page_size - 1, 40 * page_size), (page_size + 1, 30 * page_size - 2)]:
+        assert seq.slots(begin, end, page_size) == every[begin:end]
+        assert seq.slot_array(begin, end, page_size).tolist() == every[begin:end]
