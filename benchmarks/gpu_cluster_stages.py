@@ -8,6 +8,7 @@ import asyncio
 import random
 import signal
 import statistics
+import uuid
 
 from pdserve.benchmarks.local_cluster import (Cluster, bytes_per_token, frozen, is_full, load, open_gate, until,
                                      wait_full)
@@ -76,16 +77,16 @@ async def _local_one(address: str, prompt: list[int]) -> dict:
     """The request `benchmarks.ttft._one` times, prefilled by the decode node itself."""
     from pdserve.client import AsyncClient
 
-    loop = asyncio.get_running_loop()
+    loop, request_id = asyncio.get_running_loop(), uuid.uuid4().hex
     async with AsyncClient(address, timeout=600) as client:
         start, first, usage = loop.time(), None, None
-        async for delta in client.stream(prompt, max_tokens=1, kv_window_end=0, **GREEDY):
+        async for delta in client.stream(prompt, max_tokens=1, kv_window_end=0, request_id=request_id, **GREEDY):
             if first is None and delta.token_ids:
                 first = loop.time()
             usage = delta.usage or usage
     if not usage.route.remote_send_skipped:
         raise RuntimeError("a kv_window_end=0 request used the prefill node")
-    return {"ttft_s": first - start, "prefill_s": usage.prefill_time_s}
+    return {"ttft_s": first - start, "prefill_s": usage.prefill_time_s, "request_id": request_id}
 
 
 async def ttft(cluster: Cluster, n: int, repeats: int, vocab: int) -> dict:
@@ -108,8 +109,8 @@ async def ttft(cluster: Cluster, n: int, repeats: int, vocab: int) -> dict:
              if r.get("outcome") == "ok" and str(r.get("kv_window", "")).endswith(f":{n - 1}")][-repeats:]
     decodes, routed = cluster.request_records("decode"), cluster.request_records("router")
     parts = breakdown(sends, decodes, n, repeats, ttft_s, alone_s)
-    parts["legs"] = legs(routed, cluster.request_records("prefill"), decodes, [r["ttft_s"] for r in pd], n, True)
-    parts["legs_alone"] = legs(routed, [], decodes, [r["ttft_s"] for r in alone], n, False)
+    parts["legs"] = legs(pd, routed, cluster.request_records("prefill"), decodes)
+    parts["legs_alone"] = legs(alone, routed, [], decodes)
     return {"ok": all(is_full(x) for x in pools), "prompt_tokens": n, "repeats": repeats,
             "breakdown": parts,
             "kv_writes": statistics.median(r["kv_writes"] for r in sends) if sends else None,
@@ -144,38 +145,37 @@ def breakdown(sends: list[dict], decodes: list[dict], n: int, repeats: int, ttft
     return out
 
 
-def legs(routed: list[dict], sends: list[dict], decodes: list[dict], client_ttfts: list[float], n: int,
-         remote: bool) -> dict:
-    """The path of a first token, leg by leg (medians over the measured requests), each
-    request's lines in the three nodes' logs joined by its id. A line is written as its
-    call ends (`ts`), so a call began `e2e_s` (`remote_send_s`) before. `client_s`: the
-    client's TTFT less the router's own (the connection and the trips to the router and
-    back); `to_prefill_s` (`to_decode_s` alone): from the router's receipt to the node's
-    call; `prefill_s`: the prefill node's RemoteSend; `relay_s`: from its end to the
-    decode node's StartGeneration (the reply, the router, the call); `first_token_s`: the
-    decode node's StartGeneration to its first token; `to_router_s`: that token's way to
-    the router. They add up to the client's TTFT, less what the log lines' own writing
-    takes. `client_ttfts` are the measured requests' in order, the last `len` of the
-    router's lines of `n`-token prompts that took this path."""
-    mine = [r for r in routed if r.get("prompt_tokens") == n and r.get("remote_send_skipped") is not remote
-            and "ttft_s" in r][-len(client_ttfts):]
-    by_id = {r["request_id"]: r for r in sends}, {r["request_id"]: r for r in decodes}
+def legs(runs: list[dict], routed: list[dict], sends: list[dict], decodes: list[dict]) -> dict:
+    """The path of each measured request's first token (`runs`: the client's TTFT and
+    request id), leg by leg, from its lines in the three nodes' logs, joined by that id (as
+    the client sent it: with tenants on, the nodes log `id@tenant` and nothing joins).
+    Medians over the requests. A line is written as its call ends (`ts`), so the call began
+    `e2e_s` (`remote_send_s`) before. `client_s`: the client's TTFT less the router's own
+    (the connection, the trips to the router and back); `to_prefill_s` (`to_decode_s` for
+    a prompt prefilled alone): from the router's receipt to the node's call; `prefill_s`:
+    the prefill node's RemoteSend; `relay_s`: from its end to the decode node's
+    StartGeneration (the reply, the router, the call); `first_token_s`: from there to its
+    first token; `to_router_s`: that token's way to the router. Each request's legs add up
+    to its TTFT exactly; their medians, roughly."""
+    router, prefill, decode = ({r["request_id"]: r for r in rows} for rows in (routed, sends, decodes))
     rows = []
-    for r, client in zip(mine, client_ttfts if len(mine) == len(client_ttfts) else [None] * len(mine)):
-        p, d = by_id[0].get(r["request_id"]), by_id[1].get(r["request_id"])
-        if d is None or "ttft_s" not in d or remote and p is None:
+    for run in runs:
+        r, p, d = router.get(run["request_id"]), prefill.get(run["request_id"]), decode.get(run["request_id"])
+        if r is None or d is None or "ttft_s" not in r or "ttft_s" not in d:
             continue
         arrived, d_start = r["ts"] - r["e2e_s"], d["ts"] - d["e2e_s"]
-        row = {"first_token_s": d["ttft_s"], "to_router_s": arrived + r["ttft_s"] - (d_start + d["ttft_s"])}
-        if client is not None:
-            row["client_s"] = client - r["ttft_s"]
-        if remote:
+        row = {"client_s": run["ttft_s"] - r["ttft_s"], "first_token_s": d["ttft_s"],
+               "to_router_s": arrived + r["ttft_s"] - (d_start + d["ttft_s"])}
+        if p is not None:
             row.update(to_prefill_s=p["ts"] - p["remote_send_s"] - arrived, prefill_s=p["remote_send_s"],
                        relay_s=d_start - p["ts"])
+        elif not r.get("remote_send_skipped"):
+            continue  # a RemoteSend whose line is missing
         else:
             row["to_decode_s"] = d_start - arrived
         rows.append(row)
-    return {k: round(statistics.median(row[k] for row in rows), 6) for k in rows[0]} if rows else {}
+    keys = [k for k in (rows[0] if rows else ()) if all(k in row for row in rows)]
+    return {k: round(statistics.median(row[k] for row in rows), 6) for k in keys}
 
 
 # ---- stage c: faults ----------------------------------------------------------------------

@@ -37,6 +37,7 @@ import random
 import statistics
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 from pdserve.benchmarks.link import Link, parse_link, rate_bits
@@ -114,27 +115,30 @@ class Nodes:
 
 
 async def _one(address: str, prompt: list[int]) -> dict:
-    loop = asyncio.get_running_loop()
+    loop, request_id = asyncio.get_running_loop(), uuid.uuid4().hex  # the nodes log it
     async with AsyncClient(address, timeout=600) as client:
         start, first, usage = loop.time(), None, None
-        async for delta in client.stream(prompt, max_tokens=1, temperature=0.0, ignore_eos=True):
+        async for delta in client.stream(prompt, max_tokens=1, temperature=0.0, ignore_eos=True,
+                                         request_id=request_id):
             if first is None and delta.token_ids:
                 first = loop.time()
             usage = delta.usage or usage
     route = usage.route
     if route.remote_send_skipped or route.kv_window_end <= route.kv_window_begin:
         raise RuntimeError(f"the prefill node did not send this prompt's KV ({route.skip_reason or 'skipped'})")
-    return {"ttft_s": first - start, "prefill_s": usage.prefill_time_s, "tail_s": usage.kv_transfer_time_s}
+    return {"ttft_s": first - start, "prefill_s": usage.prefill_time_s, "tail_s": usage.kv_transfer_time_s,
+            "request_id": request_id}
 
 
 def _prompt(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(200, 40000) for _ in range(n)]
 
 
-async def _beside(address: str, prompt: list[int], others: int) -> dict:
-    """`_one(prompt)` while `others` requests of its length keep the nodes busy: the prefill
-    node is then in another request's step when this one's KV has landed."""
-    rng, done = random.Random(len(prompt)), False
+async def _beside(address: str, prompt: list[int], others: int, rng: random.Random) -> dict:
+    """`_one(prompt)` while `others` requests of its length keep the nodes busy, with fresh
+    prompts from `rng` (the run's: a prompt seen before would be a prefix-cache hit): the
+    prefill node is then in another request's step when this one's KV has landed."""
+    done = False
 
     async def keep_busy():
         while not done:
@@ -158,7 +162,7 @@ def measure(nodes: Nodes, lengths: list[int], repeats: int, link_gbit: float | N
         runs = {m: [] for m in nodes.modes}
         for _ in range(repeats):
             for mode in nodes.modes:
-                runs[mode].append(asyncio.run(_beside(nodes.routers[mode], _prompt(n, rng), busy)))
+                runs[mode].append(asyncio.run(_beside(nodes.routers[mode], _prompt(n, rng), busy, rng)))
         row = {"prompt_tokens": n, "link_gbit": link_gbit, "busy": busy}
         alone = runs.get("whole") or runs["layerwise"]
         row["prefill_s"] = statistics.median(r["prefill_s"] for r in alone)

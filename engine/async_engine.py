@@ -91,9 +91,9 @@ class AsyncEngine:
 
     def post(self, fn, *args) -> None:
         """`fn(engine, *args)` on the engine thread, between steps, not waited for: ahead of
-        every command submitted after it. What it raises is logged. For clean-up a caller
-        must not wait on: a command waits for the step in progress, a whole prefill chunk
-        on a busy node."""
+        every command submitted after it, even past a step that fails; never, if the engine
+        shuts down first. What it raises is logged. For clean-up a caller must not wait on:
+        a command waits for the step in progress, a whole prefill chunk on a busy node."""
         self._submit(_logged(fn), args, None, None)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -117,8 +117,9 @@ class AsyncEngine:
         return await self.run(self._abort_on_thread, request_id)
 
     def add_layer_hook(self, hook) -> None:
-        """`hook(layer, ranges)` on the engine thread after each layer of every step, beside
-        any other added (`Engine.layer_hook` says what `ranges` holds). Queued, not awaited:
+        """`hook(layer, ranges)` on the engine thread after each layer of every step with
+        prefill-only requests, beside any other added (`Engine.layer_hook` says what `ranges`
+        holds). Queued, not awaited:
         in place before any command submitted after this call runs."""
         self._submit(self._set_layer_hooks, (hook, True), None, None)
 
@@ -227,15 +228,18 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, out)
 
     def _fail_all(self, error: BaseException) -> None:
+        # The commands queued so far, before any stream hears of the error: what a caller
+        # submits once it has heard runs. What nobody waits for (a release, a stream's
+        # abort, a layer hook) still runs: dropped, it would leave pages pinned, unseen.
+        with self._cond:
+            pending = list(self._commands)
+            self._commands = deque(c for c in pending if c[3] is None)
         for request_id, (loop, queue) in list(self._streams.items()):
             try:
                 self.engine.abort(request_id)
             except Exception:
                 pass
             loop.call_soon_threadsafe(queue.put_nowait, error)
-        with self._cond:
-            pending = list(self._commands)
-            self._commands.clear()
         for _, _, loop, future in pending:
             if future is not None:
                 loop.call_soon_threadsafe(_settle, future, None, error)
@@ -246,7 +250,7 @@ def _logged(fn):
         try:
             return fn(engine, *args)
         except Exception:
-            log.exception("engine command %r failed", fn)
+            log.exception("engine command %s%r failed", getattr(fn, "__qualname__", fn), args)
     return run
 
 

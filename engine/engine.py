@@ -94,7 +94,9 @@ class Engine(SingleThreaded):
         self.eos_token_ids = eos_token_ids(c, self.tokenizer)
         self.new_detokenizer = detokenizer_factory(self.tokenizer)
         self.requests: dict[str, Request] = {}
-        self.layer_hook = None  # hook(layer_idx, [(request_id, begin, end, slots int64 array), ...]) per layer
+        # hook(layer_idx, [(request_id, begin, end, slots int64 array), ...]) after each layer
+        # of a step, for the step's prefill-only requests (`_layer_hook_for`).
+        self.layer_hook = None
         self._arrivals = 0
         self.last_step_scheduled = 0  # sequences the last step ran (0: blocked or idle)
         # On a GPU a step's text (detokenizing, stop strings, outputs) is done during the
@@ -295,11 +297,15 @@ class Engine(SingleThreaded):
         return [self.output_of(r) for r in touched.values()]
 
     def _layer_hook_for(self, seqs, num_new):
+        """The hook of a step that computes prefill-only positions, given theirs alone: the
+        layer-wise sends it serves are of prefill-only requests, and a step with a hook runs
+        eagerly, not as a CUDA graph (a node serving both roles decodes through graphs)."""
         if (hook := self.layer_hook) is None:
             return None
         ranges = [(s.request.request_id, s.num_computed, s.num_computed + n,
-                   s.slot_array(s.num_computed, s.num_computed + n, self.page_size)) for s, n in zip(seqs, num_new)]
-        return lambda layer_idx: hook(layer_idx, ranges)
+                   s.slot_array(s.num_computed, s.num_computed + n, self.page_size))
+                  for s, n in zip(seqs, num_new) if s.request.prefill_only]
+        return (lambda layer_idx: hook(layer_idx, ranges)) if ranges else None
 
     def _publish(self, seq: Sequence) -> None:
         """Full pages whose KV is computed become findable in the prefix cache."""

@@ -227,7 +227,7 @@ class PrefillRole:
             tell_no_write(self, peer.agent_name, no_write_tag(request_id, window.lease_id))
         # Queued, not awaited: the reply (and StartGeneration after it) would wait for the step
         # in progress, another request's prefill chunk. A later command sees the pages free.
-        self.engine.post(lambda e: e.release(request_id))
+        self.engine.post(lambda e, rid: e.release(rid), request_id)
 
     async def _send_layers_to_window(self, request_id: str, prompt_len: int, end: int, sending: Sending,
                                      stream, deadline: float, dst_slots: list[int] | None) -> list[int]:

@@ -136,7 +136,7 @@ class NodeCalls:
             raise self._send_failed(state, prefill, err) from None
         finally:
             prefill.in_flight -= 1
-        state.holders.discard(prefill)  # P released its pages when it replied
+        state.holders.discard(prefill)  # P queued their release before replying: no Abort needed
         return reply
 
     def _send_failed(self, state: RequestState, prefill: Endpoint,

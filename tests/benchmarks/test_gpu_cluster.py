@@ -35,28 +35,30 @@ def test_quick_run_on_the_cpu_passes_every_stage_and_leaves_no_node(tmp_path):
         assert set(legs) == {"client_s", "to_prefill_s", "prefill_s", "relay_s", "first_token_s", "to_router_s"}
         assert legs["prefill_s"] > 0 and legs["first_token_s"] > 0 and legs["relay_s"] > 0
         assert set(parts["legs_alone"]) == {"client_s", "to_decode_s", "first_token_s", "to_router_s"}
-        assert abs(sum(legs.values()) - one["ttft_s"]) < 0.5 * one["ttft_s"]  # they add up, roughly
     faults = report["stages"]["faults"]
     assert faults["cancel"]["parked_while_frozen"] == 1
     assert faults["kill"]["route"]["skip_reason"] == "fallback" and faults["kill"]["matches"]
     assert json.loads((tmp_path / "logs" / "gpu_cluster.json").read_text())["ok"]
 
 
-def test_legs_join_each_request_across_the_nodes_and_add_up_to_its_ttft():
+def test_legs_join_each_request_across_the_nodes_by_id_and_add_up_to_its_ttft():
     from pdserve.benchmarks.gpu_cluster_stages import legs
 
-    routed = [  # a warm-up first, then the measured request; the alone one took the other path
+    routed = [  # a warm-up first; "b" was prefilled by the decode node alone
         {"request_id": "w", "prompt_tokens": 8, "remote_send_skipped": False, "ts": 90.0, "e2e_s": 0.5, "ttft_s": 0.5},
         {"request_id": "a", "prompt_tokens": 8, "remote_send_skipped": False, "ts": 100.050, "e2e_s": 0.050,
          "ttft_s": 0.045},
         {"request_id": "b", "prompt_tokens": 8, "remote_send_skipped": True, "ts": 101.0, "e2e_s": 0.1, "ttft_s": 0.1}]
-    sends = [{"request_id": "a", "ts": 100.030, "remote_send_s": 0.028}]
-    decodes = [{"request_id": "a", "ts": 100.046, "e2e_s": 0.013, "ttft_s": 0.010},
+    sends = [{"request_id": "w", "ts": 89.9, "remote_send_s": 0.3},
+             {"request_id": "a", "ts": 100.030, "remote_send_s": 0.028}]
+    decodes = [{"request_id": "w", "ts": 90.0, "e2e_s": 0.05, "ttft_s": 0.05},
+               {"request_id": "a", "ts": 100.046, "e2e_s": 0.013, "ttft_s": 0.010},
                {"request_id": "b", "ts": 101.0, "e2e_s": 0.099, "ttft_s": 0.098}]
-    got = legs(routed, sends, decodes, [0.047], 8, True)
+    got = legs([{"request_id": "a", "ttft_s": 0.047}], routed, sends, decodes)
     want = {"client_s": 0.002, "to_prefill_s": 0.002, "prefill_s": 0.028, "relay_s": 0.003,
             "first_token_s": 0.010, "to_router_s": 0.002}
     assert got == pytest.approx(want, abs=1e-6) and sum(got.values()) == pytest.approx(0.047)
-    assert legs(routed, [], decodes, [0.1005], 8, False) == pytest.approx(
+    assert legs([{"request_id": "b", "ttft_s": 0.1005}], routed, [], decodes) == pytest.approx(
         {"client_s": 0.0005, "to_decode_s": 0.001, "first_token_s": 0.098, "to_router_s": 0.001}, abs=1e-6)
-    assert legs(routed, [], decodes, [0.047], 9, True) == {}  # no line of that length
+    assert legs([{"request_id": "a", "ttft_s": 0.047}], routed, [], decodes) == {}  # its RemoteSend line missing
+    assert legs([{"request_id": "gone", "ttft_s": 0.047}], routed, sends, decodes) == {}

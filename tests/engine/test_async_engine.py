@@ -70,6 +70,29 @@ def test_post_runs_in_order_without_a_wait_and_logs_what_it_raises(async_engine,
     assert "posted and broken" in caplog.text
 
 
+def test_a_posted_command_outlives_a_step_that_fails(async_engine, prompts_of_lengths):
+    """A release posted while a step runs still runs when the step raises: the failure
+    ends the streams and what their callers wait for, not what nobody waits for."""
+    a, b = prompts_of_lengths([9, 7], seed=5)
+
+    def breaks(layer, ranges):
+        if layer == 0 and any(r[0] == "b" for r in ranges):
+            async_engine.post(lambda e: e.release("a"))
+            raise RuntimeError("a broken step")
+
+    async def main():
+        async for _ in async_engine.generate("a", a, GREEDY, prefill_only=True):
+            pass  # prefilled: its pages pinned until released
+        async_engine.add_layer_hook(breaks)
+        with pytest.raises(RuntimeError, match="a broken step"):
+            async for _ in async_engine.generate("b", b, GREEDY, prefill_only=True):
+                pass
+        async_engine.remove_layer_hook(breaks)
+        return await async_engine.run(lambda e: (list(e.requests), e.num_free_pages() == e.num_total_pages()))
+
+    assert asyncio.run(main()) == ([], True)
+
+
 def test_abort_ends_the_stream_and_frees_pages(async_engine, prompts_of_lengths):
     prompt = prompts_of_lengths([10], seed=42)[0]
     long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)

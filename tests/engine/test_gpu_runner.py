@@ -97,3 +97,32 @@ def test_graph_buffers_pad_rows_that_store_nothing(checkpoint_dirs):
     assert changed == [], changed  # rewrote the same slot with the same values only
     assert not torch.equal(after_one, before)
     engine.abort("r")
+
+
+class _NoEvent:  # the CUDA event a prefilled request is reported with; no device here
+    def record(self, stream) -> None:
+        pass
+
+
+def test_a_node_with_a_layer_hook_still_decodes_through_the_graphs(checkpoint_dirs, hf_greedy, monkeypatch):
+    """A node serving both roles holds the layer-wise sends' hook. A step with a hook runs
+    eagerly, so only steps with prefill-only requests get it, and only those requests'
+    ranges: the other requests decode through the graphs."""
+    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    llm = gpu_path_llm(checkpoint_dirs("llama"), max_num_seqs=4, page_size=4)
+    engine, graphs = llm.engine, llm.engine.runner.graphs
+    hooked, graph_batches = set(), []
+    engine.layer_hook = lambda layer, ranges: hooked.update(r[0] for r in ranges)
+    replay = graphs.run
+    graphs.run = lambda seqs: graph_batches.append(len(seqs)) or replay(seqs)
+    prompt = [5, 6, 7, 8, 9] * 3
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("sent", prompt, params, prefill_only=True)
+    engine.add_request("served", prompt[::-1], params)
+    final = None
+    while engine.has_unfinished():
+        final = next((o for o in engine.step() if o.request_id == "served" and o.finished), final)
+    assert final.outputs[0].token_ids == hf_greedy("llama", tuple(prompt[::-1]), 6)
+    assert hooked == {"sent"} and graph_batches == [1] * 5  # every decode step, replayed
+    assert engine.release("sent") and engine.num_free_pages() == engine.num_total_pages()

@@ -16,6 +16,7 @@ from pdserve.proto.tags import notification_tag
 from tests.prefill.world import (
     D_PAGE,
     END,
+    GREEDY,
     LEASE,
     P_PAGES,
     PROMPT,
@@ -126,6 +127,10 @@ def test_the_reply_does_not_wait_for_the_engine_step_in_progress(nodes):
             proceed.wait(2 * WAIT_S)
             left.set()
 
+    async def prefill_busy():
+        async for _ in nodes.prefill.generate("busy", prompt_of(20, seed=3), GREEDY, prefill_only=True):
+            pass
+
     async def go():
         role = nodes.role()
         expected = await generate_tokens(nodes.engine(), "local", PROMPT)
@@ -134,17 +139,21 @@ def test_the_reply_does_not_wait_for_the_engine_step_in_progress(nodes):
         send = asyncio.ensure_future(role.remote_send(RemoteSend("r", PROMPT, END, nodes.window(res))))
         assert await asyncio.to_thread(hold.started.wait, WAIT_S)  # prefilled, its write posted
         nodes.prefill.add_layer_hook(hold_busy)
-        busy = asyncio.ensure_future(generate_tokens(nodes.prefill, "busy", prompt_of(20, seed=3)))
-        assert await asyncio.to_thread(reached.wait, WAIT_S)  # the engine is in busy's step
-        engine_held_at_reply = []
-        send.add_done_callback(lambda _: engine_held_at_reply.append(not left.is_set()))
-        hold.release()
-        await asyncio.wait([send], timeout=WAIT_S)
-        proceed.set()
+        busy = asyncio.ensure_future(prefill_busy())
+        try:
+            assert await asyncio.to_thread(reached.wait, WAIT_S)  # the engine is in busy's step
+            engine_held_at_reply = []
+            send.add_done_callback(lambda _: engine_held_at_reply.append(not left.is_set()))
+            hold.release()
+            await asyncio.wait([send], timeout=WAIT_S)
+        finally:
+            proceed.set()
+            hold.release()
+            await within(busy)
+            nodes.prefill.remove_layer_hook(hold_busy)
+            assert await nodes.prefill.run(lambda e: e.release("busy"))
         assert (await within(send)).num_tokens_sent == END
         assert engine_held_at_reply == [True], "RemoteSend answered only after the engine's step"
-        await within(busy)
-        nodes.prefill.remove_layer_hook(hold_busy)
         assert await free_pages(nodes.prefill) == (P_PAGES, P_PAGES)  # released, in order
         assert await started_tokens(nodes.decode, "r") == expected
 
