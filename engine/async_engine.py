@@ -119,8 +119,8 @@ class AsyncEngine:
     def add_layer_hook(self, hook) -> None:
         """`hook(layer, ranges)` on the engine thread after each layer of every step with
         prefill-only requests, beside any other added (`Engine.layer_hook` says what `ranges`
-        holds). Queued, not awaited:
-        in place before any command submitted after this call runs."""
+        holds). Queued, not awaited: in place before any command submitted after this call
+        runs."""
         self._submit(self._set_layer_hooks, (hook, True), None, None)
 
     def remove_layer_hook(self, hook) -> None:
