@@ -79,7 +79,7 @@ def test_decodes_split_over_their_contexts_generate_transformers_greedy_tokens(c
 
 
 def test_graph_buffers_pad_rows_that_store_nothing(checkpoint_dirs):
-    llm = gpu_path_llm(checkpoint_dirs("llama"), max_num_seqs=8, page_size=4)
+    llm = gpu_path_llm(checkpoint_dirs("llama"), max_num_seqs=8, page_size=4, num_pages=64)
     engine = llm.engine
     before = engine.kv_cache.clone()
     graphs = engine.runner.graphs
