@@ -12,7 +12,8 @@ key names the caller's tenant (runtime/tenants.py): its request ids and turns ar
 Invariants:
 - A request goes through the same `Dispatcher.generate` as a gRPC `Generate`, so it is
   routed, aborted and counted the same way; its id is `X-Request-Id` or a fresh one, and
-  comes back in the `X-Request-Id` header.
+  comes back in the `X-Request-Id` header. A completions batch (a list of prompts) is one
+  such request per prompt, `<id>-<i>`, merged into one answer (router/prompt_batch.py).
 - The HTTP status is decided before the first byte of the body: the first message of the
   stream is awaited before the response starts, so a request the nodes reject (bad
   sampling values, no room, no node) gets its 4xx/5xx even when streaming. An error after
@@ -31,9 +32,9 @@ import grpc
 from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router import validation
+from pdserve.router import prompt_batch, validation
 from pdserve.router.openai_protocol import (
-    ChoiceLogprobs, OpenAIError, cache_salt_from_body, chat_prompt, chunk, completion_prompt,
+    ChoiceLogprobs, OpenAIError, cache_salt_from_body, chat_prompt, chunk, completion_prompts,
     invalid, now, sampling_from_body, usage_body)
 from pdserve.runtime import auth, metrics, tenants
 from pdserve.runtime.errors import NodeError, retry_after_of
@@ -151,10 +152,11 @@ class OpenAIFrontend:
         try:
             body = await self._body(request)
             if chat:
-                ids = chat_prompt(body, self.tokenizer)
-                default_max = max(1, self.tokenizer.card.max_model_len - len(ids))
+                prompts = [chat_prompt(body, self.tokenizer)]
+                default_max = max(1, self.tokenizer.card.max_model_len - len(prompts[0]))
             else:
-                ids = completion_prompt(body, self.tokenizer.encode)
+                prompts = completion_prompts(body, self.tokenizer.encode,
+                                             validation.max_prompt_chars(self.tokenizer.card))
                 default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
             sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max)
             cache_salt = cache_salt_from_body(body)
@@ -162,19 +164,21 @@ class OpenAIFrontend:
                 observer.fields["user"] = body["user"]
             if chat:  # stops at the template's end of turn, as a gRPC conversation does
                 sampling = validation.chat_sampling(sampling, self.tokenizer)
-            try:  # the very checks a gRPC Generate gets, so both APIs fail alike
-                validation.check_generate(pdserve_pb2.GenerateRequest(request_id=request_id), ids,
-                                          self.tokenizer.card, sampling,
-                                          "messages" if chat else "prompt")
-            except ValueError as err:
-                raise OpenAIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(err), chat) from None
+            ids_of = {request_id: prompts[0]} if len(prompts) == 1 else \
+                {f"{request_id}-{i}": ids for i, ids in enumerate(prompts)}
+            for i, (one_id, ids) in enumerate(ids_of.items()):
+                try:  # the very checks a gRPC Generate gets, so both APIs fail alike
+                    validation.check_generate(pdserve_pb2.GenerateRequest(request_id=one_id), ids,
+                                              self.tokenizer.card, sampling,
+                                              "messages" if chat else "prompt",
+                                              i if len(prompts) > 1 else None)
+                except ValueError as err:
+                    raise OpenAIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(err), chat) from None
         except OpenAIError as err:
             observer.finish("not_found" if err.status == 404 else err.code or "invalid_argument",
                             error=err.message)
             raise
-        messages = observer.watch(self.dispatcher.generate(request_id, ids, sampling, None,
-                                                           tenant=request[TENANT],
-                                                           cache_salt=cache_salt))
+        messages = self._dispatch(request, ids_of, sampling, cache_salt, observer)
         async with contextlib.aclosing(messages):
             try:
                 first = await anext(messages, None)
@@ -193,6 +197,21 @@ class OpenAIFrontend:
             except NodeError as err:
                 raise _as_openai_error(err, chat) from None
             return web.json_response(shape.whole(), headers=headers)
+
+    def _dispatch(self, request, ids_of: dict[str, list[int]], sampling, cache_salt: str,
+                  observer: StreamObserver):
+        """The response stream of each prompt, by its request id; a batch's merged in one
+        (router/prompt_batch.py), each prompt logged and counted as a request of its own."""
+        def one(one_id: str, ids: list[int], watcher: StreamObserver):
+            return watcher.watch(self.dispatcher.generate(
+                one_id, ids, sampling, None, tenant=request[TENANT], cache_salt=cache_salt))
+
+        if len(ids_of) == 1:
+            [(one_id, ids)] = ids_of.items()
+            return one(one_id, ids, observer)
+        return prompt_batch.merged(
+            [one(one_id, ids, StreamObserver(self.role, one_id, **observer.fields))
+             for one_id, ids in ids_of.items()], sampling.n or 1, observer.request_id)
 
     async def _stream(self, request, headers, first, messages, shape, include_usage):
         response = web.StreamResponse(headers={

@@ -49,8 +49,10 @@ NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({
            "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
            "prediction": (), "reasoning_effort": (), "web_search_options": ()}
 # "top_p must be ...", "prompt token id 9999 is outside ...", "prompt of 900 tokens is
-# longer ...", at the start of the message or after a "...: " prefix.
-_FIELD_IN_MESSAGE = re.compile(r"(?:^|: )([a-z_]+)(?: token ids?)?(?: -?\d+)? (?:must|of \d+|is)")
+# longer ...", at the start of the message or after a "...: " prefix; "prompt[1]..." (one
+# prompt of a batch); "(900 in the prompt, 16 in the completion)" (the context's error).
+_FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+)\[\d+\]|(?:^|: )([a-z_]+)(?: token ids?)?(?: -?\d+)? "
+                               r"(?:must|of \d+|is)|\d+ in the ([a-z_]+), \d+ in the completion")
 
 
 class OpenAIError(Exception):
@@ -68,7 +70,7 @@ class OpenAIError(Exception):
     def from_status(cls, code: grpc.StatusCode, message: str, chat: bool = False) -> "OpenAIError":
         """The HTTP error for a gRPC status; `param` is the field the message names."""
         match = _FIELD_IN_MESSAGE.search(message)
-        param = match.group(1) if match else None
+        param = next(name for name in match.groups() if name) if match else None
         if param == "prompt" and chat:
             param = "messages"
         return cls(HTTP_STATUS.get(code, 500), message, param, code.name.lower())
@@ -160,23 +162,31 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int) -> pd
     return pb
 
 
-def completion_prompt(body: dict, encode) -> list[int]:
-    """Token ids of a completions `prompt`: a string, a list of token ids, or a list of one
-    of either (pdserve serves one prompt per request)."""
+def completion_prompts(body: dict, encode, max_chars: int) -> list[list[int]]:
+    """Token ids of each prompt in a completions `prompt`: a string, a list of token ids, or
+    a list of either (a batch: one request each, router/prompt_batch.py). A text longer than
+    `max_chars` is refused untokenized, as a gRPC prompt is (router/validation.py)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [_prompt_ids(p, encode, max_chars, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt_ids(prompt, encode, max_chars, "prompt")]
+
+
+def _prompt_ids(prompt, encode, max_chars: int, name: str) -> list[int]:
     if isinstance(prompt, str):
+        if len(prompt) > max_chars:
+            raise invalid(f"{name} of {len(prompt)} characters is longer than the model's "
+                          f"context can hold (at most {max_chars} characters)", "prompt")
         ids = encode(prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
         if any(not 0 <= t < 2 ** 31 for t in ids):
-            raise invalid(f"prompt token ids must be non-negative, got {min(ids)}", "prompt")
+            raise invalid(f"{name} token ids must be non-negative, got {min(ids)}", "prompt")
     else:
-        raise invalid("prompt must be a string, a list of token ids, or a list of one of "
-                      f"those (pdserve serves one prompt per request), got {prompt!r:.80}", "prompt")
+        raise invalid(f"{name} must be a string, a list of token ids, or a list of those, "
+                      f"got {prompt!r:.80}", "prompt")
     if not ids:
-        raise invalid("prompt is empty", "prompt")
+        raise invalid(f"{name} is empty", "prompt")
     return ids
 
 

@@ -79,16 +79,23 @@ def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
         raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def check_generate(request, ids: list[int], card, sampling, prompt_in: str = "prompt") -> None:
+def check_generate(request, ids: list[int], card, sampling, prompt_in: str = "prompt",
+                   batch_index: int | None = None) -> None:
     """The router's checks of a Generate request whose prompt is `ids` and whose sampling,
     a conversation's stops included, is `sampling` (gRPC and HTTP alike). `prompt_in` names
-    the prompt in the context error: "prompt", or "messages" for a conversation."""
+    the prompt in the context error: "prompt", or "messages" for a conversation. A prompt of
+    a batch (`batch_index`, OpenAI's list of prompts) is named in its errors: "prompt[1]: "."""
     check_request_id(request.request_id, required=False)
-    check_prompt_ids(ids, card.vocab_size)
     params = sampling_from_pb(sampling)
     params.validate(card.vocab_size)
-    if card.max_model_len > 1:  # (0: the config names no context)
-        check_context(len(ids), params.max_tokens, card.max_model_len, prompt_in)
+    try:
+        check_prompt_ids(ids, card.vocab_size)
+        if card.max_model_len > 1:  # (0: the config names no context)
+            check_context(len(ids), params.max_tokens, card.max_model_len, prompt_in)
+    except ValueError as err:
+        if batch_index is None:
+            raise
+        raise ValueError(f"{prompt_in}[{batch_index}]: {err}") from None
     if request.HasField("kv_window_end"):
         resolve_kv_window_end(request.kv_window_end, len(ids))
 

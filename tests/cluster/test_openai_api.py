@@ -83,6 +83,20 @@ def test_openai_client_streams_a_completion(api, model, cluster):
     assert whole.usage.completion_tokens == 6
 
 
+def test_a_batch_of_prompts_answers_each_as_if_sent_alone(api, model, cluster):
+    prompts = ["the quick brown fox", [1, 2, 3, 4]]
+    alone = [api.completions.create(model=model, prompt=p, **GREEDY).choices[0].text for p in prompts]
+    batch = api.completions.create(model=model, prompt=prompts, n=2,
+                                   extra_headers={"X-Request-Id": "batch-of-2"}, **GREEDY)
+    assert [(c.index, c.text) for c in batch.choices] == [
+        (0, alone[0]), (1, alone[0]), (2, alone[1]), (3, alone[1])]
+    assert batch.usage.completion_tokens == 4 * 6
+    logged = {r["request_id"]: r for r in (json.loads(line) for line in cluster.log_lines("router")
+                                           if "batch-of-2" in line)}
+    assert sorted(logged) == ["batch-of-2-0", "batch-of-2-1"]  # each prompt a request
+    assert {r["outcome"] for r in logged.values()} == {"length"}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_invalid_sampling_value_is_a_400_naming_the_field(api, model, stream):
     with pytest.raises(openai.BadRequestError) as err:

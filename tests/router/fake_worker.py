@@ -4,6 +4,7 @@ tokens, a tokenizer of one id per character, and a router over such workers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -166,6 +167,34 @@ async def one_request(prefill: list[FakeWorker], decode: list[FakeWorker], reque
     finally:
         await stop()
     return out
+
+
+@contextlib.asynccontextmanager
+async def openai_router(decode: list):
+    """The OpenAI front (router/openai_http.py) of an in-process router over `decode` workers
+    (fakes, or dead addresses given as strings): its base URL."""
+    from pdserve.router.openai_http import OpenAIFrontend
+    from pdserve.runtime.http import start_http
+
+    servers, addresses = [], []
+    for w in decode:
+        if isinstance(w, str):
+            addresses.append(w)
+            continue
+        server, address = await start_fake(w)
+        servers.append(server)
+        addresses.append(address)
+    registry = WorkerRegistry([], addresses, RoundRobin(), RoundRobin())
+    dispatcher = Dispatcher(RouterConfig(model="fake", decode=addresses, full_retry_s=0.1), registry)
+    runner = await start_http(OpenAIFrontend(dispatcher, CharTokenizer(), "fake").app(),
+                              "127.0.0.1", 0, "test")
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+        await registry.close()
+        for s in servers:
+            await s.stop(None)
 
 
 def run(coro):

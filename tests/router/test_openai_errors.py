@@ -11,16 +11,9 @@ import aiohttp
 import grpc
 import pytest
 
-from pdserve.runtime.http import start_http
 from pdserve.proto import pdserve_pb2
-from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import Dispatcher
-from pdserve.router.openai_http import OpenAIFrontend
 from pdserve.router.openai_protocol import OpenAIError
-from pdserve.router.policies import RoundRobin
-from pdserve.router.registry import WorkerRegistry
-from tests.router.fake_worker import FakeWorker, start_fake
-from tests.router.fake_worker import CharTokenizer
+from tests.router.fake_worker import FakeWorker, openai_router
 
 
 class FailsMidStream(FakeWorker):
@@ -30,31 +23,10 @@ class FailsMidStream(FakeWorker):
 
 
 async def _post(decode: list, body: dict) -> tuple[int, str]:
-    """POST `body` to /v1/completions of an in-process router over `decode` workers (fake
-    workers, or dead addresses given as strings)."""
-    servers, addresses = [], []
-    for w in decode:
-        if isinstance(w, str):
-            addresses.append(w)
-            continue
-        server, address = await start_fake(w)
-        servers.append(server)
-        addresses.append(address)
-    registry = WorkerRegistry([], addresses, RoundRobin(), RoundRobin())
-    dispatcher = Dispatcher(RouterConfig(model="fake", decode=addresses, full_retry_s=0.1), registry)
-    runner = await start_http(OpenAIFrontend(dispatcher, CharTokenizer(), "fake").app(),
-                              "127.0.0.1", 0, "test")
-    try:
-        port = runner.addresses[0][1]
-        async with aiohttp.ClientSession() as session:
-            async with session.post(f"http://127.0.0.1:{port}/v1/completions",
-                                    json={"model": "fake", **body}) as reply:
-                return reply.status, await reply.text()
-    finally:
-        await runner.cleanup()
-        await registry.close()
-        for s in servers:
-            await s.stop(None)
+    """POST `body` to /v1/completions of an in-process router over `decode` workers."""
+    async with openai_router(decode) as url, aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/completions", json={"model": "fake", **body}) as reply:
+            return reply.status, await reply.text()
 
 
 def post(decode: list, body: dict) -> tuple[int, str]:
