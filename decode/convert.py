@@ -30,6 +30,7 @@ async def stream_responses(
     queued = prefill = 0.0
     completion: dict[int, int] = {}
     finished: set[int] = set()
+    started: set[int] = set()  # choices sent a message: the prompt's logprobs went with it
     gaps = TokenGaps()
     async for out in outputs:
         prompt_tokens, cached = out.num_prompt_tokens, out.num_cached_tokens
@@ -43,10 +44,13 @@ async def stream_responses(
             gaps.add(c.index, len(c.new_token_ids))
             n_new = len(c.new_token_ids)
             new_logprobs = c.logprobs[-n_new:] if c.logprobs and n_new else []
+            first = c.index not in started
+            started.add(c.index)
             yield pdserve_pb2.GenerateResponse(
                 request_id=request_id, index=c.index, text=c.new_text,
                 token_ids=c.new_token_ids, finish_reason=c.finish_reason or "",
-                logprobs=_logprobs_pb(new_logprobs))
+                logprobs=_logprobs_pb(new_logprobs),
+                prompt_logprobs=_logprobs_pb(out.prompt_logprobs if first else None))
             if c.finish_reason:
                 finished.add(c.index)
         if out.finished:

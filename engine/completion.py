@@ -90,8 +90,11 @@ def take_delta(request: Request) -> RequestOutput:
     if not request.prefilled_at and request.scheduled_at and (
             finished or any(o.new_token_ids for o in outs)):
         request.prefilled_at = time.perf_counter()
-    return RequestOutput(request.request_id, outs, finished, len(request.prompt_token_ids),
-                         request.num_cached_tokens, *_timings(request))
+    out = RequestOutput(request.request_id, outs, finished, len(request.prompt_token_ids),
+                        request.num_cached_tokens, *_timings(request))
+    if request.prompt_logprobs is not None and not request.scores_prompt:
+        out.prompt_logprobs = request.prompt_logprobs
+    return out
 
 
 def _timings(request: Request) -> tuple[float, float]:

@@ -43,6 +43,7 @@ from .outputs import RequestOutput, Reservation
 from .owner_thread import SingleThreaded, entry_point
 from .page_pool import OutOfPages, PagePool
 from .prefix_cache import PrefixCache, extend_page_keys
+from .prompt_logprobs import score_prompts
 from .sampler import sample
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
@@ -144,6 +145,8 @@ class Engine(SingleThreaded):
         least one position is always received. Raises OutOfPages when it cannot hold it."""
         if not isinstance(kv_window_end, int) or not 0 <= kv_window_end < len(prompt_token_ids or []):
             raise ValueError(f"kv_window_end must be in [0, {len(prompt_token_ids or [])}), got {kv_window_end!r}")
+        if params.prompt_logprobs is not None and kv_window_end > 0:  # (engine/prompt_logprobs.py)
+            raise ValueError(f"prompt_logprobs needs kv_window_end 0 (the whole prompt computed here), got {kv_window_end}")
         request = self._new_request(request_id, prompt_token_ids, params, False, cache_salt)
         if self._stores_queued:
             torch.cuda.current_stream(self.runner.device).synchronize()
@@ -229,8 +232,13 @@ class Engine(SingleThreaded):
             now = time.perf_counter()
             for seq in seqs:
                 seq.request.scheduled_at = seq.request.scheduled_at or now
-            wants = [not s.request.prefill_only and s.num_computed + n == s.num_tokens for s, n in zip(seqs, num_new)]
+            samples = [not s.request.prefill_only and s.num_computed + n == s.num_tokens for s, n in zip(seqs, num_new)]
+            # A prompt's logprobs want its chunk's every row; only prompt chunks score.
+            scored = [s.index == 0 and s.request.scores_prompt for s in seqs] if batch.num_prefill_tokens else []
+            wants = [n if sc else int(smp) for n, sc, smp in zip(num_new, scored, samples)] if any(scored) else samples
             logits = self.runner.run(seqs, num_new, wants, self._layer_hook_for(seqs, num_new))
+            if any(scored):
+                logits = score_prompts(seqs, wants, scored, samples, logits)
             for seq, n in zip(seqs, num_new):
                 seq.num_computed += n
                 self._publish(seq)
@@ -242,7 +250,7 @@ class Engine(SingleThreaded):
                 # event its KV's readers wait for, and this thread goes on to the next step.
                 kv_ready = torch.cuda.Event()
                 kv_ready.record(torch.cuda.current_stream(self.runner.device))
-            sampling = [s for s, w in zip(seqs, wants) if w]
+            sampling = [s for s, w in zip(seqs, samples) if w]
             if sampling:
                 self._sample(sampling, logits)
             self._stores_queued = self.runner.on_gpu and not sampling

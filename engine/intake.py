@@ -37,6 +37,8 @@ def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefi
     if not isinstance(cache_salt, str):
         raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
     request = Request(request_id, prompt, params, prefill_only, arrival, cache_salt=cache_salt)
+    if params.prompt_logprobs is not None and not prefill_only:
+        request.prompt_logprobs = []
     for i in range(1 if prefill_only else params.n):
         seq = Sequence(request, i, list(prompt), len(prompt))
         if params.seed is not None:

@@ -64,6 +64,9 @@ class RequestOutput:
     # on a GPU the CUDA event to wait for before reading that KV (None: it is in memory).
     slots: list[int] | None = None
     kv_ready: object = None
+    # Asked for (params.prompt_logprobs) and all known: the sampler's `Sample` of each
+    # prompt token after the first, in every later output.
+    prompt_logprobs: list | None = None
 
     @property
     def token_ids(self) -> list[int]:

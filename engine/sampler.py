@@ -210,3 +210,10 @@ def _with_logprobs(
         samples[i].logprob = row[0]
         samples[i].top_logprobs = [(int(t), v) for t, v in zip(row[1 + n_max:1 + n_max + n], row[1:1 + n])]
     return samples
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_logprobs: int) -> list[Sample]:
+    """Row i of `logits` scored at token_ids[i] (a prompt's logprobs): its logprob and the
+    `num_logprobs` likeliest tokens, as a sampled token's."""
+    rows = [SamplingRow(num_logprobs=num_logprobs)] * len(token_ids)
+    return _with_logprobs(logits.float(), _on(logits.device, token_ids), rows)

@@ -29,6 +29,10 @@ from .prefix_cache import PrefixCache, extend_page_keys
 from .sequence import Sequence, Status
 from .step_budget import StepBudget, StepLoad
 
+# A chunk of a prompt whose logprobs are asked for gives logits at every position (a row of
+# vocabulary size each): a bounded chunk bounds that memory.
+SCORED_CHUNK_TOKENS = 512
+
 
 @dataclass
 class ScheduledBatch:
@@ -86,7 +90,7 @@ class Scheduler:
                 decodes_left -= 1
                 num_new = 1
             else:  # a prompt chunk: within the cap, and leaving a token per decode after it
-                num_new = min(seq.num_tokens - seq.num_computed, budget - decodes_left, prefill_left)
+                num_new = min(_uncomputed(seq), budget - decodes_left, prefill_left)
                 if num_new <= 0:
                     i += 1  # it waits a step; it keeps its pages
                     continue
@@ -105,7 +109,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.pages:
                 self._match_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed, budget, prefill_left)
+            num_new = min(_uncomputed(seq), budget, prefill_left)
             if self._pages_needed(seq, num_new) > self.pool.num_free_pages():
                 if not self.running and not batch.seqs and self._never_fits(seq, num_new):
                     self.waiting.popleft()
@@ -172,8 +176,9 @@ class Scheduler:
             seq.pages.extend(self.pool.allocate(need))
 
     def _match_prefix(self, seq: Sequence) -> None:
-        # At least one token is always computed: its logits give the next token.
-        max_pages = (seq.num_tokens - 1) // self.page_size
+        # At least one token is always computed: its logits give the next token. A prompt
+        # whose logprobs are asked for needs the logits of every position: nothing cached.
+        max_pages = 0 if seq.request.scores_prompt else (seq.num_tokens - 1) // self.page_size
         extend_page_keys(seq.page_keys, seq.token_ids, self.page_size, max_pages, seq.request.cache_salt)
         seq.pages = self.cache.match(seq.page_keys[:max_pages])
         seq.num_computed = len(seq.pages) * self.page_size
@@ -208,3 +213,9 @@ def _decoding(seq: Sequence) -> bool:
     """Computes its last token to sample the next: a stream whose gaps the step budget
     keeps (a prefill-only request's last prompt token is a prompt token)."""
     return seq.num_tokens - seq.num_computed == 1 and not seq.request.prefill_only
+
+
+def _uncomputed(seq: Sequence) -> int:
+    """The most tokens `seq` may compute in one step."""
+    left = seq.num_tokens - seq.num_computed
+    return min(left, SCORED_CHUNK_TOKENS) if seq.request.scores_prompt else left

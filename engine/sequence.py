@@ -100,6 +100,14 @@ class Request:
     scheduled_at: float = 0.0
     prefilled_at: float = 0.0
     kv_ready: object = None  # prefill-only on a GPU: a CUDA event, done once its KV is in memory
+    # params.prompt_logprobs: the sampler's `Sample` of prompt positions 1.. so far, in order
+    prompt_logprobs: list | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's logprobs are asked for and not all known yet: every position of
+        the prompt is computed here (no prefix-cache hit), and each gives logits."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def finished(self) -> bool:

@@ -8,13 +8,15 @@ calls, blocking).
 
 - `generate(prompt or messages=..., **sampling) -> Completion`: every choice (`n`), token
   ids, text, finish reasons, logprobs (`logprobs=N`: each token's id, text and
-  log-probability, and its N likeliest alternatives), and `usage` with timings and route.
+  log-probability, and its N likeliest alternatives; `prompt_logprobs=N`: the same of the
+  prompt's tokens), and `usage` with timings and route.
 - `stream(...)`: `Delta`s as they come (each names its choice); the last carries `usage`.
 - `abort(request_id)`, `models()`, `health()`.
 - A prompt is text, token ids, or a conversation (`messages=[{"role", "content"}]`, which
   the server renders with the model's chat template). Sampling keywords are the fields of
   `SamplingParams` (max_tokens, temperature, top_p, top_k, min_p, seed, n, stop,
-  stop_token_ids, ignore_eos, logprobs); an unknown one is a TypeError before any call.
+  stop_token_ids, ignore_eos, logprobs, prompt_logprobs); an unknown one is a TypeError
+  before any call.
 - `tls`: None (plaintext, unless this process configured `runtime.tls`, as the CLI does
   from its --tls-* flags), True (the system's CA roots), or `TLS(ca=..., cert=..., key=...)`
   (a private CA; cert and key for servers that require client certificates).
@@ -145,7 +147,7 @@ class AsyncClient:
     # ---- generation ------------------------------------------------------------------
     async def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> Completion:
         """The whole answer: every choice, in index order, and the usage."""
-        gather = Gather(bool(kwargs.get("logprobs") is not None))
+        gather = Gather(kwargs.get("logprobs") is not None, kwargs.get("prompt_logprobs") is not None)
         async for delta in self.stream(prompt, timeout=timeout, **kwargs):
             gather.add(delta)
         return gather.result()

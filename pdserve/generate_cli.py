@@ -5,7 +5,8 @@ conversation of `--message ROLE:CONTENT` (repeatable; rendered with the model's 
 template on the server). One choice streams as it comes; with `--n` > 1 every choice is
 printed once complete, each under its index and finish reason. `--logprobs N` prints each
 token (its id and its text, which the server fills in) with its log-probability and its N
-most likely alternatives; `--json` prints the whole `Completion` (every choice, logprobs,
+most likely alternatives; `--prompt-logprobs N` prints the same of the prompt's tokens
+first (scoring a text); `--json` prints the whole `Completion` (every choice, logprobs,
 usage with timings and route) as one JSON object.
 """
 
@@ -15,7 +16,7 @@ import argparse
 import sys
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop",
-                  "stop_token_ids", "ignore_eos", "logprobs")
+                  "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
 
 
 def add_generate_parser(sub) -> None:
@@ -46,6 +47,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="print each token's id, text and log-probability, and its N most "
                         "likely alternatives")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help="print the same of each prompt token after the first, before the choices")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (every choice, logprobs, usage) at the end")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
@@ -91,7 +94,8 @@ def cmd_generate(args) -> int:
     request = prompt_of(args)
     try:
         with Client(args.server, api_key=client_api_key(args), timeout=args.timeout) as client:
-            if args.json or (args.n or 1) > 1 or args.logprobs is not None:
+            if args.json or (args.n or 1) > 1 or args.logprobs is not None \
+                    or args.prompt_logprobs is not None:
                 out = client.generate(**request, **sampling)
                 print(json.dumps(out.to_dict()) if args.json else show(out, args.logprobs is not None))
                 return 0
@@ -107,12 +111,17 @@ def cmd_generate(args) -> int:
 def show(out, with_logprobs: bool) -> str:
     """Every choice under its index and finish reason, and its tokens' logprobs if asked."""
     lines = []
+    if out.prompt_logprobs is not None:
+        lines.append("--- prompt")
+        lines += map(_entry_line, out.prompt_logprobs)
     for choice in out.choices:
         lines.append(f"--- choice {choice.index} ({choice.finish_reason})")
         lines.append(choice.text)
         if with_logprobs:
-            for entry in choice.logprobs or []:
-                top = "  ".join(f"{t.token_id} {t.token!r} {t.logprob:.4f}" for t in entry.top)
-                lines.append(f"  token {entry.token_id:>6} {entry.token!r:<14} logprob "
-                             f"{entry.logprob:9.4f}   {top}")
+            lines += map(_entry_line, choice.logprobs or [])
     return "\n".join(lines)
+
+
+def _entry_line(entry) -> str:
+    top = "  ".join(f"{t.token_id} {t.token!r} {t.logprob:.4f}" for t in entry.top)
+    return f"  token {entry.token_id:>6} {entry.token!r:<14} logprob {entry.logprob:9.4f}   {top}"

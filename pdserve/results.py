@@ -83,6 +83,9 @@ class Completion:
     request_id: str = ""
     choices: list[Choice] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
+    # `prompt_logprobs=N`: prompt tokens 1.. (the first has nothing before it), each with
+    # its N likeliest alternatives
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def text(self) -> str:
@@ -115,6 +118,7 @@ class Delta:
     finish_reason: str = ""
     logprobs: list[TokenLogprob] | None = None
     usage: Usage | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # in a choice's first Delta, when asked
 
 
 @dataclass
@@ -168,14 +172,15 @@ def delta_of(msg: pdserve_pb2.GenerateResponse, with_logprobs: bool) -> Delta:
     if msg.HasField("usage"):
         return Delta(msg.request_id, usage=usage_of(msg.usage))
     return Delta(msg.request_id, msg.index, msg.text, list(msg.token_ids), msg.finish_reason,
-                 logprobs_of(msg.logprobs) if with_logprobs else None)
+                 logprobs_of(msg.logprobs) if with_logprobs else None,
+                 prompt_logprobs=logprobs_of(msg.prompt_logprobs) if msg.prompt_logprobs else None)
 
 
 class Gather:
     """Deltas into a Completion, choices in index order."""
 
-    def __init__(self, with_logprobs: bool) -> None:
-        self.completion = Completion()
+    def __init__(self, with_logprobs: bool, with_prompt_logprobs: bool = False) -> None:
+        self.completion = Completion(prompt_logprobs=[] if with_prompt_logprobs else None)
         self._choices: dict[int, Choice] = {}
         self.with_logprobs = with_logprobs
 
@@ -184,6 +189,8 @@ class Gather:
         if delta.usage is not None:
             self.completion.usage = delta.usage
             return
+        if delta.prompt_logprobs and not self.completion.prompt_logprobs:
+            self.completion.prompt_logprobs = delta.prompt_logprobs
         choice = self._choices.setdefault(
             delta.index, Choice(delta.index, logprobs=[] if self.with_logprobs else None))
         choice.text += delta.text

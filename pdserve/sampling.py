@@ -34,6 +34,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each chosen token; 0: only its own
+    prompt_logprobs: int | None = None  # the same of each prompt token after the first
 
     def validate(self, vocab_size: int | None = None, max_model_len: int | None = None) -> None:
         """The one place sampling values are checked: the router's front door, every entry
@@ -70,10 +71,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad("stop_token_ids", t, f"token ids in [0, {vocab_size})")
-        if self.logprobs is not None:
-            limit = MAX_LOGPROBS if vocab_size is None else min(MAX_LOGPROBS, vocab_size)
-            if not is_int(self.logprobs) or not 0 <= self.logprobs <= limit:
-                bad("logprobs", self.logprobs, f"None or an integer in [0, {limit}]")
+        limit = MAX_LOGPROBS if vocab_size is None else min(MAX_LOGPROBS, vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= limit):
+                bad(name, value, f"None or an integer in [0, {limit}]")
 
 
 def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int,

@@ -92,7 +92,7 @@ class Dispatcher:
             self.load_monitor.mark_busy()
         salt = state.cache_salt  # every prefix match and record of it is under its salt
         first = self.registry.pick("decode", prompt_token_ids, cache_salt=salt)
-        plan = self._plan(prompt_token_ids, kv_window_end, first, salt)
+        plan = self._plan(prompt_token_ids, kv_window_end, first, salt, sampling)
         waited = time.monotonic()
         while plan.wait:  # steady: every side saturated; the reports tell when one frees
             if time.monotonic() - waited >= self.config.max_queue_wait_s:
@@ -101,7 +101,7 @@ class Dispatcher:
             await asyncio.sleep(state.timeout(self.config.load_interval_s))
             state.check_aborted()
             first = self.registry.pick("decode", prompt_token_ids, cache_salt=salt)
-            plan = self._plan(prompt_token_ids, kv_window_end, first, salt)
+            plan = self._plan(prompt_token_ids, kv_window_end, first, salt, sampling)
         state.queue_s += time.monotonic() - waited
         if plan.local and first is not None and first.steps is not None:
             first.steps.prompt_backlog_tokens += len(prompt_token_ids)  # until D's next report
@@ -176,14 +176,15 @@ class Dispatcher:
         async for msg in self.calls.start(decode, state, request):
             yield msg
 
-    def _plan(self, prompt_token_ids, kv_window_end, decode, salt: str) -> selective.Plan:
+    def _plan(self, prompt_token_ids, kv_window_end, decode, salt: str, sampling) -> selective.Plan:
         c = self.config
         return selective.plan(prompt_token_ids, c.kv_window_end if kv_window_end is None
                               else kv_window_end, decode, self.registry.usable("prefill"),
                               self.registry.usable("decode"), c.min_remote_prefill_tokens,
                               c.prefill_saturated_queue, c.auto_max_tail,
                               c.prefill_saturated_wait_fraction * c.lease_ms / 1000, salt,
-                              steady=c.disagg_policy == "steady")
+                              steady=c.disagg_policy == "steady",
+                              scores_prompt=sampling.HasField("prompt_logprobs"))
 
     async def _run_local(self, state, decode, prompt_token_ids, sampling, plan):
         """D prefills the whole prompt, in one call."""

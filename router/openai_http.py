@@ -33,6 +33,7 @@ from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router import prompt_batch, validation
+from pdserve.router.echo import Echo, echo_of
 from pdserve.router.openai_protocol import (
     ChoiceLogprobs, OpenAIError, cache_salt_from_body, chat_prompt, chunk, completion_prompts,
     invalid, now, sampling_from_body, usage_body)
@@ -185,7 +186,9 @@ class OpenAIFrontend:
             except NodeError as err:
                 raise _as_openai_error(err, chat) from None
             shape = _Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", self.model_id,
-                           ChoiceLogprobs(self._token_text, chat))
+                           ChoiceLogprobs(self._token_text, chat),
+                           None if chat else echo_of(body, prompts, self.tokenizer,
+                                                     sampling.HasField("logprobs")))
             headers = {"X-Request-Id": request_id}
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -255,8 +258,9 @@ class OpenAIFrontend:
 class _Shape:
     """Turns one request's GenerateResponse messages into OpenAI chunks or one response."""
 
-    def __init__(self, chat: bool, response_id: str, model: str, logprobs: ChoiceLogprobs) -> None:
-        self.chat, self.id, self.model, self.logprobs = chat, response_id, model, logprobs
+    def __init__(self, chat: bool, response_id: str, model: str, logprobs: ChoiceLogprobs,
+                 echo: Echo | None = None) -> None:
+        self.chat, self.id, self.model, self.logprobs, self.echo = chat, response_id, model, logprobs, echo
         self.kind = "chat.completion" if chat else "text_completion"
         self.created = now()
         self.started: set[int] = set()
@@ -267,13 +271,21 @@ class _Shape:
 
     def add(self, msg) -> None:
         if msg.HasField("usage"):
-            self.usage = msg.usage
+            self.usage = self._usage(msg.usage)
             return
         i = msg.index
-        self.text[i] = self.text.get(i, "") + msg.text
-        self.entries.setdefault(i, []).extend(msg.logprobs)
-        if msg.finish_reason:
-            self.finish[i] = msg.finish_reason
+        text, entries, finish = self._parts(msg)
+        self.text[i] = self.text.get(i, "") + text
+        self.entries.setdefault(i, []).extend(entries)
+        if finish:
+            self.finish[i] = finish
+
+    def _parts(self, msg) -> tuple[str, list, str]:
+        """(text, logprob entries, finish reason) of a choice's message."""
+        return self.echo.choice(msg) if self.echo else (msg.text, list(msg.logprobs), msg.finish_reason)
+
+    def _usage(self, usage):
+        return self.echo.usage(usage) if self.echo else usage
 
     def chunks(self, msg, include_usage: bool) -> list[dict]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -281,20 +293,21 @@ class _Shape:
         if msg.HasField("usage"):
             if not include_usage:
                 return []
-            return [chunk(kind, self.id, self.created, self.model, [], usage_body(msg.usage))]
+            return [chunk(kind, self.id, self.created, self.model, [], usage_body(self._usage(msg.usage)))]
         out = []
-        logprobs = self.logprobs.render(list(msg.logprobs))
-        finish = msg.finish_reason or None
+        text, entries, finish = self._parts(msg)
+        logprobs = self.logprobs.render(entries)
+        finish = finish or None
         if self.chat:
             if msg.index not in self.started:
                 self.started.add(msg.index)
                 out.append({**chunk(kind, self.id, self.created, self.model, [{
                     "index": msg.index, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}]), **extra})
-            delta = {"content": msg.text} if msg.text else {}
+            delta = {"content": text} if text else {}
             choice = {"index": msg.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": msg.index, "text": msg.text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": msg.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         out.append({**chunk(kind, self.id, self.created, self.model, [choice]), **extra})
         return out
 

@@ -37,13 +37,13 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
                "stream_options", "logprobs", "user",
                "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt"}  # pdserve's (vLLM's) extras
-IMPLEMENTED_ONLY = {False: {"prompt", "best_of"},
+IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
                     True: {"messages", "max_completion_tokens", "top_logprobs",
                            "parallel_tool_calls"}}
 # Accepted only at a value that asks for nothing pdserve lacks (no penalties, biases, tools,
 # structured output, audio, storage); any other value is a 400 naming the field.
 NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-           "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
+           "suffix": ("",), "tools": ([],), "functions": ([],),
            "tool_choice": ("none",), "function_call": ("none",),
            "response_format": ({"type": "text"},), "store": (False,), "metadata": ({},),
            "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
@@ -128,6 +128,12 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int) -> pd
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
         raise invalid(f"max_tokens must be an integer, got {max_tokens!r}", "max_tokens")
     pb.max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    echo = not chat and _typed(body, "echo", (bool,), "a boolean")
+    if max_tokens == 0 and not chat:
+        if not echo:
+            raise invalid("max_tokens must be at least 1 (0, the prompt alone, needs echo: true), "
+                          "got 0", "max_tokens")
+        pb.max_tokens = 1  # the prompt alone: its one token is dropped (router/echo.py)
     for name in ("temperature", "top_p", "min_p"):
         value = _typed(body, name, (int, float), "a number")
         if value is not None:
@@ -159,6 +165,8 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int) -> pd
         logprobs = _typed(body, "logprobs", (int,), "an integer")
         if logprobs is not None:
             pb.logprobs = logprobs
+            if echo:
+                pb.prompt_logprobs = logprobs
     return pb
 
 
@@ -231,7 +239,7 @@ class ChoiceLogprobs:
                                 for e in entries]}
         return {"tokens": [self.token_text(e.token_id) for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [self._by_text(e.top) for e in entries]}
+                "top_logprobs": [None if e.top is None else self._by_text(e.top) for e in entries]}
 
     def _by_text(self, top) -> dict[str, float]:
         """OpenAI's completions shape keys alternatives by text: of two ids that decode to

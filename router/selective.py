@@ -3,7 +3,9 @@ the prompt's tail the decode node prefills itself.
 
 The rule, decided per request once the decode node D is picked (`plan`):
 1. No usable prefill node, or the client asked for `kv_window_end = 0`: D prefills the
-   whole prompt (`local`, reason "no_prefill" / "requested").
+   whole prompt (`local`, reason "no_prefill" / "requested"). So does a request that asks
+   for its prompt's logprobs ("prompt_logprobs"): each prompt position's logits are only
+   where it is computed, at the node that generates (engine/prompt_logprobs.py).
 2. The window end: `--kv-window-end -k` (D prefills the last k tokens), or in `auto` mode
    `k = 1 + floor((L - 1) * max_tail * Qp / (Qp + Qd + 1))`, where Qp and Qd are the mean
    queues of the usable prefill and decode nodes (`Endpoint.queue`) and `max_tail` is
@@ -63,7 +65,8 @@ def _mean_queue(endpoints: Sequence) -> float:
 def plan(prompt_token_ids: Sequence[int], kv_window_end: int | str, decode, prefill_pool: Sequence,
          decode_pool: Sequence, min_remote_prefill_tokens: int = 0,
          prefill_saturated_queue: int = 0, max_tail: float = 0.5,
-         saturated_s: float = 0.0, cache_salt: str = "", steady: bool = False) -> Plan:
+         saturated_s: float = 0.0, cache_salt: str = "", steady: bool = False,
+         scores_prompt: bool = False) -> Plan:
     """The plan for one request on decode node `decode` (see the module docstring);
     `cache_salt`: the request's, under which D's prefix index is consulted."""
     n = len(prompt_token_ids)
@@ -71,6 +74,8 @@ def plan(prompt_token_ids: Sequence[int], kv_window_end: int | str, decode, pref
         return Plan(0, 0, True, "no_prefill")
     if kv_window_end == 0:
         return Plan(0, 0, True, "requested")
+    if scores_prompt:
+        return Plan(0, 0, True, "prompt_logprobs")
     if kv_window_end == AUTO:
         kv_window_end = -auto_tail(n, _mean_queue(prefill_pool), _mean_queue(decode_pool),
                                    max_tail)

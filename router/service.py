@@ -65,7 +65,7 @@ def name_logprob_tokens(msg: pdserve_pb2.GenerateResponse,
                         tokenizer: PromptTokenizer) -> pdserve_pb2.GenerateResponse:
     """`msg` with the text of every logprob entry's token filled in: the nodes send ids
     only, and a client need not hold the tokenizer to read them."""
-    for entry in msg.logprobs:
+    for entry in (*msg.logprobs, *msg.prompt_logprobs):
         entry.token = tokenizer.token_text(entry.token_id)
         for top in entry.top:
             top.token = tokenizer.token_text(top.token_id)

@@ -60,6 +60,9 @@ class PromptTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
     def token_text(self, token_id: int) -> str:
         """One token's text, its id decoded alone (special tokens shown): how logprobs
         name a token."""

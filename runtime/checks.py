@@ -39,4 +39,5 @@ def sampling_from_pb(pb: pdserve_pb2.SamplingParams) -> SamplingParams:
         top_p=given("top_p", d.top_p), top_k=given("top_k", d.top_k), min_p=pb.min_p,
         seed=given("seed", d.seed), n=given("n", d.n), stop=list(pb.stop),
         stop_token_ids=list(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
-        logprobs=given("logprobs", d.logprobs))
+        logprobs=given("logprobs", d.logprobs),
+        prompt_logprobs=given("prompt_logprobs", d.prompt_logprobs))

@@ -114,3 +114,16 @@ def forced_argmax(model_dir: str, dtype: str, pairs) -> list[tuple[list[int], li
         answers.append((rows.argmax(dim=-1).tolist(), (rows.max(dim=-1).values - chosen).tolist()))
     _model.cache_clear()
     return answers
+
+
+def prompt_logprobs(model_dir: str, prompt) -> list[float]:
+    """transformers' fp32 logprob of each prompt token after the first, given the ones
+    before it (what `prompt_logprobs` scores)."""
+    import torch
+
+    model = _model(model_dir, "float32")
+    ids = torch.tensor([list(prompt)])
+    with torch.inference_mode():
+        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, :-1].float()
+    _model.cache_clear()
+    return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1).tolist()

@@ -43,10 +43,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, kv_cache, page_size, max_batch, max_model_len)
 
     @torch.inference_mode()
-    def run(self, seqs, num_new: list[int], wants_logits: list[bool], layer_hook=None) -> torch.Tensor:
+    def run(self, seqs, num_new: list[int], wants_logits: list[int], layer_hook=None) -> torch.Tensor:
         """Compute KV for positions [num_computed, num_computed + num_new) of each sequence
-        (pages must already cover them); logits [S, V] of the last new position of each
-        sequence with wants_logits, in the order given."""
+        (pages must already cover them); logits of the last wants_logits[j] (0, 1 or, for a
+        prompt's logprobs, up to num_new[j]) new positions of each sequence j, in the order
+        given: [sum(wants_logits), V]."""
         if self.on_gpu and self.backend == "triton":
             return self._run_gpu(seqs, num_new, wants_logits, layer_hook)
         ps = self.page_size
@@ -73,8 +74,8 @@ class ModelRunner:
         if layer_hook is not None:
             step.layer_hook = layer_hook
         kept = [j for j in range(len(seqs)) if wants_logits[j]]
-        rows = torch.tensor([last_row[j] for j in kept], dtype=torch.int64, device=dev)
-        if len(kept) < len(input_ids):
+        rows = torch.tensor(_rows(last_row, wants_logits, kept), dtype=torch.int64, device=dev)
+        if len(kept) < len(input_ids) and len(rows) == len(kept):
             step.keep = rows
             if kept:  # each kept row is the last query of its sequence: a decode's shape
                 step.attend_kept = self._attend_fn(
@@ -106,7 +107,7 @@ class ModelRunner:
             at += n
             last_row.append(at - 1)
         kept = [j for j in range(len(seqs)) if wants_logits[j]]
-        rows = np.asarray([last_row[j] for j in kept], dtype=np.int64)
+        rows = np.asarray(_rows(last_row, wants_logits, kept), dtype=np.int64)
         attention = self._attention_inputs(query_lens, seq_lens, page_lists)
         kept_attention = self._attention_inputs(
             [1] * len(kept), [seq_lens[j] for j in kept], [page_lists[j] for j in kept]) if kept else []
@@ -115,7 +116,7 @@ class ModelRunner:
         step = StepAttention(slot_t, self.ops.store_kv, self._device_attend(dev[:3], max(query_lens)))
         if layer_hook is not None:
             step.layer_hook = layer_hook
-        if len(kept) < total:
+        if len(kept) < total and len(rows) == len(kept):
             step.keep = rows_t
             if kept:
                 step.attend_kept = self._device_attend(dev[3:], 1)
@@ -169,3 +170,9 @@ def pinned_inputs(arrays: list[np.ndarray], device: torch.device) -> list[torch.
         out.append(dev[at:at + n].view(a.shape))
         at += n
     return out
+
+
+def _rows(last_row: list[int], wants_logits: list[int], kept: list[int]) -> list[int]:
+    """The batch rows whose logits sequence j wants: its last wants_logits[j] new positions.
+    A step that wants more than each sequence's last row computes every row to the end."""
+    return [r for j in kept for r in range(last_row[j] - wants_logits[j] + 1, last_row[j] + 1)]

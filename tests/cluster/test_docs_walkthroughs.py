@@ -151,16 +151,22 @@ def json_objects(text: str) -> list[dict]:
 WAITED = ["localhost:50061: SERVING", "localhost:50062: SERVING", "localhost:50051: SERVING"]
 
 
-def test_the_openai_walkthrough_waits_for_up_and_gets_a_completion(tmp_path):
+def test_the_openai_walkthrough_waits_for_up_and_gets_a_completion_and_scores(tmp_path):
     ran = run_block(walkthrough("## OpenAI API"), tmp_path)
     assert ran.status == 0, ran.report()
     assert serving_lines(ran) == WAITED, ran.report()
     after = ran.out[ran.out.index(WAITED[-1]):]
-    (completion,) = json_objects(after)
+    completion, scored = json_objects(after)
     assert completion["object"] == "text_completion", ran.report()
     assert completion["model"] == "smollm2-135m-instruct"
     assert 0 < completion["usage"]["completion_tokens"] <= 8
     assert completion["choices"][0]["text"].strip(), ran.report()
+    assert [c["text"] for c in scored["choices"]] == ["The sky is blue.", "The sky is green."]
+    assert scored["usage"]["completion_tokens"] == 0, ran.report()
+    blue, green = (c["logprobs"]["token_logprobs"] for c in scored["choices"])
+    assert blue[0] is None and green[0] is None and len(blue) == len(green) > 3
+    assert all(lp < 0 for lp in blue[1:] + green[1:])
+    assert blue[-2] > green[-2], (blue, green)  # the model finds a blue sky likelier
 
 
 def test_the_scaling_walkthrough_finds_its_workers_through_etcd(tmp_path):

@@ -16,7 +16,8 @@ import pytest
 from pdserve.client import AsyncClient
 from tests.cluster.nodes import (SKIPPED_UNDER_LOAD, WORKER_FLAGS, Cluster, load, run,
                                  wait_pools_full)
-from tests.real_model_oracle import EOS, MAX_NEW, chat_prompts, chat_texts, greedy_reference
+from tests.real_model_oracle import (EOS, MAX_NEW, chat_prompts, chat_texts, greedy_reference,
+                                     prompt_logprobs)
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +86,21 @@ def test_remote_prefill_greedy_equals_transformers_and_pools_refill(real_cluster
     for report in run(wait_pools_full([prefill, decode])):
         assert report.free_pages == report.total_pages, report
         assert report.num_parked == report.num_quarantined == report.num_running == 0, report
+
+
+def test_the_long_prompt_is_scored_as_transformers_scores_it(real_cluster, real_model):
+    prompt = chat_prompts(real_model)[-1]  # over 1,000 tokens: scored in chunks
+    want = prompt_logprobs(real_model, prompt)
+
+    async def go():
+        async with AsyncClient(real_cluster.address("router")) as client:
+            return await client.generate(list(prompt), temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+    out = run(go(), timeout_s=300)
+    got = out.prompt_logprobs
+    assert [e.token_id for e in got] == list(prompt[1:])
+    worst = max(abs(e.logprob - w) for e, w in zip(got, want))
+    assert worst < 5e-4, worst
+    assert out.usage.route.skip_reason == "prompt_logprobs" and out.usage.cached_prompt_tokens == 0
+    for report in run(wait_pools_full([real_cluster.address("decode")])):
+        assert report.free_pages == report.total_pages, report

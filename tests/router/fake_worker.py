@@ -127,6 +127,12 @@ class CharTokenizer:
     def encode(self, text):
         return [ord(c) for c in text]
 
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+    def token_text(self, token_id):
+        return chr(token_id)
+
 
 async def start_router(prefill: list[FakeWorker], decode: list[FakeWorker], **cfg):
     """A router (Generation service) over fake workers: (address, dispatcher, stop)."""

@@ -20,7 +20,7 @@ def sampling(body: dict, chat: bool = False):
     ("function_call", "auto"), ("response_format", {"type": "json_object"}), ("store", True),
     ("metadata", {"k": "v"}), ("service_tier", "flex"), ("modalities", ["audio"]),
     ("audio", {"voice": "x"}), ("prediction", {"type": "content"}), ("reasoning_effort", "low"),
-    ("web_search_options", {}), ("echo", True), ("suffix", "end"),
+    ("web_search_options", {}), ("suffix", "end"),
     ("repetition_penalty", 1.2), ("foo", 1),
 ])
 def test_a_parameter_pdserve_lacks_is_a_400_naming_it(chat, name, value):
@@ -34,6 +34,15 @@ def test_neutral_values_are_accepted(chat):
     neutral = {name: values[0] for name, values in NEUTRAL.items() if values}
     neutral.update({name: None for name, values in NEUTRAL.items() if not values})
     assert sampling(neutral, chat).max_tokens == 16
+
+
+def test_echo_is_for_completions_only():
+    assert sampling({"echo": True, "logprobs": 2}).prompt_logprobs == 2  # router/echo.py
+    assert not sampling({"echo": True}).HasField("prompt_logprobs")
+    assert sampling({"echo": True, "max_tokens": 0}).max_tokens == 1
+    with pytest.raises(OpenAIError, match="unknown parameter 'echo' for chat completions") as err:
+        sampling({"echo": True}, chat=True)
+    assert err.value.param == "echo"
 
 
 def test_best_of_must_equal_n():
