@@ -35,7 +35,8 @@ class Echo:
     def choice(self, msg) -> tuple[str, list, str]:
         """(text, logprob entries, finish reason) of a choice's message, echoed."""
         text, entries = (msg.text, list(msg.logprobs)) if self.generate else ("", [])
-        finish = msg.finish_reason if self.generate or not msg.finish_reason else "length"
+        # The dropped token's "stop" is no reason of the prompt's; an abort stays an abort.
+        finish = msg.finish_reason if self.generate or msg.finish_reason in ("", "abort") else "length"
         if msg.index not in self._echoed:
             self._echoed.add(msg.index)
             p = msg.index // self.n

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from pdserve.proto import pdserve_pb2
+from pdserve.router.echo import Echo
 from tests.router.fake_worker import FakeWorker, openai_router, run
 
 
@@ -62,6 +63,14 @@ def test_max_tokens_0_gives_each_prompt_scored_and_nothing_else():
             reply["usage"]["total_tokens"]) == (5, 0, 5)
     sent = [c.sampling for name, c in worker.calls if name == "StartGeneration"]
     assert [(s.max_tokens, s.prompt_logprobs, s.logprobs) for s in sent] == [(1, 1, 1)] * 2
+
+
+@pytest.mark.parametrize("node_says,answer_says", [("stop", "length"), ("length", "length"),
+                                                   ("abort", "abort"), ("", "")])
+def test_the_prompt_alone_ends_as_length_unless_aborted(node_says, answer_says):
+    echo = Echo(["ab"], [97], 1, logprobs=False, generate=False)
+    msg = pdserve_pb2.GenerateResponse(index=0, text="x", token_ids=[120], finish_reason=node_says)
+    assert echo.choice(msg) == ("ab", [], answer_says)
 
 
 def test_a_streamed_echo_starts_each_choice_with_its_prompt():
