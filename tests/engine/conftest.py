@@ -50,6 +50,24 @@ def hf_greedy(checkpoint_dirs):
     return lambda family, prompt, n: run(family, tuple(prompt), n)
 
 
+@pytest.fixture(scope="session")
+def hf_logprobs(checkpoint_dirs):
+    """(family, prompt ids) -> transformers' log-softmax over the prompt [len - 1, vocab]:
+    row p scores prompt token p + 1."""
+    from transformers import AutoModelForCausalLM
+
+    @functools.lru_cache(maxsize=None)
+    def model(family):
+        return AutoModelForCausalLM.from_pretrained(checkpoint_dirs(family), dtype=torch.float32).eval()
+
+    def run(family, prompt):
+        with torch.inference_mode():
+            logits = model(family)(torch.tensor([prompt])).logits[0, :-1].float()
+        return torch.log_softmax(logits, dim=-1)
+
+    return run
+
+
 def _prompts_of_lengths(lengths, seed=0, vocab=512):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

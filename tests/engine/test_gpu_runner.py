@@ -62,9 +62,7 @@ def test_gpu_step_path_generates_transformers_greedy_tokens(checkpoint_dirs, hf_
     assert engine.num_free_pages() == engine.num_total_pages()
 
 
-def test_gpu_step_path_scores_a_prompt_as_transformers_does(checkpoint_dirs, hf_greedy):
-    from transformers import AutoModelForCausalLM
-
+def test_gpu_step_path_scores_a_prompt_as_transformers_does(checkpoint_dirs, hf_greedy, hf_logprobs):
     model = checkpoint_dirs("llama")
     # A 16-token budget cuts the 20-token prompt in two; the other request shares the steps.
     llm = gpu_path_llm(model, max_num_seqs=4, page_size=3, max_num_batched_tokens=16)
@@ -74,9 +72,7 @@ def test_gpu_step_path_scores_a_prompt_as_transformers_does(checkpoint_dirs, hf_
     outs = llm.generate(prompts, [scored, plain])
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy("llama", tuple(prompt), 4)
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        want = torch.log_softmax(hf(torch.tensor([prompts[0]])).logits[0, :-1], dim=-1)
+    want = hf_logprobs("llama", prompts[0])
     got = outs[0].prompt_logprobs
     assert [s.token_id for s in got] == prompts[0][1:] and outs[1].prompt_logprobs is None
     torch.testing.assert_close(torch.tensor([s.logprob for s in got]),

@@ -4,31 +4,11 @@ chunking, the prefix cache or the batch around it."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.checkpoint import FAMILIES
-
-
-@pytest.fixture(scope="module")
-def hf_logprobs(checkpoint_dirs):
-    """(family, prompt ids) -> transformers' log-softmax over the prompt [len - 1, vocab]:
-    row p scores prompt token p + 1."""
-    from transformers import AutoModelForCausalLM
-
-    @functools.lru_cache(maxsize=None)
-    def model(family):
-        return AutoModelForCausalLM.from_pretrained(checkpoint_dirs(family), dtype=torch.float32).eval()
-
-    def run(family, prompt):
-        with torch.inference_mode():
-            logits = model(family)(torch.tensor([prompt])).logits[0, :-1].float()
-        return torch.log_softmax(logits, dim=-1)
-
-    return run
 
 
 def _check(got, want: torch.Tensor, prompt: list[int], top: int) -> None:
