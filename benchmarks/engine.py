@@ -80,6 +80,13 @@ DEFAULT_WORKLOADS = ("mixed", "uniform")
 DEFAULT_PEER_WORKLOADS = ("uniform", "long-mixed", "decode-heavy")
 
 
+def random_prompts(count: int, vocab_size: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
+    """`count` prompts of random ids above the special ones, of lengths drawn from `lengths`."""
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_PROMPT_TOKEN, vocab_size) for _ in range(rng.randint(*lengths))]
+            for _ in range(count)]
+
+
 def workload_names(choice: str, peer: str | None) -> list[str]:
     if choice != "all":
         return [choice]

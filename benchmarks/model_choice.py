@@ -71,6 +71,18 @@ def add_model_flag(p, help: str = MODEL_HELP) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|DIR", help=help)
 
 
+def add_transformers_comparison_flags(p, quick: str) -> None:
+    """The flags of a benchmark that runs pdserve's `LLM` beside transformers in one process:
+    the model, both engines' dtype, transformers' batch, `--quick` (`quick`: what it runs)
+    and `--json`."""
+    add_model_flag(p)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="both engines' dtype (default float32)")
+    p.add_argument("--hf-batch-size", type=int, default=8, help="transformers' batch (default 8)")
+    p.add_argument("--quick", action="store_true", help=f"{quick}: a smoke test, not a figure")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (else a summary)")
+
+
 def resolve(model: str) -> MeasuredModel:
     """The directory `model` names, converted or written first if need be; UnknownModel
     naming every known name otherwise."""

@@ -19,31 +19,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 
-from pdserve.benchmarks.engine import FIRST_PROMPT_TOKEN
-from pdserve.benchmarks.model_choice import add_model_flag
+from pdserve.benchmarks.engine import FIRST_PROMPT_TOKEN, random_prompts
+from pdserve.benchmarks.model_choice import add_transformers_comparison_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench score", description=__doc__.split("\n\n")[0])
-    add_model_flag(p)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="both engines' dtype (default float32)")
+    add_transformers_comparison_flags(p, "8 short prompts")
     p.add_argument("--prompts", type=int, default=64, help="prompts to score (default 64)")
     p.add_argument("--top", type=int, default=1, help="alternatives per token (default 1, as lm-eval asks)")
-    p.add_argument("--hf-batch-size", type=int, default=8, help="transformers' batch (default 8)")
-    p.add_argument("--quick", action="store_true", help="8 short prompts: a smoke test, not a figure")
-    p.add_argument("--json", action="store_true", help="print the report as JSON (else a summary)")
     return p
 
 
-def make_prompts(count: int, vocab_size: int, quick: bool, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    low, high = (16, 64) if quick else (64, 512)
-    return [[rng.randrange(FIRST_PROMPT_TOKEN, vocab_size) for _ in range(rng.randint(low, high))]
-            for _ in range(count)]
+def make_prompts(count: int, vocab_size: int, quick: bool) -> list[list[int]]:
+    return random_prompts(count, vocab_size, (16, 64) if quick else (64, 512))
 
 
 def score_pdserve(llm, prompts, top: int | None) -> tuple[float, list[list[float]]]:

@@ -34,3 +34,11 @@ def usable_device(name: str) -> torch.device:
         raise ValueError(f"device {name} is not here: torch sees {count} GPU{'s' if count > 1 else ''} "
                          f"({have}); pass one of those")
     return device
+
+
+def to_device(device: torch.device, values) -> torch.Tensor:
+    """`values` (a list, or a host tensor) on `device`. To a GPU through pinned memory,
+    without waiting: a copy from pageable memory waits for everything queued on the stream
+    (the step's forward first of all), which a step would pay once per parameter vector."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)

@@ -14,6 +14,7 @@ from pdserve.arith import ceil_div
 
 from .capacity import KVCapacity
 from .config import SamplingParams
+from .penalties import penalties_of
 from .sampler import SamplingRow
 from .sequence import Request, Sequence
 
@@ -44,7 +45,7 @@ def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefi
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed + i)
         seq.sampling = SamplingRow(params.temperature, params.top_k, params.top_p, params.min_p, seq.generator,
-                                   params.logprobs)
+                                   params.logprobs, penalties_of(params, seq.token_ids, len(prompt)))
         if not prefill_only:
             seq.detokenizer = new_detokenizer(prompt)
         if params.logprobs is not None:

@@ -11,9 +11,11 @@ Invariants:
   token, which is the same before and after renormalisation). The most likely token
   always survives. Top-p without top-k needs a full sort of the vocabulary (as in vLLM);
   top-k alone needs only a partial top-k.
-- Logprobs are the log-softmax of the *unmodified* logits (before temperature and the
-  filters), which is what vLLM reports by default ("raw logprobs"): they describe the
-  model, not the sampling policy, so they are comparable across sampling settings.
+- Penalties and logit bias (engine/penalties.py) adjust a copy of a row's logits first,
+  greedy rows included; a step with no such row makes no copy.
+- Logprobs are the log-softmax of the *unmodified* logits (before penalties, temperature
+  and the filters), which is what vLLM reports by default ("raw logprobs"): they describe
+  the model, not the sampling policy, so they are comparable across sampling settings.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .device import to_device
+from .penalties import Penalties, penalize_
 
 GREEDY_EPS = 1e-5
 # Top-p tries this many most likely tokens before sorting the whole vocabulary.
@@ -37,6 +42,7 @@ class SamplingRow:
     min_p: float = 0.0  # 0.0: off
     generator: torch.Generator | None = None  # None: the global torch RNG
     num_logprobs: int | None = None  # None: no logprobs; 0: only the chosen token's
+    penalties: Penalties | None = None  # None: its logits are sampled as they are
 
     @property
     def is_greedy(self) -> bool:
@@ -54,12 +60,26 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
     """Choose one token per row of `logits` [B, V] (float32) under `rows[b]`."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows")
-    logits = logits.float()
+    raw = logits = logits.float()
+    if any(r.penalties is not None for r in rows):
+        logits = _penalized(logits, rows)
     if all(r.is_greedy for r in rows):
         token_ids = logits.argmax(dim=-1)
     else:
         token_ids = _sample_mixed(logits, rows)
-    return _with_logprobs(logits, token_ids, rows)
+    return _with_logprobs(raw, token_ids, rows)
+
+
+def _penalized(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A copy of `logits` with the penalised rows adjusted, in one batched pass (the
+    logprobs want the raw ones)."""
+    members = [i for i, r in enumerate(rows) if r.penalties is not None]
+    if len(members) == len(rows):
+        return penalize_(logits.clone(), [r.penalties for r in rows])
+    idx = to_device(logits.device, members)
+    out = logits.clone()
+    out[idx] = penalize_(logits[idx], [rows[i].penalties for i in members])
+    return out
 
 
 def _sample_mixed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -71,7 +91,7 @@ def _sample_mixed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
         if not r.is_greedy:
             groups.setdefault(_candidate_kind(r, logits.shape[-1]), []).append(i)
     for kind, members in groups.items():
-        idx = _on(logits.device, members)
+        idx = to_device(logits.device, members)
         token_ids[idx] = _sample_group(logits[idx], [rows[i] for i in members], kind)
     return token_ids
 
@@ -84,13 +104,13 @@ def _candidate_kind(row: SamplingRow, vocab: int) -> str:
 
 def _sample_group(logits: torch.Tensor, rows: list[SamplingRow], kind: str) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[-1]
-    temperature = _on(device, [r.temperature for r in rows])
+    temperature = to_device(device, [r.temperature for r in rows])
     scaled = logits / temperature.unsqueeze(1)
 
     ids = None  # candidate position -> token id; None: position is the token id
     if kind == "top_k":
         ks = [min(r.top_k, vocab) for r in rows]
-        top_k = _on(device, ks)
+        top_k = to_device(device, ks)
         scaled, ids = scaled.topk(max(ks), dim=-1)  # sorted, exactly k even on ties (k from the host)
         rank = torch.arange(scaled.shape[-1], device=device)
         scaled = scaled.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
@@ -107,7 +127,7 @@ def _sample_top_p_only(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.T
     goes depends on that row alone, so seeded rows stay batch-independent."""
     device, vocab = scaled.device, scaled.shape[-1]
     log_total = scaled.logsumexp(dim=-1, keepdim=True)
-    top_p = _on(device, [r.top_p for r in rows])
+    top_p = to_device(device, [r.top_p for r in rows])
     vals, ids = scaled.topk(min(vocab, TOP_P_CANDIDATES), dim=-1)
     covered = (vals - log_total).exp().sum(dim=-1) >= top_p
     out = torch.empty(len(rows), dtype=torch.long, device=device)
@@ -132,7 +152,7 @@ def _sample_candidates(
     (top-k-filtered) vocabulary, so top-p sees true probabilities."""
     device = scaled.device
     if ids is not None:
-        top_p = _on(device, [r.top_p for r in rows]).unsqueeze(1)
+        top_p = to_device(device, [r.top_p for r in rows]).unsqueeze(1)
         probs = (scaled - log_total).exp()
         # Mass of the tokens strictly before this one: a token stays while that is < top_p,
         # so the most likely token always stays and the kept set is the smallest reaching
@@ -144,7 +164,7 @@ def _sample_candidates(
     # plain threshold.
     weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()
     if any(r.min_p > 0.0 for r in rows):
-        min_p = _on(device, [r.min_p for r in rows]).unsqueeze(1)
+        min_p = to_device(device, [r.min_p for r in rows]).unsqueeze(1)
         weights = weights.masked_fill_(weights < min_p, 0.0)
 
     pos = _inverse_cdf(weights, _uniforms(rows, device))
@@ -169,21 +189,13 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
     """One uniform per row: a seeded row's from its own generator (a host one, as
     engine/intake.py makes them), the others' from the global RNG on `device`. The seeded
-    draws cross to the device in one copy that does not wait (`_on`), not one copy a row."""
+    draws cross to the device in one copy that does not wait (`to_device`), not one copy a row."""
     if all(r.generator is None for r in rows):
         return torch.rand(len(rows), device=device)
-    drawn = _on(device, [-1.0 if r.generator is None else  # -1: none drawn, take the global one
-                         torch.rand((), generator=r.generator, device=r.generator.device).item()
-                         for r in rows])
+    drawn = to_device(device, [-1.0 if r.generator is None else  # -1: none drawn, take the global one
+                               torch.rand((), generator=r.generator, device=r.generator.device).item()
+                               for r in rows])
     return torch.where(drawn >= 0, drawn, torch.rand(len(rows), device=device))
-
-
-def _on(device: torch.device, values: list) -> torch.Tensor:
-    """`values` as a tensor on `device`. To a GPU through pinned memory, without waiting: a
-    copy from pageable memory waits for everything queued on the stream (the step's
-    forward first of all), which a step would pay once per parameter vector."""
-    host = torch.tensor(values)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def _with_logprobs(
@@ -195,7 +207,7 @@ def _with_logprobs(
     if not wanted:
         return samples
     if len(wanted) < len(rows):
-        idx = _on(logits.device, wanted)
+        idx = to_device(logits.device, wanted)
         logits, token_ids = logits[idx], token_ids[idx]
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
@@ -216,4 +228,4 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_logprobs: int
     """Row i of `logits` scored at token_ids[i] (a prompt's logprobs): its logprob and the
     `num_logprobs` likeliest tokens, as a sampled token's."""
     rows = [SamplingRow(num_logprobs=num_logprobs)] * len(token_ids)
-    return _with_logprobs(logits.float(), _on(logits.device, token_ids), rows)
+    return _with_logprobs(logits.float(), to_device(logits.device, token_ids), rows)

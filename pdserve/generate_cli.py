@@ -6,7 +6,8 @@ template on the server). One choice streams as it comes; with `--n` > 1 every ch
 printed once complete, each under its index and finish reason. `--logprobs N` prints each
 token (its id and its text, which the server fills in) with its log-probability and its N
 most likely alternatives; `--prompt-logprobs N` prints the same of the prompt's tokens
-first (scoring a text); `--json` prints the whole `Completion` (every choice, logprobs,
+first (scoring a text); `--presence-penalty`, `--frequency-penalty`, `--repetition-penalty`
+and `--logit-bias ID:BIAS` hold what the text has said against it; `--json` prints the whole `Completion` (every choice, logprobs,
 usage with timings and route) as one JSON object.
 """
 
@@ -16,7 +17,8 @@ import argparse
 import sys
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop",
-                  "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
+                  "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "logit_bias")
 
 
 def add_generate_parser(sub) -> None:
@@ -49,6 +51,15 @@ def add_generate_parser(sub) -> None:
                         "likely alternatives")
     p.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
                    help="print the same of each prompt token after the first, before the choices")
+    p.add_argument("--presence-penalty", type=float, default=None, metavar="P",
+                   help="lower each token the output has used by P, in [-2, 2] (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=None, metavar="F",
+                   help="lower each token by F times its count in the output, in [-2, 2] (default 0)")
+    p.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                   help="divide the logit of each token of the prompt or output by R (> 1 "
+                        "discourages repeats; default 1, off)")
+    p.add_argument("--logit-bias", type=_bias, action="append", default=None, metavar="ID:BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit (repeatable; -100 bans it)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (every choice, logprobs, usage) at the end")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
@@ -62,6 +73,15 @@ def _ids(text: str) -> list[int]:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"token ids must be integers separated by commas, "
+                                         f"got {text!r}") from None
+
+
+def _bias(text: str) -> tuple[int, float]:
+    token, _, bias = text.partition(":")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a logit bias must be TOKEN_ID:BIAS, e.g. 13:-100, "
                                          f"got {text!r}") from None
 
 
@@ -91,6 +111,8 @@ def cmd_generate(args) -> int:
 
     configure_tls(args)
     sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    if args.logit_bias is not None:
+        sampling["logit_bias"] = dict(args.logit_bias)
     request = prompt_of(args)
     try:
         with Client(args.server, api_key=client_api_key(args), timeout=args.timeout) as client:

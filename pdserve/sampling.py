@@ -19,6 +19,9 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1 - MAX_CHOICES  # seed + i of sample i must fit a torch generator seed
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
+MAX_BIAS = 100.0  # a logit bias lies in [-100, 100], as OpenAI's: -100 bans a token, 100 forces it
+MAX_LOGIT_BIAS = 1024  # biased tokens of one request (each is added at every step)
 
 
 @dataclass
@@ -35,47 +38,80 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each chosen token; 0: only its own
     prompt_logprobs: int | None = None  # the same of each prompt token after the first
+    # What the sequence has said, held against it (engine/penalties.py): OpenAI's presence
+    # and frequency penalties (output tokens), vLLM's repetition penalty (prompt and output;
+    # 1: off) and OpenAI's logit bias (token id -> added to its logit).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def penalized(self) -> bool:
+        """Its logits are adjusted before sampling (any penalty or bias is on)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def validate(self, vocab_size: int | None = None, max_model_len: int | None = None) -> None:
         """The one place sampling values are checked: the router's front door, every entry
         into the engine and every role's edge call it. Raises ValueError naming the field
         and the value."""
-        def bad(name, value, why):
-            raise ValueError(f"{name} must be {why}, got {value!r}")
-
-        def is_int(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            _bad("max_tokens", self.max_tokens, "an integer >= 1")
         if max_model_len is not None and self.max_tokens > max_model_len:
-            bad("max_tokens", self.max_tokens, f"in [1, {max_model_len}] (the model's context)")
+            _bad("max_tokens", self.max_tokens, f"in [1, {max_model_len}] (the model's context)")
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            bad("temperature", self.temperature, ">= 0")
+            _bad("temperature", self.temperature, ">= 0")
         if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", self.top_p, "in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            bad("top_k", self.top_k, "-1, 0 (off) or a positive integer")
+            _bad("top_p", self.top_p, "in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            _bad("top_k", self.top_k, "-1, 0 (off) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", self.min_p, "in [0, 1]")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            bad("seed", self.seed, f"None or an integer in [0, {MAX_SEED}]")
-        if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
-            bad("n", self.n, f"an integer in [1, {MAX_CHOICES}]")
+            _bad("min_p", self.min_p, "in [0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            _bad("seed", self.seed, f"None or an integer in [0, {MAX_SEED}]")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            _bad("n", self.n, f"an integer in [1, {MAX_CHOICES}]")
         if len(self.stop) > MAX_STOP_STRINGS or any(
                 not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
-            bad("stop", self.stop[:4], f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
+            _bad("stop", self.stop[:4], f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
                 f"{MAX_STOP_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            bad("stop_token_ids", len(self.stop_token_ids), f"at most {MAX_STOP_TOKEN_IDS} ids")
+            _bad("stop_token_ids", len(self.stop_token_ids), f"at most {MAX_STOP_TOKEN_IDS} ids")
         for t in self.stop_token_ids:
-            if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                bad("stop_token_ids", t, f"token ids in [0, {vocab_size})")
+            if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                _bad("stop_token_ids", t, f"token ids in [0, {vocab_size})")
         limit = MAX_LOGPROBS if vocab_size is None else min(MAX_LOGPROBS, vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not is_int(value) or not 0 <= value <= limit):
-                bad(name, value, f"None or an integer in [0, {limit}]")
+            if value is not None and (not _is_int(value) or not 0 <= value <= limit):
+                _bad(name, value, f"None or an integer in [0, {limit}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                _bad(name, value, f"in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        if not (isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
+                and self.repetition_penalty > 0):
+            _bad("repetition_penalty", self.repetition_penalty, "> 0 (1: off)")
+        self._check_logit_bias(vocab_size)
+
+    def _check_logit_bias(self, vocab_size: int | None) -> None:
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            _bad("logit_bias", f"{len(self.logit_bias)} entries" if isinstance(self.logit_bias, dict)
+                else self.logit_bias, f"a map of at most {MAX_LOGIT_BIAS} token ids to biases")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
+                _bad("logit_bias", token, "keyed by token ids" + (f" in [0, {vocab_size})" if vocab_size else ""))
+            if not (isinstance(bias, (int, float)) and -MAX_BIAS <= bias <= MAX_BIAS):
+                _bad(f"logit_bias[{token}]", bias, f"in [{-MAX_BIAS:g}, {MAX_BIAS:g}]")
+
+
+def _bad(name: str, value, why: str):
+    raise ValueError(f"{name} must be {why}, got {value!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int,

@@ -296,7 +296,7 @@ class _Shape:
             return [chunk(kind, self.id, self.created, self.model, [], usage_body(self._usage(msg.usage)))]
         out = []
         text, entries, finish = self._parts(msg)
-        logprobs = self.logprobs.render(entries)
+        logprobs = self.logprobs.render(entries, msg.index)
         finish = finish or None
         if self.chat:
             if msg.index not in self.started:
@@ -314,7 +314,7 @@ class _Shape:
     def whole(self) -> dict:
         choices = []
         for i in sorted(self.text):
-            logprobs = self.logprobs.render(self.entries.get(i))
+            logprobs = self.logprobs.render(self.entries.get(i), i)
             if self.chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": self.text[i]},
                                 "logprobs": logprobs, "finish_reason": self.finish.get(i)})

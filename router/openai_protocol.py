@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 
@@ -35,15 +36,16 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 # Every request field, and what pdserve does with it (docs/operations.md, "OpenAI
 # parameters"). Implemented: what both endpoints take, then each one's own.
 IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
-               "stream_options", "logprobs", "user",
-               "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt"}  # pdserve's (vLLM's) extras
+               "stream_options", "logprobs", "user", "presence_penalty", "frequency_penalty",
+               "logit_bias",
+               # pdserve's extras, as vLLM names them
+               "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "repetition_penalty"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
                     True: {"messages", "max_completion_tokens", "top_logprobs",
                            "parallel_tool_calls"}}
-# Accepted only at a value that asks for nothing pdserve lacks (no penalties, biases, tools,
-# structured output, audio, storage); any other value is a 400 naming the field.
-NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-           "suffix": ("",), "tools": ([],), "functions": ([],),
+# Accepted only at a value that asks for nothing pdserve lacks (no tools, structured output,
+# audio, storage); any other value is a 400 naming the field.
+NEUTRAL = {"suffix": ("",), "tools": ([],), "functions": ([],),
            "tool_choice": ("none",), "function_call": ("none",),
            "response_format": ({"type": "text"},), "store": (False,), "metadata": ({},),
            "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
@@ -134,7 +136,8 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int) -> pd
             raise invalid("max_tokens must be at least 1 (0, the prompt alone, needs echo: true), "
                           "got 0", "max_tokens")
         pb.max_tokens = 1  # the prompt alone: its one token is dropped (router/echo.py)
-    for name in ("temperature", "top_p", "min_p"):
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         value = _typed(body, name, (int, float), "a number")
         if value is not None:
             setattr(pb, name, float(value))
@@ -158,6 +161,7 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int) -> pd
     if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < 2 ** 31 for t in ids):
         raise invalid(f"stop_token_ids must be a list of token ids, got {ids!r}", "stop_token_ids")
     pb.stop_token_ids.extend(ids)
+    pb.logit_bias.update(_logit_bias(body.get("logit_bias")))
     if chat:
         if _typed(body, "logprobs", (bool,), "a boolean"):
             pb.logprobs = _typed(body, "top_logprobs", (int,), "an integer") or 0
@@ -168,6 +172,25 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int) -> pd
             if echo:
                 pb.prompt_logprobs = logprobs
     return pb
+
+
+def _logit_bias(given) -> dict[int, float]:
+    """OpenAI's `logit_bias`: token ids, written as JSON keys (strings), to numbers. Its
+    bounds (ids in the vocabulary, biases in [-100, 100]) are the shared rules'."""
+    if given is None:
+        return {}
+    try:
+        if not isinstance(given, dict) or any(isinstance(b, bool) or not isinstance(b, (int, float))
+                                               for b in given.values()):
+            raise ValueError
+        out = {int(token): float(bias) for token, bias in given.items()}
+    except ValueError:
+        raise invalid(f"logit_bias must map token ids (JSON keys, e.g. \"13\") to numbers in [-100, 100], "
+                      f"got {given!r:.80}", "logit_bias") from None
+    bad = [t for t in out if not 0 <= t < 2 ** 31]
+    if bad:
+        raise invalid(f"logit_bias must be keyed by token ids, got {bad[0]}", "logit_bias")
+    return out
 
 
 def completion_prompts(body: dict, encode, max_chars: int) -> list[list[int]]:
@@ -222,12 +245,16 @@ TIMINGS = ("time_to_first_token_s", "time_per_output_token_s", "time_per_output_
 
 
 class ChoiceLogprobs:
-    """Logprobs of one choice in OpenAI's completions or chat shape."""
+    """Logprobs of one request's choices in OpenAI's completions or chat shape. A
+    completions token's `text_offset` is where its text starts in the choice's text: the
+    lengths of the texts of the choice's tokens before it, in this chunk and the earlier
+    ones (as vLLM counts it)."""
 
     def __init__(self, token_text, chat: bool) -> None:
         self.token_text, self.chat = token_text, chat
+        self._offset: dict[int, int] = {}  # choice index -> its text's length so far
 
-    def render(self, entries) -> dict | None:
+    def render(self, entries, index: int = 0) -> dict | None:
         if not entries:
             return None
         if self.chat:
@@ -237,9 +264,12 @@ class ChoiceLogprobs:
             return {"content": [{**one(e.token_id, e.logprob),
                                  "top_logprobs": [one(t.token_id, t.logprob) for t in e.top]}
                                 for e in entries]}
-        return {"tokens": [self.token_text(e.token_id) for e in entries],
-                "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [None if e.top is None else self._by_text(e.top) for e in entries]}
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=self._offset.get(index, 0)))
+        self._offset[index] = offsets.pop()
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [None if e.top is None else self._by_text(e.top) for e in entries],
+                "text_offset": offsets}
 
     def _by_text(self, top) -> dict[str, float]:
         """OpenAI's completions shape keys alternatives by text: of two ids that decode to

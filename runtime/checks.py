@@ -40,4 +40,6 @@ def sampling_from_pb(pb: pdserve_pb2.SamplingParams) -> SamplingParams:
         seed=given("seed", d.seed), n=given("n", d.n), stop=list(pb.stop),
         stop_token_ids=list(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
         logprobs=given("logprobs", d.logprobs),
-        prompt_logprobs=given("prompt_logprobs", d.prompt_logprobs))
+        prompt_logprobs=given("prompt_logprobs", d.prompt_logprobs),
+        presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
+        repetition_penalty=given("repetition_penalty", d.repetition_penalty), logit_bias=dict(pb.logit_bias))

@@ -36,6 +36,10 @@ OK = grpc.StatusCode.OK
     (dict(prompt="hi", n=0), "n must"),
     (dict(prompt="hi", n=10**6), "n must"),
     (dict(prompt="hi", stop_token_ids=[VOCAB]), "stop_token_ids"),
+    (dict(prompt="hi", presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5"),
+    (dict(prompt="hi", repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (dict(prompt="hi", logit_bias={VOCAB: 1.0}), f"logit_bias must be keyed by token ids in [0, {VOCAB}), got {VOCAB}"),
+    (dict(prompt="hi", logit_bias={7: -101.0}), "logit_bias[7] must be in [-100, 100], got -101.0"),
     (dict(prompt="hi", kv_window_end=50), "kv_window_end"),
     (dict(prompt="hi", request_id="x" * 300), "request_id"),
 ])

@@ -79,7 +79,10 @@ def test_openai_client_streams_a_completion(api, model, cluster):
     assert text == run(grpc_answer()).text
     whole = api.completions.create(model=model, prompt=prompt, logprobs=2, **GREEDY)
     assert whole.choices[0].text == text
-    assert len(whole.choices[0].logprobs.token_logprobs) == 6
+    lp = whole.choices[0].logprobs
+    assert len(lp.token_logprobs) == 6
+    # each token's text starts where the ones before it end
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)]
     assert whole.usage.completion_tokens == 6
 
 

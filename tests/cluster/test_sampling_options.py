@@ -1,13 +1,14 @@
 """Every sampling option through router + prefill + decode, checked by value against the
 colocated node (the same engine without disaggregation): n choices with a seed, logprobs
 and top logprobs (within 1e-4 in fp32), stop strings and stop ids, min_p, top_k and seed;
-then the same through the OpenAI endpoint with the `openai` client; and the timings every
-result carries."""
+then the same through the OpenAI endpoint with the `openai` client; penalties and logit
+bias against transformers' `generate`; and the timings every result carries."""
 
 from __future__ import annotations
 
 import pytest
 
+from pdserve.benchmarks.penalties import transformers_greedy
 from pdserve.client import AsyncClient
 from tests.cluster.nodes import run
 
@@ -123,6 +124,30 @@ def test_openai_chat_logprobs_stop_and_top_k_equal_grpc(api, cluster, colocated)
                                           extra_body={"ignore_eos": True})
     assert stopped.choices[0].message.content == want.text[:want.text.index(stop_text)]
     assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_penalties_and_logit_bias_through_the_router_match_transformers(api, cluster, tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    penalties = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.4,
+                     logit_bias={40: 3.0, 41: -100.0})
+    want = transformers_greedy(model, [PROMPT], 12, 0, **penalties)[0]
+    assert want != transformers_greedy(model, [PROMPT], 12, 0)[0]  # they change the answer
+
+    async def go():
+        async with AsyncClient(cluster.address("router")) as r:
+            return await r.generate(PROMPT, max_tokens=12, temperature=0.0, **penalties)
+
+    got = run(go())
+    assert not got.usage.route.remote_send_skipped  # the KV came from the prefill node
+    assert got.token_ids == want
+    out = api.completions.create(model=cluster.model, prompt=PROMPT, max_tokens=12, temperature=0.0,
+                                 presence_penalty=0.6, frequency_penalty=0.4,
+                                 logit_bias={"40": 3, "41": -100},
+                                 extra_body={"repetition_penalty": 1.4})
+    assert out.choices[0].text == got.text
 
 
 def test_usage_timings_of_disaggregated_and_colocated_requests(cluster, colocated):

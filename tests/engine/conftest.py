@@ -1,5 +1,5 @@
 """Shared fixtures for engine tests: tiny checkpoints (one per family, written once per
-session), transformers' greedy reference outputs, and engines whose page pool is checked
+session), transformers' greedy reference outputs (plain and under penalties), and engines whose page pool is checked
 to be full again when the test ends."""
 
 from __future__ import annotations
@@ -66,6 +66,26 @@ def hf_logprobs(checkpoint_dirs):
         return torch.log_softmax(logits, dim=-1)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def hf_penalized(checkpoint_dirs):
+    """(prompt, SamplingParams) -> transformers' greedy continuation of the llama checkpoint
+    under the params' bias and penalties (its own processors, and OpenAI's two as one more)."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.benchmarks.penalties import transformers_greedy
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dirs("llama"), dtype=torch.float32).eval()
+
+    @functools.lru_cache(maxsize=None)
+    def run(prompt: tuple[int, ...], max_new: int, presence, frequency, repetition, bias) -> list[int]:
+        return transformers_greedy(model, [list(prompt)], max_new, 0, presence_penalty=presence,
+                                   frequency_penalty=frequency, repetition_penalty=repetition,
+                                   logit_bias=dict(bias))[0]
+
+    return lambda prompt, p: run(tuple(prompt), p.max_tokens, p.presence_penalty, p.frequency_penalty,
+                                 p.repetition_penalty, tuple(sorted(p.logit_bias.items())))
 
 
 def _prompts_of_lengths(lengths, seed=0, vocab=512):

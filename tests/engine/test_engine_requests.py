@@ -33,6 +33,13 @@ def test_bad_prompts_are_rejected_with_the_value(engine, prompt, message):
     (SamplingParams(n=0), "n must"),
     (SamplingParams(stop_token_ids=[600]), "stop_token_ids"),
     (SamplingParams(logprobs=-2), "logprobs"),
+    (SamplingParams(frequency_penalty=-2.5), "frequency_penalty must be in \\[-2, 2\\], got -2.5"),
+    (SamplingParams(presence_penalty=float("nan")), "presence_penalty must be in"),
+    (SamplingParams(repetition_penalty=float("inf")), "repetition_penalty must be > 0"),
+    (SamplingParams(logit_bias={512: 1.0}), "logit_bias must be keyed by token ids in \\[0, 512\\), got 512"),
+    (SamplingParams(logit_bias={"7": 1.0}), "logit_bias must be keyed by token ids"),
+    (SamplingParams(logit_bias={7: 100.5}), "logit_bias\\[7\\] must be in \\[-100, 100\\], got 100.5"),
+    (SamplingParams(logit_bias=dict.fromkeys(range(1025), 1.0)), "at most 1024 token ids"),
 ])
 def test_bad_sampling_params_are_rejected(engine, params, message):
     with pytest.raises(ValueError, match=message):

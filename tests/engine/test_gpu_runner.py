@@ -82,6 +82,19 @@ def test_gpu_step_path_scores_a_prompt_as_transformers_does(checkpoint_dirs, hf_
                                want.topk(2, dim=-1).values, atol=1e-4, rtol=0)
 
 
+def test_gpu_step_path_applies_penalties_as_transformers_does(checkpoint_dirs, hf_penalized):
+    # Penalised and plain rows share the graph's steps; the penalties' tallies and the
+    # logits stay on the device (pinned copies in, nothing read back).
+    llm = gpu_path_llm(checkpoint_dirs("llama"), max_num_seqs=4, page_size=3, max_num_batched_tokens=16)
+    prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], [13, 40, 7] * 5]
+    penalized = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5,
+                               presence_penalty=0.5, logit_bias={40: 3.0})
+    plain = SamplingParams(max_tokens=8, temperature=0.0)
+    outs = llm.generate(prompts, [penalized, plain, penalized])
+    for prompt, out, params in zip(prompts, outs, [penalized, plain, penalized]):
+        assert out.outputs[0].token_ids == hf_penalized(prompt, params), prompt
+
+
 def test_decodes_split_over_their_contexts_generate_transformers_greedy_tokens(checkpoint_dirs, hf_greedy,
                                                                                monkeypatch):
     from pdserve.engine.attention import triton_ops

@@ -1,7 +1,8 @@
 """OpenAI's completions `echo` at the router's front (router/echo.py), over a fake decode
 node in-process: each choice starts with its prompt as sent, the prompt's logprobs (from
 the node) come first with a null for the first token, `max_tokens: 0` gives the prompt
-alone, streamed or not, and values echo cannot take are 400s naming the field."""
+alone, streamed or not (each token's `text_offset` counted across chunks), and values echo
+cannot take are 400s naming the field."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_max_tokens_0_gives_each_prompt_scored_and_nothing_else():
         (0, "abc", "length"), (1, "abc", "length"), (2, "hi", "length"), (3, "hi", "length")]
     assert reply["choices"][0]["logprobs"] == {
         "tokens": ["a", "b", "c"], "token_logprobs": [None, -1.0, -2.0],
-        "top_logprobs": [None, {"b": -1.0}, {"c": -2.0}]}
+        "top_logprobs": [None, {"b": -1.0}, {"c": -2.0}], "text_offset": [0, 1, 2]}
     assert reply["choices"][3]["logprobs"]["token_logprobs"] == [None, -1.0]
     assert (reply["usage"]["prompt_tokens"], reply["usage"]["completion_tokens"],
             reply["usage"]["total_tokens"]) == (5, 0, 5)
@@ -85,6 +86,8 @@ def test_a_streamed_echo_starts_each_choice_with_its_prompt():
     for parts in by_choice.values():
         assert [p["text"] for p in parts] == ["abx", "y"]
         assert [p["logprobs"]["token_logprobs"] for p in parts] == [[None, -1.0, -0.5], [-0.5]]
+        # where each token's text starts in the choice's text, counted across the chunks
+        assert [p["logprobs"]["text_offset"] for p in parts] == [[0, 1, 2], [3]]
     assert sorted(by_choice) == [0, 1]
 
 

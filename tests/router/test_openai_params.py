@@ -15,13 +15,12 @@ def sampling(body: dict, chat: bool = False):
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("name,value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"50": 5}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("function_call", "auto"), ("response_format", {"type": "json_object"}), ("store", True),
     ("metadata", {"k": "v"}), ("service_tier", "flex"), ("modalities", ["audio"]),
     ("audio", {"voice": "x"}), ("prediction", {"type": "content"}), ("reasoning_effort", "low"),
     ("web_search_options", {}), ("suffix", "end"),
-    ("repetition_penalty", 1.2), ("foo", 1),
+    ("foo", 1),
 ])
 def test_a_parameter_pdserve_lacks_is_a_400_naming_it(chat, name, value):
     with pytest.raises(OpenAIError) as err:
@@ -43,6 +42,31 @@ def test_echo_is_for_completions_only():
     with pytest.raises(OpenAIError, match="unknown parameter 'echo' for chat completions") as err:
         sampling({"echo": True}, chat=True)
     assert err.value.param == "echo"
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_penalties_and_logit_bias_reach_the_sampling_params(chat):
+    pb = sampling({"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                   "logit_bias": {"50": 5, "7": -100}}, chat)
+    assert (pb.presence_penalty, pb.frequency_penalty) == (0.5, -1.0)
+    assert pb.repetition_penalty == pytest.approx(1.2) and dict(pb.logit_bias) == {50: 5.0, 7: -100.0}
+    assert not sampling({}, chat).HasField("repetition_penalty")  # unset: off
+
+
+@pytest.mark.parametrize("name,value,says", [
+    ("presence_penalty", "high", "presence_penalty must be a number, got 'high'"),
+    ("repetition_penalty", True, "repetition_penalty must be a number"),
+    ("logit_bias", {"fifty": 5}, "logit_bias must map token ids"),
+    ("logit_bias", {"50": "5"}, "logit_bias must map token ids"),
+    ("logit_bias", [50, 5], "logit_bias must map token ids"),
+    ("logit_bias", {"-3": 5}, "logit_bias must be keyed by token ids, got -3"),
+])
+def test_a_malformed_penalty_or_bias_is_a_400_naming_it(name, value, says):
+    # Ranges (ids in the vocabulary, [-2, 2], [-100, 100]) are the shared rules', checked
+    # where the model is known (tests/cluster/test_bad_input.py).
+    with pytest.raises(OpenAIError) as err:
+        sampling({name: value})
+    assert err.value.status == 400 and err.value.param == name and says in err.value.message
 
 
 def test_best_of_must_equal_n():
