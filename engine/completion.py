@@ -36,7 +36,10 @@ def append_token_id(seq: Sequence, sample, eos_token_ids: set[int], max_model_le
         seq.logprobs.append(sample)
 
     is_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)
-    if is_stop_token:
+    constraint = seq.sampling.constraint
+    if constraint is not None and not constraint.accept(token):
+        seq.finish_reason = "abort"  # its grammar refuses what its mask allowed: end, never go on unheld
+    elif is_stop_token:
         seq.finish_reason = "stop"
     elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         seq.finish_reason = "length"

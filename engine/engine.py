@@ -15,9 +15,8 @@ KV cache layout: `kv_cache` is one dense tensor, allocated once and registered w
 NIXL by the roles, indexed `[num_pages, num_layers, 2 (K, V), page_size, Hkv, D]` in either
 memory order (`--kv-layout`, engine/kv_pool.py says why each). Slot `s` is offset
 `s % page_size` of page `s // page_size`. Layer i's K and V are the views
-`kv_cache[:, i, 0]` / `kv_cache[:, i, 1]`, `[num_pages, page_size, Hkv, D]`, the form the
-attention ops take. A tensor-parallel engine (engine/tp) has one such pool per rank, each
-with that rank's KV heads.
+`kv_cache[:, i, 0]` / `kv_cache[:, i, 1]`, `[num_pages, page_size, Hkv, D]`, the attention
+ops' form. A tensor-parallel engine (engine/tp) has one pool per rank, of its KV heads.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from .sampler import sample
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
 from .step_budget import StepBudget
+from .structured import Grammars
 from .tp.group import TPGroup, TPRunner
 from .tp.shard import load_model
 
@@ -94,6 +94,7 @@ class Engine(SingleThreaded):
         self.kv_head_begins = [s.kv_begin for s in shards]  # the first KV head of each pool
         self.eos_token_ids = eos_token_ids(c, self.tokenizer)
         self.new_detokenizer = detokenizer_factory(self.tokenizer)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)  # structured outputs
         self.requests: dict[str, Request] = {}
         # hook(layer_idx, [(request_id, begin, end, slots int64 array), ...]) after each layer
         # of a step, for the step's prefill-only requests (`_layer_hook_for`).
@@ -105,9 +106,8 @@ class Engine(SingleThreaded):
         # returns the previous step's tokens. (sequence, token, is stop token) to finish.
         self.overlap_output = config.overlap_output and self.runner.on_gpu
         self._text_pending: list[tuple[Sequence, int, bool]] = []
-        # On a GPU: a step that sampled nothing may still have KV stores queued (sampling
-        # waits for the step). Pages freed meanwhile must not go to a remote writer, whose
-        # copies are not ordered after this stream's work: `prepare_receive` waits first.
+        # On a GPU a step that sampled nothing may still have KV stores queued; a remote
+        # writer's copies are not ordered after them, so `prepare_receive` waits first.
         self._stores_queued = False
 
     # ---- accounting -------------------------------------------------------------------
@@ -215,7 +215,7 @@ class Engine(SingleThreaded):
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._arrivals += 1
         return new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt, self.capacity,
-                           self.vocab_size, self.new_detokenizer, self._arrivals)
+                           self.vocab_size, self.new_detokenizer, self._arrivals, self.grammars)
 
     # ---- one step ----------------------------------------------------------------------
     @entry_point

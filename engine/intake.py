@@ -3,7 +3,8 @@ sequences (one for a prefill-only request, else `params.n`).
 
 Every way a request enters the engine (`add_request`, `prepare_receive`) comes through
 `new_request`, so a bad value is refused the same way everywhere, with a ValueError that
-names it, before anything is allocated.
+names it, before anything is allocated: a structured output that does not compile too
+(`grammars`: the engine's `structured.Grammars`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .sequence import Request, Sequence
 
 
 def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefill_only: bool, cache_salt,
-                capacity: KVCapacity, vocab_size: int, new_detokenizer, arrival: int) -> Request:
+                capacity: KVCapacity, vocab_size: int, new_detokenizer, arrival: int, grammars) -> Request:
     prompt = list(prompt_token_ids or [])
     if not prompt:
         raise ValueError("prompt must not be empty, got 0 tokens")
@@ -37,6 +38,9 @@ def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefi
     params.validate(vocab_size, max_len)
     if not isinstance(cache_salt, str):
         raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+    # A structured output that does not compile is refused here, before anything is made.
+    structured = params.structured_output is not None and not prefill_only
+    constraints = [grammars.constraint(params.structured_output) for _ in range(params.n)] if structured else None
     request = Request(request_id, prompt, params, prefill_only, arrival, cache_salt=cache_salt)
     if params.prompt_logprobs is not None and not prefill_only:
         request.prompt_logprobs = []
@@ -45,7 +49,8 @@ def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefi
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed + i)
         seq.sampling = SamplingRow(params.temperature, params.top_k, params.top_p, params.min_p, seq.generator,
-                                   params.logprobs, penalties_of(params, seq.token_ids, len(prompt)))
+                                   params.logprobs, penalties_of(params, seq.token_ids, len(prompt)),
+                                   constraints[i] if constraints else None)
         if not prefill_only:
             seq.detokenizer = new_detokenizer(prompt)
         if params.logprobs is not None:

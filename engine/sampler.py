@@ -11,8 +11,9 @@ Invariants:
   token, which is the same before and after renormalisation). The most likely token
   always survives. Top-p without top-k needs a full sort of the vocabulary (as in vLLM);
   top-k alone needs only a partial top-k.
-- Penalties and logit bias (engine/penalties.py) adjust a copy of a row's logits first,
-  greedy rows included; a step with no such row makes no copy.
+- Penalties and logit bias (engine/penalties.py), then a structured output's mask
+  (engine/structured.py), adjust a copy of a row's logits first, greedy rows included; a
+  step with no such row makes no copy.
 - Logprobs are the log-softmax of the *unmodified* logits (before penalties, temperature
   and the filters), which is what vLLM reports by default ("raw logprobs"): they describe
   the model, not the sampling policy, so they are comparable across sampling settings.
@@ -26,6 +27,7 @@ import torch
 
 from .device import to_device
 from .penalties import Penalties, penalize_
+from .structured import Constraint, mask_
 
 GREEDY_EPS = 1e-5
 # Top-p tries this many most likely tokens before sorting the whole vocabulary.
@@ -43,6 +45,7 @@ class SamplingRow:
     generator: torch.Generator | None = None  # None: the global torch RNG
     num_logprobs: int | None = None  # None: no logprobs; 0: only the chosen token's
     penalties: Penalties | None = None  # None: its logits are sampled as they are
+    constraint: Constraint | None = None  # None: any token may come next
 
     @property
     def is_greedy(self) -> bool:
@@ -61,8 +64,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows")
     raw = logits = logits.float()
-    if any(r.penalties is not None for r in rows):
-        logits = _penalized(logits, rows)
+    if any(r.penalties is not None or r.constraint is not None for r in rows):
+        logits = _adjusted(logits, rows)
     if all(r.is_greedy for r in rows):
         token_ids = logits.argmax(dim=-1)
     else:
@@ -70,15 +73,19 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
     return _with_logprobs(raw, token_ids, rows)
 
 
-def _penalized(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """A copy of `logits` with the penalised rows adjusted, in one batched pass (the
-    logprobs want the raw ones)."""
+def _adjusted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A copy of `logits` with the penalised rows adjusted and the constrained rows masked,
+    each in one batched pass (the logprobs want the raw logits)."""
     members = [i for i, r in enumerate(rows) if r.penalties is not None]
     if len(members) == len(rows):
-        return penalize_(logits.clone(), [r.penalties for r in rows])
-    idx = to_device(logits.device, members)
-    out = logits.clone()
-    out[idx] = penalize_(logits[idx], [rows[i].penalties for i in members])
+        out = penalize_(logits.clone(), [r.penalties for r in rows])
+    else:
+        out = logits.clone()
+        if members:
+            idx = to_device(logits.device, members)
+            out[idx] = penalize_(logits[idx], [rows[i].penalties for i in members])
+    if any(r.constraint is not None for r in rows):
+        mask_(out, [r.constraint for r in rows])
     return out
 
 

@@ -16,8 +16,10 @@ calls, blocking).
   the server renders with the model's chat template). Sampling keywords are the fields of
   `SamplingParams` (max_tokens, temperature, top_p, top_k, min_p, seed, n, stop,
   stop_token_ids, ignore_eos, logprobs, prompt_logprobs, presence_penalty,
-  frequency_penalty, repetition_penalty, logit_bias={token_id: bias}); an unknown one is a
-  TypeError before any call.
+  frequency_penalty, repetition_penalty, logit_bias={token_id: bias}, and
+  structured_output={"json_schema": TEXT} or {"json_object": True}, {"regex": TEXT},
+  {"choice": {"choices": [...]}}, {"grammar": TEXT}); an unknown one is a TypeError before
+  any call.
 - `tls`: None (plaintext, unless this process configured `runtime.tls`, as the CLI does
   from its --tls-* flags), True (the system's CA roots), or `TLS(ca=..., cert=..., key=...)`
   (a private CA; cert and key for servers that require client certificates).

@@ -7,7 +7,8 @@ printed once complete, each under its index and finish reason. `--logprobs N` pr
 token (its id and its text, which the server fills in) with its log-probability and its N
 most likely alternatives; `--prompt-logprobs N` prints the same of the prompt's tokens
 first (scoring a text); `--presence-penalty`, `--frequency-penalty`, `--repetition-penalty`
-and `--logit-bias ID:BIAS` hold what the text has said against it; `--json` prints the whole `Completion` (every choice, logprobs,
+and `--logit-bias ID:BIAS` hold what the text has said against it; `--json-schema`,
+`--json-object`, `--regex` and `--choice` hold the answer to a structure; `--json` prints the whole `Completion` (every choice, logprobs,
 usage with timings and route) as one JSON object.
 """
 
@@ -60,6 +61,13 @@ def add_generate_parser(sub) -> None:
                         "discourages repeats; default 1, off)")
     p.add_argument("--logit-bias", type=_bias, action="append", default=None, metavar="ID:BIAS",
                    help="add BIAS in [-100, 100] to token ID's logit (repeatable; -100 bans it)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="SCHEMA|@FILE",
+                       help="the answer is JSON matching this JSON Schema (text, or @ and a file)")
+    shape.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    shape.add_argument("--regex", metavar="PATTERN", help="the answer matches this regular expression")
+    shape.add_argument("--choice", action="append", metavar="TEXT",
+                       help="the answer is one of these texts (repeat for each)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (every choice, logprobs, usage) at the end")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
@@ -83,6 +91,20 @@ def _bias(text: str) -> tuple[int, float]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"a logit bias must be TOKEN_ID:BIAS, e.g. 13:-100, "
                                          f"got {text!r}") from None
+
+
+def structure_of(args) -> dict | None:
+    """The request's `structured_output` from --json-schema, --json-object, --regex or --choice."""
+    if args.json_schema is not None:
+        if not args.json_schema.startswith("@"):
+            return {"json_schema": args.json_schema}
+        with open(args.json_schema[1:], encoding="utf-8") as f:
+            return {"json_schema": f.read()}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    return {"choice": {"choices": args.choice}} if args.choice else None
 
 
 def prompt_of(args) -> dict:
@@ -113,6 +135,7 @@ def cmd_generate(args) -> int:
     sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
     if args.logit_bias is not None:
         sampling["logit_bias"] = dict(args.logit_bias)
+    sampling["structured_output"] = structure_of(args)
     request = prompt_of(args)
     try:
         with Client(args.server, api_key=client_api_key(args), timeout=args.timeout) as client:

@@ -9,6 +9,7 @@ as INVALID_ARGUMENT. `check_context` refuses in vLLM's words, naming both number
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -22,6 +23,42 @@ MAX_SEED = 2**63 - 1 - MAX_CHOICES  # seed + i of sample i must fit a torch gene
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
 MAX_BIAS = 100.0  # a logit bias lies in [-100, 100], as OpenAI's: -100 bans a token, 100 forces it
 MAX_LOGIT_BIAS = 1024  # biased tokens of one request (each is added at every step)
+MAX_STRUCTURE_CHARS = 64 * 1024  # a structured output's schema, expression or grammar
+MAX_CHOICES_LISTED = 256  # strings of a `choice` structured output
+STRUCTURE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the text must match: `kind` is one of STRUCTURE_KINDS, `spec` its JSON Schema
+    (JSON text), regular expression, grammar, or choices (a tuple); None for json_object."""
+
+    kind: str
+    spec: str | tuple[str, ...] | None = None
+
+    def validate(self) -> None:
+        name = f"structured_output.{self.kind}"
+        if self.kind not in STRUCTURE_KINDS:
+            _bad("structured_output", self.kind, f"one of {', '.join(STRUCTURE_KINDS)}")
+        if self.kind == "json_object":
+            return
+        if self.kind == "choice":
+            spec = self.spec
+            if not isinstance(spec, tuple) or not 1 <= len(spec) <= MAX_CHOICES_LISTED or any(
+                    not isinstance(c, str) or not c or len(c) > MAX_STRUCTURE_CHARS for c in spec):
+                _bad(name, spec if not isinstance(spec, tuple) else list(spec[:4]),
+                     f"1 to {MAX_CHOICES_LISTED} non-empty strings")
+            return
+        if not isinstance(self.spec, str) or not self.spec or len(self.spec) > MAX_STRUCTURE_CHARS:
+            _bad(name, self.spec if not isinstance(self.spec, str) else f"{len(self.spec)} characters",
+                 f"a non-empty text of at most {MAX_STRUCTURE_CHARS} characters")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as err:
+                raise ValueError(f"{name} must be a JSON Schema in JSON: {err}") from None
+            if not isinstance(schema, (dict, bool)):
+                _bad(name, self.spec[:80], "a JSON Schema (a JSON object)")
 
 
 @dataclass
@@ -45,6 +82,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_output: StructuredOutput | None = None  # None: free text
 
     @property
     def penalized(self) -> bool:
@@ -94,6 +132,11 @@ class SamplingParams:
                 and self.repetition_penalty > 0):
             _bad("repetition_penalty", self.repetition_penalty, "> 0 (1: off)")
         self._check_logit_bias(vocab_size)
+        if self.structured_output is not None:
+            self.structured_output.validate()
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured_output: a structured "
+                                 "text ends with its end-of-sequence token once complete")
 
     def _check_logit_bias(self, vocab_size: int | None) -> None:
         if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:

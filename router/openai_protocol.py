@@ -22,6 +22,8 @@ import grpc
 
 from pdserve.proto import pdserve_pb2
 
+from .response_format import BadStructure, structured_output
+
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -37,23 +39,24 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 # parameters"). Implemented: what both endpoints take, then each one's own.
 IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
                "stream_options", "logprobs", "user", "presence_penalty", "frequency_penalty",
-               "logit_bias",
+               "logit_bias", "response_format",
                # pdserve's extras, as vLLM names them
-               "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "repetition_penalty"}
+               "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "repetition_penalty",
+               "structured_outputs"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
                     True: {"messages", "max_completion_tokens", "top_logprobs",
                            "parallel_tool_calls"}}
-# Accepted only at a value that asks for nothing pdserve lacks (no tools, structured output,
-# audio, storage); any other value is a 400 naming the field.
+# Accepted only at a value that asks for nothing pdserve lacks (no tools, audio, storage);
+# any other value is a 400 naming the field.
 NEUTRAL = {"suffix": ("",), "tools": ([],), "functions": ([],),
            "tool_choice": ("none",), "function_call": ("none",),
-           "response_format": ({"type": "text"},), "store": (False,), "metadata": ({},),
+           "store": (False,), "metadata": ({},),
            "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
            "prediction": (), "reasoning_effort": (), "web_search_options": ()}
 # "top_p must be ...", "prompt token id 9999 is outside ...", "prompt of 900 tokens is
 # longer ...", at the start of the message or after a "...: " prefix; "prompt[1]..." (one
-# prompt of a batch); "(900 in the prompt, 16 in the completion)" (the context's error).
-_FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+)\[\d+\]|(?:^|: )([a-z_]+)(?: token ids?)?(?: -?\d+)? "
+# prompt of a batch); "structured_output.regex ..." (a part of a field); "(900 in the prompt, 16 in the completion)" (the context's error).
+_FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+)(?:\[\d+\]|\.[a-z_]+ )|(?:^|: )([a-z_]+)(?: token ids?)?(?: -?\d+)? "
                                r"(?:must|of \d+|is)|\d+ in the ([a-z_]+), \d+ in the completion")
 
 
@@ -162,6 +165,12 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int) -> pd
         raise invalid(f"stop_token_ids must be a list of token ids, got {ids!r}", "stop_token_ids")
     pb.stop_token_ids.extend(ids)
     pb.logit_bias.update(_logit_bias(body.get("logit_bias")))
+    try:
+        structured = structured_output(body)
+    except BadStructure as err:
+        raise invalid(str(err), err.param) from None
+    if structured is not None:
+        pb.structured_output.CopyFrom(structured)
     if chat:
         if _typed(body, "logprobs", (bool,), "a boolean"):
             pb.logprobs = _typed(body, "top_logprobs", (int,), "an integer") or 0

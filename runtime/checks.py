@@ -9,7 +9,7 @@ rules (`kvtransfer.window`); sampling values by the rules every layer shares
 from __future__ import annotations
 
 from pdserve.proto import pdserve_pb2
-from pdserve.sampling import SamplingParams
+from pdserve.sampling import SamplingParams, StructuredOutput
 
 MAX_REQUEST_ID_CHARS = 256
 
@@ -42,4 +42,14 @@ def sampling_from_pb(pb: pdserve_pb2.SamplingParams) -> SamplingParams:
         logprobs=given("logprobs", d.logprobs),
         prompt_logprobs=given("prompt_logprobs", d.prompt_logprobs),
         presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
-        repetition_penalty=given("repetition_penalty", d.repetition_penalty), logit_bias=dict(pb.logit_bias))
+        repetition_penalty=given("repetition_penalty", d.repetition_penalty), logit_bias=dict(pb.logit_bias),
+        structured_output=structured_from_pb(pb.structured_output) if pb.HasField("structured_output") else None)
+
+
+def structured_from_pb(pb: pdserve_pb2.StructuredOutput) -> StructuredOutput:
+    """The message's one kind and its spec ("" as the kind when none is set: refused by
+    `StructuredOutput.validate`)."""
+    kind = pb.WhichOneof("kind") or ""
+    if kind == "choice":
+        return StructuredOutput(kind, tuple(pb.choice.choices))
+    return StructuredOutput(kind, None if kind in ("", "json_object") else getattr(pb, kind))

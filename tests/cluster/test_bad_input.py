@@ -40,6 +40,9 @@ OK = grpc.StatusCode.OK
     (dict(prompt="hi", repetition_penalty=0.0), "repetition_penalty must be > 0"),
     (dict(prompt="hi", logit_bias={VOCAB: 1.0}), f"logit_bias must be keyed by token ids in [0, {VOCAB}), got {VOCAB}"),
     (dict(prompt="hi", logit_bias={7: -101.0}), "logit_bias[7] must be in [-100, 100], got -101.0"),
+    (dict(prompt="hi", structured_output={"regex": "(ab"}), "structured_output.regex does not compile: Regex parsing"),
+    (dict(prompt="hi", structured_output={"json_schema": "{oops"}), "structured_output.json_schema must be a JSON"),
+    (dict(prompt="hi", structured_output={}), "structured_output must be one of json_schema"),
     (dict(prompt="hi", kv_window_end=50), "kv_window_end"),
     (dict(prompt="hi", request_id="x" * 300), "request_id"),
 ])

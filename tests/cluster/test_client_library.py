@@ -1,8 +1,8 @@
 """What a gRPC client gets, against a real router + prefill + decode: the README's client
 examples run exactly as printed, the blocking and asyncio clients agree, errors carry the
 status and the server's message, logprobs name each token by its text, and `pdserve
-generate` prints every choice, logprobs (each token's id and text), takes penalties and
-logit bias, and reads prompts from standard input or chat turns."""
+generate` prints every choice, logprobs (each token's id and text), takes penalties,
+logit bias and structures, and reads prompts from standard input or chat turns."""
 
 from __future__ import annotations
 
@@ -133,6 +133,9 @@ def test_pdserve_generate_prints_every_choice_logprobs_and_reads_stdin(cluster):
         want = client.generate("the sky", max_tokens=6, temperature=0, repetition_penalty=1.5,
                                frequency_penalty=0.5, logit_bias={40: -100, 41: 5})
     assert penalized["choices"][0]["token_ids"] == want.token_ids and 40 not in want.token_ids
+    shaped = pdserve_generate(cluster, "--prompt", "the sky", "--max-tokens", "6", "--temperature", "0",
+                              "--choice", "yes", "--choice", "no way")
+    assert shaped.strip() in ("yes", "no way")
 
     chat = json.loads(pdserve_generate(cluster, "--message", "system:be brief", "--message",
                                        "user:hello", "--max-tokens", "4", "--temperature", "0",

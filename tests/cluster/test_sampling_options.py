@@ -2,13 +2,15 @@
 colocated node (the same engine without disaggregation): n choices with a seed, logprobs
 and top logprobs (within 1e-4 in fp32), stop strings and stop ids, min_p, top_k and seed;
 then the same through the OpenAI endpoint with the `openai` client; penalties and logit
-bias against transformers' `generate`; and the timings every result carries."""
+bias against transformers' `generate`; structured output (gRPC, OpenAI's response_format,
+vLLM's structured_outputs) against transformers masked by the same grammar; and the
+timings every result carries."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.benchmarks.penalties import transformers_greedy
+from pdserve.benchmarks.constrained import transformers_greedy, transformers_penalized
 from pdserve.client import AsyncClient
 from tests.cluster.nodes import run
 
@@ -133,8 +135,8 @@ def test_penalties_and_logit_bias_through_the_router_match_transformers(api, clu
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     penalties = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.4,
                      logit_bias={40: 3.0, 41: -100.0})
-    want = transformers_greedy(model, [PROMPT], 12, 0, **penalties)[0]
-    assert want != transformers_greedy(model, [PROMPT], 12, 0)[0]  # they change the answer
+    want = transformers_penalized(model, [PROMPT], 12, 0, **penalties)[0]
+    assert want != transformers_penalized(model, [PROMPT], 12, 0)[0]  # they change the answer
 
     async def go():
         async with AsyncClient(cluster.address("router")) as r:
@@ -148,6 +150,52 @@ def test_penalties_and_logit_bias_through_the_router_match_transformers(api, clu
                                  logit_bias={"40": 3, "41": -100},
                                  extra_body={"repetition_penalty": 1.4})
     assert out.choices[0].text == got.text
+
+
+def test_structured_output_through_the_router_matches_transformers_masked_alike(api, cluster, tiny_model):
+    import json
+    import re
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    from pdserve.engine.completion import eos_token_ids
+    from pdserve.engine.structured import Grammars
+    from pdserve.sampling import StructuredOutput
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    config, tokenizer = AutoConfig.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
+    grammars = Grammars(tokenizer, config.vocab_size, eos_token_ids(config, tokenizer))
+
+    def want(spec: StructuredOutput, max_new: int) -> list[int]:
+        return transformers_greedy(model, [PROMPT], max_new, 0,
+                                   processors=lambda _: [LogitsProcessor(grammars.compiled(spec))])[0]
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+    async def go():
+        async with AsyncClient(cluster.address("router")) as r:
+            return await r.generate(PROMPT, max_tokens=16, temperature=0.0,
+                                    structured_output={"choice": {"choices": ["cat", "dog", "bird"]}})
+
+    choice = run(go())
+    assert not choice.usage.route.remote_send_skipped  # the KV came from the prefill node
+    assert choice.text in ("cat", "dog", "bird") and choice.finish_reason == "stop"
+    assert choice.token_ids == want(StructuredOutput("choice", ("cat", "dog", "bird")), 16)
+    # (response_format is chat's in OpenAI's client; pdserve, like vLLM, takes it on both)
+    as_schema = api.completions.create(model=cluster.model, prompt=PROMPT, max_tokens=12, temperature=0.0,
+                                       extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                           "name": "n", "schema": schema}}})
+    spec = StructuredOutput("json_schema", json.dumps(schema))
+    assert as_schema.choices[0].text == tokenizer.decode(want(spec, 12), skip_special_tokens=True)
+    messages = [{"role": "user", "content": "code?"}]
+    regex = api.chat.completions.create(model=cluster.model, messages=messages, max_tokens=12, temperature=0.0,
+                                        extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{2}"}})
+    assert re.fullmatch("[A-Z]{2}[0-9]{2}", regex.choices[0].message.content)
+    as_object = api.chat.completions.create(model=cluster.model, messages=messages, max_tokens=8, temperature=0.0,
+                                            response_format={"type": "json_object"})
+    assert as_object.choices[0].message.content.startswith("{")
 
 
 def test_usage_timings_of_disaggregated_and_colocated_requests(cluster, colocated):

@@ -74,15 +74,15 @@ def hf_penalized(checkpoint_dirs):
     under the params' bias and penalties (its own processors, and OpenAI's two as one more)."""
     from transformers import AutoModelForCausalLM
 
-    from pdserve.benchmarks.penalties import transformers_greedy
+    from pdserve.benchmarks.constrained import transformers_penalized
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint_dirs("llama"), dtype=torch.float32).eval()
 
     @functools.lru_cache(maxsize=None)
     def run(prompt: tuple[int, ...], max_new: int, presence, frequency, repetition, bias) -> list[int]:
-        return transformers_greedy(model, [list(prompt)], max_new, 0, presence_penalty=presence,
-                                   frequency_penalty=frequency, repetition_penalty=repetition,
-                                   logit_bias=dict(bias))[0]
+        return transformers_penalized(model, [list(prompt)], max_new, 0, presence_penalty=presence,
+                                      frequency_penalty=frequency, repetition_penalty=repetition,
+                                      logit_bias=dict(bias))[0]
 
     return lambda prompt, p: run(tuple(prompt), p.max_tokens, p.presence_penalty, p.frequency_penalty,
                                  p.repetition_penalty, tuple(sorted(p.logit_bias.items())))

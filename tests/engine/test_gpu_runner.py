@@ -95,6 +95,23 @@ def test_gpu_step_path_applies_penalties_as_transformers_does(checkpoint_dirs, h
         assert out.outputs[0].token_ids == hf_penalized(prompt, params), prompt
 
 
+def test_gpu_step_path_holds_each_answer_to_its_structure(checkpoint_dirs):
+    import re
+
+    from pdserve.sampling import StructuredOutput
+
+    # The text of a step's tokens is made during the next step (overlapped output); each
+    # token reaches its grammar when it is sampled, before the next step's mask.
+    llm = gpu_path_llm(checkpoint_dirs("llama"), max_num_seqs=4, page_size=3, max_num_batched_tokens=16)
+    prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], [13, 40, 7] * 5]
+    shaped = SamplingParams(max_tokens=10, temperature=0.0, structured_output=StructuredOutput("regex", "[a-c]{3}[0-9]"))
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=1, structured_output=StructuredOutput(
+        "choice", ("alpha", "beta")))
+    outs = llm.generate(prompts, [shaped, SamplingParams(max_tokens=10, temperature=0.0), sampled])
+    assert re.fullmatch("[a-c]{3}[0-9]", outs[0].outputs[0].text) and outs[0].outputs[0].finish_reason == "stop"
+    assert outs[2].outputs[0].text in ("alpha", "beta")
+
+
 def test_decodes_split_over_their_contexts_generate_transformers_greedy_tokens(checkpoint_dirs, hf_greedy,
                                                                                monkeypatch):
     from pdserve.engine.attention import triton_ops

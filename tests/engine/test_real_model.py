@@ -76,3 +76,24 @@ def test_bf16_greedy_agrees_with_transformers_bf16(real_model, record_property):
           f"{[round(g, 3) for g in gaps]}")
     assert overall >= BF16_MIN_AGREEMENT, (overall, agree)
     assert max(gaps) <= NEAR_TIE_LOGITS, gaps
+
+
+def test_a_json_schema_answer_parses_and_fits_the_schema(real_model):
+    import json
+
+    from pdserve.sampling import StructuredOutput
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                                               "population": {"type": "integer"}},
+              "required": ["city", "country", "population"]}
+    messages = [{"role": "user", "content": "Describe Paris as JSON with its city, country and population."}]
+    prompt = tokenizer(real_model).apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)
+    llm = make_llm(real_model, "float32")
+    out = llm.generate([list(prompt)], SamplingParams(max_tokens=64, temperature=0.0, structured_output=StructuredOutput(
+        "json_schema", json.dumps(schema))))[0]
+    assert out.finish_reason == "stop", out.text  # complete: the grammar let it end
+    answer = json.loads(out.text)
+    assert set(answer) == {"city", "country", "population"} and isinstance(answer["population"], int)
+    assert answer["city"] == "Paris", answer
+    check_pool_full(llm)

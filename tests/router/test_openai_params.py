@@ -3,6 +3,8 @@ value, or refused with a 400 naming it (router/openai_protocol.py `check_fields`
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdserve.router.openai_protocol import (IMPLEMENTED, IMPLEMENTED_ONLY, NEUTRAL, OpenAIError,
@@ -16,7 +18,7 @@ def sampling(body: dict, chat: bool = False):
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("name,value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("function_call", "auto"), ("response_format", {"type": "json_object"}), ("store", True),
+    ("function_call", "auto"), ("store", True),
     ("metadata", {"k": "v"}), ("service_tier", "flex"), ("modalities", ["audio"]),
     ("audio", {"voice": "x"}), ("prediction", {"type": "content"}), ("reasoning_effort", "low"),
     ("web_search_options", {}), ("suffix", "end"),
@@ -67,6 +69,46 @@ def test_a_malformed_penalty_or_bias_is_a_400_naming_it(name, value, says):
     with pytest.raises(OpenAIError) as err:
         sampling({name: value})
     assert err.value.status == 400 and err.value.param == name and says in err.value.message
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_response_format_and_structured_outputs_become_one_structure(chat):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, ("json_object", True)),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+         ("json_schema", json.dumps(schema))),
+        ({"structured_outputs": {"json": schema}}, ("json_schema", json.dumps(schema))),
+        ({"structured_outputs": {"json": '{"type": "string"}'}}, ("json_schema", '{"type": "string"}')),
+        ({"structured_outputs": {"regex": "[a-z]+", "choice": None}}, ("regex", "[a-z]+")),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, ("choice", ["a", "b"])),
+        ({"structured_outputs": {"grammar": 'root ::= "x"'}}, ("grammar", 'root ::= "x"')),
+    ]
+    for body, want in cases:
+        pb = sampling(body, chat)
+        if want is None:
+            assert not pb.HasField("structured_output"), body
+            continue
+        kind = pb.structured_output.WhichOneof("kind")
+        value = getattr(pb.structured_output, kind)
+        assert (kind, list(value.choices) if kind == "choice" else value) == want, body
+
+
+@pytest.mark.parametrize("body,param,says", [
+    ({"response_format": {"type": "xml"}}, "response_format", "response_format must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "response_format.json_schema.schema must be a JSON Schema object, got None"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"bnf": "x"}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"choice": "abc"}}, "structured_outputs", "structured_outputs.choice has the wrong type"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs",
+     "ask for two structures"),
+])
+def test_a_structure_neither_field_can_say_is_a_400_naming_it(body, param, says):
+    with pytest.raises(OpenAIError) as err:
+        sampling(body)
+    assert err.value.status == 400 and err.value.param == param and says in err.value.message, err.value.message
 
 
 def test_best_of_must_equal_n():
