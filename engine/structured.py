@@ -30,6 +30,8 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
 class Grammars:
+    """One engine's compiler of structured outputs: its tokenizer, vocabulary and EOS ids."""
+
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
         self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, sorted(eos_token_ids)
         self._compiler = None
@@ -83,8 +85,8 @@ class Constraint:
         self.matcher = matcher
 
     def accept(self, token_id: int) -> bool:
-        """Advance past `token_id`; False if the grammar does not allow it (the sampler only
-        picks allowed tokens, so this means a bug, not bad input)."""
+        """Advance past `token_id`; False if the grammar does not allow it, which happens only
+        where the mask allowed nothing (a dead end for this tokenizer) and so did not bind."""
         return self.matcher.accept_token(token_id)
 
 
