@@ -40,7 +40,7 @@ def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefi
         raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
     # A structured output that does not compile is refused here, before anything is made.
     structured = params.structured_output is not None and not prefill_only
-    constraints = [grammars.constraint(params.structured_output) for _ in range(params.n)] if structured else None
+    constraints = grammars.constraints(params.structured_output, params.n) if structured else None
     request = Request(request_id, prompt, params, prefill_only, arrival, cache_salt=cache_salt)
     if params.prompt_logprobs is not None and not prefill_only:
         request.prompt_logprobs = []

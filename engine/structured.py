@@ -36,10 +36,11 @@ class Grammars:
         self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, sorted(eos_token_ids)
         self._compiler = None
 
-    def constraint(self, spec: StructuredOutput) -> "Constraint":
-        """A fresh matcher of `spec` (compiled once); ValueError naming the spec if it does
-        not compile."""
-        return Constraint(_xgrammar().GrammarMatcher(self.compiled(spec)))
+    def constraints(self, spec: StructuredOutput, n: int) -> list["Constraint"]:
+        """`n` fresh matchers of `spec`, one per sequence, from one compilation; ValueError
+        naming the spec if it does not compile."""
+        compiled = self.compiled(spec)
+        return [Constraint(_xgrammar().GrammarMatcher(compiled)) for _ in range(n)]
 
     def compiled(self, spec: StructuredOutput):
         """`spec` compiled for this tokenizer (xgrammar caches it); ValueError naming it if
