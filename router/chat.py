@@ -24,7 +24,9 @@ PROBE = "pdserve-end-of-turn-probe"
 def check_messages(messages, max_chars: int) -> list[dict]:
     """`messages` as [{"role": str, "content": str}]: every role a non-empty string, every
     content a string or a list of OpenAI text parts (joined), at most `max_chars` of content
-    in all (a bound on the work the template and the tokenizer do)."""
+    in all (a bound on the work the template and the tokenizer do). An assistant message
+    may instead carry `tool_calls` (its content then may be null) and a tool message its
+    `tool_call_id`; router/tools.py renders those."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, "
                          f"got {messages!r:.80}")
@@ -36,8 +38,16 @@ def check_messages(messages, max_chars: int) -> list[dict]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r:.80}")
-        out.append({"role": role, "content": _text(i, message.get("content"))})
-    chars = sum(len(m["content"]) for m in out)
+        calls = message.get("tool_calls")
+        content = message.get("content")
+        checked = {"role": role, "content": "" if content is None and calls else _text(i, content)}
+        if calls:
+            checked["tool_calls"] = _tool_calls(i, calls)
+        if isinstance(message.get("tool_call_id"), str):
+            checked["tool_call_id"] = message["tool_call_id"]
+        out.append(checked)
+    chars = sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
+                for m in out)
     if chars > max_chars:
         raise ValueError(f"messages of {chars} characters are longer than the model's context "
                          f"can hold (at most {max_chars} characters)")
@@ -55,13 +65,29 @@ def _text(i: int, content) -> str:
                      f"got {content!r:.80}")
 
 
-def render(tokenizer, messages: list[dict], model: str) -> list[int]:
-    """Prompt ids of checked `messages`, with the assistant's turn opened. The template adds
-    any special tokens (a bos) itself, so encoding adds none."""
+def _tool_calls(i: int, calls) -> list[dict]:
+    """An assistant message's earlier calls, as OpenAI writes them: each a function's name
+    and its arguments (a JSON text)."""
+    if isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments", ""), str) for c in calls):
+        return [{"id": c.get("id") if isinstance(c.get("id"), str) else f"call_{n}", "type": "function",
+                 "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", "")}}
+                for n, c in enumerate(calls)]
+    raise ValueError(f"messages[{i}].tool_calls must be a list of {{\"function\": {{\"name\": str, "
+                     f"\"arguments\": str}}}}, got {calls!r:.80}")
+
+
+def render(tokenizer, messages: list[dict], model: str, tools: list[dict] | None = None) -> list[int]:
+    """Prompt ids of checked `messages`, with the assistant's turn opened; `tools` go to the
+    template's `tools` variable (router/tools.py decides when). The template adds any
+    special tokens (a bos) itself, so encoding adds none."""
     if tokenizer.chat_template is None:
         raise ValueError(f"model {model} has no chat template; send a prompt instead")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
     except Exception as err:  # the template itself rejects the conversation
         raise ValueError(f"messages: the chat template of {model} rejects them: {err}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -33,10 +33,11 @@ from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router import prompt_batch, validation
-from pdserve.router.echo import Echo, echo_of
+from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
-    ChoiceLogprobs, OpenAIError, cache_salt_from_body, chat_prompt, chunk, completion_prompts,
-    invalid, now, sampling_from_body, usage_body)
+    ChoiceLogprobs, OpenAIError, cache_salt_from_body, chat_prompt, completion_prompts, invalid,
+    now, sampling_from_body, tools_of)
+from pdserve.router.openai_shape import Shape
 from pdserve.runtime import auth, metrics, tenants
 from pdserve.runtime.errors import NodeError, retry_after_of
 from pdserve.runtime.observe import StreamObserver
@@ -152,14 +153,15 @@ class OpenAIFrontend:
         observer = StreamObserver(self.role, request_id, api="chat" if chat else "completions")
         try:
             body = await self._body(request)
+            tools = tools_of(body) if chat else None
             if chat:
-                prompts = [chat_prompt(body, self.tokenizer)]
+                prompts = [chat_prompt(body, self.tokenizer, tools)]
                 default_max = max(1, self.tokenizer.card.max_model_len - len(prompts[0]))
             else:
                 prompts = completion_prompts(body, self.tokenizer.encode,
                                              validation.max_prompt_chars(self.tokenizer.card))
                 default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
-            sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max)
+            sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max, tools=tools)
             cache_salt = cache_salt_from_body(body)
             if body.get("user"):  # OpenAI's end-user id: on the request's log line
                 observer.fields["user"] = body["user"]
@@ -185,10 +187,10 @@ class OpenAIFrontend:
                 first = await anext(messages, None)
             except NodeError as err:
                 raise _as_openai_error(err, chat) from None
-            shape = _Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", self.model_id,
-                           ChoiceLogprobs(self._token_text, chat),
-                           None if chat else echo_of(body, prompts, self.tokenizer,
-                                                     sampling.HasField("logprobs")))
+            shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", self.model_id,
+                          ChoiceLogprobs(self._token_text, chat),
+                          None if chat else echo_of(body, prompts, self.tokenizer,
+                                                    sampling.HasField("logprobs")), tools)
             headers = {"X-Request-Id": request_id}
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -253,76 +255,6 @@ class OpenAIFrontend:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id)
-
-
-class _Shape:
-    """Turns one request's GenerateResponse messages into OpenAI chunks or one response."""
-
-    def __init__(self, chat: bool, response_id: str, model: str, logprobs: ChoiceLogprobs,
-                 echo: Echo | None = None) -> None:
-        self.chat, self.id, self.model, self.logprobs, self.echo = chat, response_id, model, logprobs, echo
-        self.kind = "chat.completion" if chat else "text_completion"
-        self.created = now()
-        self.started: set[int] = set()
-        self.text: dict[int, str] = {}
-        self.entries: dict[int, list] = {}
-        self.finish: dict[int, str | None] = {}
-        self.usage = None
-
-    def add(self, msg) -> None:
-        if msg.HasField("usage"):
-            self.usage = self._usage(msg.usage)
-            return
-        i = msg.index
-        text, entries, finish = self._parts(msg)
-        self.text[i] = self.text.get(i, "") + text
-        self.entries.setdefault(i, []).extend(entries)
-        if finish:
-            self.finish[i] = finish
-
-    def _parts(self, msg) -> tuple[str, list, str]:
-        """(text, logprob entries, finish reason) of a choice's message."""
-        return self.echo.choice(msg) if self.echo else (msg.text, list(msg.logprobs), msg.finish_reason)
-
-    def _usage(self, usage):
-        return self.echo.usage(usage) if self.echo else usage
-
-    def chunks(self, msg, include_usage: bool) -> list[dict]:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        extra = {"usage": None} if include_usage else {}
-        if msg.HasField("usage"):
-            if not include_usage:
-                return []
-            return [chunk(kind, self.id, self.created, self.model, [], usage_body(self._usage(msg.usage)))]
-        out = []
-        text, entries, finish = self._parts(msg)
-        logprobs = self.logprobs.render(entries, msg.index)
-        finish = finish or None
-        if self.chat:
-            if msg.index not in self.started:
-                self.started.add(msg.index)
-                out.append({**chunk(kind, self.id, self.created, self.model, [{
-                    "index": msg.index, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}]), **extra})
-            delta = {"content": text} if text else {}
-            choice = {"index": msg.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": msg.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        out.append({**chunk(kind, self.id, self.created, self.model, [choice]), **extra})
-        return out
-
-    def whole(self) -> dict:
-        choices = []
-        for i in sorted(self.text):
-            logprobs = self.logprobs.render(self.entries.get(i), i)
-            if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": self.text[i]},
-                                "logprobs": logprobs, "finish_reason": self.finish.get(i)})
-            else:
-                choices.append({"index": i, "text": self.text[i], "logprobs": logprobs,
-                                "finish_reason": self.finish.get(i)})
-        return chunk(self.kind, self.id, self.created, self.model, choices, usage_body(self.usage))
-
 
 
 async def start_router_http(config, dispatcher, tokenizer, registry):

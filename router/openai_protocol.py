@@ -23,6 +23,7 @@ import grpc
 from pdserve.proto import pdserve_pb2
 
 from .response_format import BadStructure, structured_output
+from .tools import Tools, tools_from_body
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -44,12 +45,11 @@ IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop
                "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "repetition_penalty",
                "structured_outputs"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
-                    True: {"messages", "max_completion_tokens", "top_logprobs",
-                           "parallel_tool_calls"}}
-# Accepted only at a value that asks for nothing pdserve lacks (no tools, audio, storage);
-# any other value is a 400 naming the field.
-NEUTRAL = {"suffix": ("",), "tools": ([],), "functions": ([],),
-           "tool_choice": ("none",), "function_call": ("none",),
+                    True: {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                           "tool_choice", "parallel_tool_calls"}}
+# Accepted only at a value that asks for nothing pdserve lacks (OpenAI's old `functions`,
+# audio, storage); any other value is a 400 naming the field.
+NEUTRAL = {"suffix": ("",), "functions": ([],), "function_call": ("none",),
            "store": (False,), "metadata": ({},),
            "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
            "prediction": (), "reasoning_effort": (), "web_search_options": ()}
@@ -125,7 +125,10 @@ def cache_salt_from_body(body: dict) -> str:
     return salt or ""
 
 
-def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int) -> pdserve_pb2.SamplingParams:
+def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int,
+                       tools: Tools | None = None) -> pdserve_pb2.SamplingParams:
+    """`tools`: the chat request's (`tools_of`), whose tool_choice may hold the answer to a
+    structure (router/tools.py)."""
     check_fields(body, chat)
     pb = pdserve_pb2.SamplingParams()
     max_tokens = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None \
@@ -169,6 +172,12 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int) -> pd
         structured = structured_output(body)
     except BadStructure as err:
         raise invalid(str(err), err.param) from None
+    if tools is not None and tools.structure() is not None:
+        if structured is not None:
+            raise invalid(f"tool_choice {tools.mode!r} holds the answer to the tools' arguments, so it "
+                          "cannot also follow response_format or structured_outputs: send one",
+                          "tool_choice")
+        structured = tools.structure()
     if structured is not None:
         pb.structured_output.CopyFrom(structured)
     if chat:
@@ -230,11 +239,20 @@ def _prompt_ids(prompt, encode, max_chars: int, name: str) -> list[int]:
     return ids
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
-    """Token ids of `messages` as the model's chat template renders them: the very function
-    (and checks) a gRPC request's messages go through (`PromptTokenizer.chat_ids`)."""
+def tools_of(body: dict) -> Tools | None:
+    """The chat request's checked tools (router/tools.py), or None."""
     try:
-        return tokenizer.chat_ids(body.get("messages"))
+        return tools_from_body(body)
+    except BadStructure as err:
+        raise invalid(str(err), err.param) from None
+
+
+def chat_prompt(body: dict, tokenizer, tools: Tools | None = None) -> list[int]:
+    """Token ids of `messages`, and of the `tools` offered, as the model's chat template
+    renders them: the very function (and checks) a gRPC request's messages go through
+    (`PromptTokenizer.chat_ids`)."""
+    try:
+        return tokenizer.chat_ids(body.get("messages"), tools)
     except ValueError as err:
         raise invalid(str(err), "messages") from None
 

@@ -156,7 +156,7 @@ def test_the_openai_walkthrough_waits_for_up_and_gets_a_completion_and_scores(tm
     assert ran.status == 0, ran.report()
     assert serving_lines(ran) == WAITED, ran.report()
     after = ran.out[ran.out.index(WAITED[-1]):]
-    completion, scored = json_objects(after)
+    completion, scored, weather = json_objects(after)
     assert completion["object"] == "text_completion", ran.report()
     assert completion["model"] == "smollm2-135m-instruct"
     assert 0 < completion["usage"]["completion_tokens"] <= 8
@@ -167,6 +167,10 @@ def test_the_openai_walkthrough_waits_for_up_and_gets_a_completion_and_scores(tm
     assert blue[0] is None and green[0] is None and len(blue) == len(green) > 3
     assert all(lp < 0 for lp in blue[1:] + green[1:])
     assert blue[-2] > green[-2], (blue, green)  # the model finds a blue sky likelier
+    [call] = weather["choices"][0]["message"]["tool_calls"]  # "required": a call, held to the schema
+    assert weather["choices"][0]["finish_reason"] == "tool_calls", ran.report()
+    assert call["function"]["name"] == "get_weather"
+    assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
 
 
 def test_the_scaling_walkthrough_finds_its_workers_through_etcd(tmp_path):

@@ -15,16 +15,17 @@ def sampling(body: dict, chat: bool = False):
     return sampling_from_body({"model": "m", **body}, chat=chat, default_max_tokens=16)
 
 
-@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
-@pytest.mark.parametrize("name,value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("function_call", "auto"), ("store", True),
-    ("metadata", {"k": "v"}), ("service_tier", "flex"), ("modalities", ["audio"]),
-    ("audio", {"voice": "x"}), ("prediction", {"type": "content"}), ("reasoning_effort", "low"),
-    ("web_search_options", {}), ("suffix", "end"),
-    ("foo", 1),
+@pytest.mark.parametrize("chat,name,value", [
+    (False, "tools", [{"type": "function", "function": {"name": "f"}}]), (False, "tool_choice", "auto"),
+    *((chat, name, value) for chat in (False, True) for name, value in [
+        ("function_call", "auto"), ("store", True),
+        ("metadata", {"k": "v"}), ("service_tier", "flex"), ("modalities", ["audio"]),
+        ("audio", {"voice": "x"}), ("prediction", {"type": "content"}), ("reasoning_effort", "low"),
+        ("web_search_options", {}), ("suffix", "end"),
+        ("foo", 1)]),
 ])
 def test_a_parameter_pdserve_lacks_is_a_400_naming_it(chat, name, value):
+    """(Tools are chat's: router/tools.py, tests/router/test_tools.py.)"""
     with pytest.raises(OpenAIError) as err:
         sampling({name: value}, chat)
     assert err.value.status == 400 and err.value.param == name and name in err.value.message

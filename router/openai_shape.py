@@ -1,0 +1,95 @@
+"""One request's GenerateResponse messages as OpenAI's answer: streamed chunks or one whole
+response, completions' or chat's. A chat request with tools passes each choice's text
+through its `CallStream` (router/tools.py), so the same content and tool calls come out
+streamed or whole."""
+
+from __future__ import annotations
+
+from pdserve.router.echo import Echo
+from pdserve.router.openai_protocol import ChoiceLogprobs, chunk, now, usage_body
+from pdserve.router.tools import CallStream, Tools, merge_calls
+
+
+class Shape:
+    def __init__(self, chat: bool, response_id: str, model: str, logprobs: ChoiceLogprobs,
+                 echo: Echo | None = None, tools: Tools | None = None) -> None:
+        self.chat, self.id, self.model, self.logprobs, self.echo = chat, response_id, model, logprobs, echo
+        self.tools = tools
+        self.kind = "chat.completion" if chat else "text_completion"
+        self.created = now()
+        self.started: set[int] = set()
+        self.text: dict[int, str] = {}
+        self.calls: dict[int, list[dict]] = {}
+        self.streams: dict[int, CallStream] = {}
+        self.entries: dict[int, list] = {}
+        self.finish: dict[int, str | None] = {}
+        self.usage = None
+
+    def add(self, msg) -> None:
+        if msg.HasField("usage"):
+            self.usage = self._usage(msg.usage)
+            return
+        i = msg.index
+        text, deltas, entries, finish = self._parts(msg)
+        self.text[i] = self.text.get(i, "") + text
+        merge_calls(self.calls.setdefault(i, []), deltas)
+        self.entries.setdefault(i, []).extend(entries)
+        if finish:
+            self.finish[i] = finish
+
+    def _parts(self, msg) -> tuple[str, list[dict], list, str]:
+        """(text, tool-call deltas, logprob entries, finish reason) of a choice's message."""
+        text, entries, finish = self.echo.choice(msg) if self.echo else \
+            (msg.text, list(msg.logprobs), msg.finish_reason)
+        if self.tools is None:
+            return text, [], entries, finish
+        stream = self.streams.setdefault(msg.index, CallStream(self.tools))
+        text, deltas = stream.feed(text)
+        if finish:
+            more_text, more_deltas, finish = stream.finish(finish)
+            text, deltas = text + more_text, deltas + more_deltas
+        return text, deltas, entries, finish
+
+    def _usage(self, usage):
+        return self.echo.usage(usage) if self.echo else usage
+
+    def chunks(self, msg, include_usage: bool) -> list[dict]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        extra = {"usage": None} if include_usage else {}
+        if msg.HasField("usage"):
+            if not include_usage:
+                return []
+            return [chunk(kind, self.id, self.created, self.model, [], usage_body(self._usage(msg.usage)))]
+        out = []
+        text, deltas, entries, finish = self._parts(msg)
+        logprobs = self.logprobs.render(entries, msg.index)
+        finish = finish or None
+        if self.chat:
+            if msg.index not in self.started:
+                self.started.add(msg.index)
+                out.append({**chunk(kind, self.id, self.created, self.model, [{
+                    "index": msg.index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]), **extra})
+            delta = {"content": text} if text else {}
+            if deltas:
+                delta["tool_calls"] = deltas
+            choice = {"index": msg.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": msg.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        out.append({**chunk(kind, self.id, self.created, self.model, [choice]), **extra})
+        return out
+
+    def whole(self) -> dict:
+        choices = []
+        for i in sorted(self.text):
+            logprobs = self.logprobs.render(self.entries.get(i), i)
+            if self.chat:
+                message = {"role": "assistant", "content": self.text[i]}
+                if self.calls.get(i):  # OpenAI's: no content but what the calls left
+                    message.update(content=self.text[i].strip() or None, tool_calls=self.calls[i])
+                choices.append({"index": i, "message": message, "logprobs": logprobs,
+                                "finish_reason": self.finish.get(i)})
+            else:
+                choices.append({"index": i, "text": self.text[i], "logprobs": logprobs,
+                                "finish_reason": self.finish.get(i)})
+        return chunk(self.kind, self.id, self.created, self.model, choices, usage_body(self.usage))

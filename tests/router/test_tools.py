@@ -1,0 +1,180 @@
+"""Tool calling's parts at the router (router/tools.py), no model running: bad tools and
+tool choices are 400s naming the field and value; the prompt is the template's own
+rendering where it knows tools, and a system message listing them where it does not; the
+"required" structure takes a call to a listed tool and nothing else (xgrammar, as the
+decode node compiles it); and an answer's text gives the same content and calls streamed in
+any pieces as whole."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.router.openai_protocol import OpenAIError, sampling_from_body, tools_of
+from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.router.tools import CallStream, merge_calls, tools_from_body
+from tests.chat_checkpoint import write_tokenizer_only
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+TOOLS = [WEATHER, TIME]
+# A template that knows tools, as Qwen2.5's and Llama 3.1's do (much shortened).
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>{% for t in tools %}{{ t | tojson }}{% endfor %}<|eos|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]"
+    "{% endfor %}<|eos|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+HISTORY = [{"role": "user", "content": "weather in Paris?"},
+           {"role": "assistant", "content": None, "tool_calls": [{
+               "id": "call_1", "type": "function",
+               "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+           {"role": "tool", "tool_call_id": "call_2", "content": "12:00"}]
+
+
+def tools(**body):
+    return tools_from_body({"tools": TOOLS, **body})
+
+
+@pytest.mark.parametrize("body,param,named", [
+    ({"tools": "get_weather"}, "tools", "'get_weather'"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "'bad name'"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "tools[0]"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "given twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools", "'x'"),
+    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "'always'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "'nope'"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "'yes'"),
+])
+def test_bad_tools_are_a_400_naming_the_field_and_value(body, param, named):
+    with pytest.raises(OpenAIError) as err:
+        tools_of(body)
+    assert err.value.status == 400 and err.value.param == param and named in err.value.message
+
+
+def test_a_forced_call_and_response_format_are_two_structures():
+    body = {"model": "m", "tools": TOOLS, "tool_choice": "required",
+            "response_format": {"type": "json_object"}}
+    with pytest.raises(OpenAIError, match="send one") as err:
+        sampling_from_body(body, chat=True, default_max_tokens=8, tools=tools_of(body))
+    assert err.value.param == "tool_choice"
+    auto = sampling_from_body({**body, "tool_choice": "auto"}, chat=True, default_max_tokens=8,
+                              tools=tools(tool_choice="auto"))
+    assert auto.structured_output.json_object  # "auto" asks for no structure of its own
+
+
+def test_the_template_gets_the_tools_where_it_knows_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    path = write_tokenizer_only(tmp_path, TOOLS_TEMPLATE)
+    hf = AutoTokenizer.from_pretrained(str(path))
+    with_objects = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": {"city": "Paris"}}}
+                                         for c in m["tool_calls"]]} if "tool_calls" in m else m
+                    for m in HISTORY]
+    with_objects[1]["content"] = ""
+    # a function without parameters reaches the template with an empty object's schema
+    filled = [WEATHER, {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}}}}]
+    want = hf.apply_chat_template(with_objects, tools=filled, tokenize=False, add_generation_prompt=True)
+    assert '[get_weather {"city": "Paris"}]' in want and '"get_time"' in want
+    tokenizer = PromptTokenizer(str(path))
+    assert tokenizer.chat_ids(HISTORY, tools()) == hf.encode(want, add_special_tokens=False)
+    # "none": the tools stay out of the prompt, the conversation's calls do not
+    none = hf.apply_chat_template(with_objects, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.chat_ids(HISTORY, tools(tool_choice="none")) == hf.encode(none, add_special_tokens=False)
+
+
+def test_a_template_without_tools_gets_them_in_a_system_message(tiny_model):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_model)
+    assert "tools" not in hf.chat_template
+    text = hf.decode(PromptTokenizer(tiny_model).chat_ids(HISTORY, tools()))
+    system, user, call, results = text.split("<|eos|>")[:4]
+    assert system.startswith("<|system|>You may call functions")
+    assert json.dumps(WEATHER) in system and json.dumps(TIME["function"]["name"]) in system
+    assert user == "<|user|>weather in Paris?"
+    assert call == '<|assistant|><tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert results == "<|user|><tool_response>\nsunny\n</tool_response>\n<tool_response>\n12:00\n</tool_response>"
+    plain = PromptTokenizer(tiny_model).chat_ids([{"role": "system", "content": "be brief"}, HISTORY[0]], tools())
+    assert hf.decode(plain).startswith("<|system|>be brief\n\nYou may call functions")
+
+
+def test_a_call_with_arguments_that_are_not_text_is_refused(tiny_model):
+    bad = [HISTORY[0], {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls must be"):
+        PromptTokenizer(tiny_model).chat_ids(bad, tools())
+
+
+def test_required_holds_the_answer_to_calls_of_listed_tools(tiny_model):
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.structured import Grammars
+    from pdserve.sampling import StructuredOutput
+
+    hf = AutoTokenizer.from_pretrained(tiny_model)
+    grammars = Grammars(hf, 512, {hf.eos_token_id})
+
+    def accepts(given, text: str) -> bool:
+        spec = StructuredOutput("json_schema", given.structure().json_schema)
+        return xgrammar.GrammarMatcher(grammars.compiled(spec)).accept_string(text)
+
+    two = json.dumps([{"name": "get_weather", "arguments": {"city": "Paris"}},
+                      {"name": "get_time", "arguments": {}}])  # xgrammar's spacing, as any_whitespace=False
+    assert accepts(tools(tool_choice="required"), two)
+    assert not accepts(tools(tool_choice="required", parallel_tool_calls=False), two)
+    assert not accepts(tools(tool_choice="required"), '[{"name": "get_news", "arguments": {}}]')
+    assert not accepts(tools(tool_choice="required"), "[]")
+    named = tools(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert accepts(named, '{"city": "Paris"}') and not accepts(named, '{"town": "Paris"}')
+    assert tools().structure() is None and tools(tool_choice="none").structure() is None
+
+
+def answer(given, text: str, pieces: list[int], reason: str = "stop"):
+    """(content, calls, finish reason) of `text` fed in `pieces` (cut points)."""
+    stream, content, calls = CallStream(given), "", []
+    for a, b in zip([0, *pieces], [*pieces, len(text)]):
+        more, deltas = stream.feed(text[a:b])
+        content += more
+        merge_calls(calls, deltas)
+    more, deltas, finish = stream.finish(reason)
+    merge_calls(calls, deltas)
+    return content + more, [(c["function"]["name"], c["function"]["arguments"]) for c in calls], finish
+
+
+AUTO = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' \
+       '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> done <tool_'
+
+
+@pytest.mark.parametrize("text,content,calls,finish", [
+    (AUTO, "Let me look.\ndone <tool_", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")], "tool_calls"),
+    ("No call here, <tool but text.", "No call here, <tool but text.", [], "stop"),
+    ('<tool_call>{"name": "get_news", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "get_news", "arguments": {}}</tool_call>', [], "stop"),
+    ('<tool_call>{"name": "get_time", "arguments": {}}', "", [("get_time", "{}")], "tool_calls"),
+])
+def test_auto_gives_the_same_answer_streamed_in_any_pieces(text, content, calls, finish):
+    for cut in range(len(text) + 1):
+        assert answer(tools(), text, [cut]) == (content.strip() if calls else content, calls, finish), cut
+    assert answer(tools(), text, list(range(1, len(text)))) == answer(tools(), text, [])
+
+
+def test_required_named_and_none_answers():
+    required = tools(tool_choice="required")
+    text = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+    assert answer(required, text, [5, 40]) == ("", [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')],
+                                              "tool_calls")
+    assert answer(required, text[:30], [], "length") == (text[:30], [], "length")  # cut short: text
+    named = tools(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert answer(named, '{"city": "Oslo"}', [3, 9]) == ("", [("get_weather", '{"city": "Oslo"}')], "stop")
+    assert answer(named, "", []) == ("", [("get_weather", "")], "stop")
+    assert answer(tools(tool_choice="none"), AUTO, [7]) == (AUTO, [], "stop")
+    serial = tools(parallel_tool_calls=False)
+    assert answer(serial, AUTO, [])[1] == [("get_weather", '{"city": "Paris"}')]
