@@ -73,6 +73,8 @@ class Shape:
             delta = {"content": text} if text else {}
             if deltas:
                 delta["tool_calls"] = deltas
+            if self.tools is not None and not delta and logprobs is None and finish is None:
+                return out  # text held back for the calls: nothing to say yet
             choice = {"index": msg.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": msg.index, "text": text, "logprobs": logprobs, "finish_reason": finish}

@@ -76,6 +76,7 @@ def test_required_makes_the_calls_transformers_writes_and_streams_them_whole(api
         answer = ask(api, cluster, "required", 64, parallel_tool_calls=False, stream=stream)
         if stream:
             chunks = [c.choices[0] for c in answer if c.choices]
+            assert all(c.delta.role or c.delta.tool_calls for c in chunks)  # no empty chunk while held
             calls = [d for c in chunks for d in c.delta.tool_calls or ()]
             finish = chunks[-1].finish_reason
         else:
