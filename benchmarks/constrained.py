@@ -49,7 +49,7 @@ class OpenAIPenalties:
         return scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
 
 
-def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, *, processors=(),
+def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, *, processors=None,
                         eos: bool = True, **generate_kwargs) -> list[list[int]]:
     """`model`'s greedy continuations of `prompts` (one left-padded batch) through
     `processors(width)` (a batch's prompt width -> logits processors) and transformers' own
@@ -64,7 +64,7 @@ def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int, pa
         generate_kwargs["min_new_tokens"] = max_new_tokens
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=pad_id, logits_processor=LogitsProcessorList(processors(width)),
+                             pad_token_id=pad_id, logits_processor=LogitsProcessorList(processors(width) if processors else []),
                              **generate_kwargs)
     return out[:, width:].tolist()
 

@@ -7,7 +7,8 @@ step's forward calls `append_token_id` when the id arrives and `append_text` a s
 Invariants:
 - A stop token (an EOS unless `ignore_eos`, or one of `stop_token_ids`) is kept in
   `token_ids` (as transformers' `generate` does) but adds no text.
-- A stop string ends the sequence and is cut from the text, with whatever followed it.
+- A stop string ends the sequence and is cut from the text, with whatever followed it;
+  not before the output has `min_tokens` tokens (nor can a stop token: engine/bans.py).
 - Streamed text is never retracted: while stop strings are set, the last
   `max(len(stop)) - 1` characters are held back, since a stop string could begin there.
 """
@@ -53,7 +54,7 @@ def append_text(seq: Sequence, token: int, is_stop_token: bool) -> None:
     delta = "" if is_stop_token else seq.detokenizer.add([token])
     if seq.finish_reason is not None:
         delta += seq.detokenizer.flush()
-    if params.stop and delta:
+    if params.stop and delta and seq.num_output_tokens >= params.min_tokens:
         searched_from = len(seq.text) + len(seq.pending_text)
         full = seq.text + seq.pending_text + delta
         cut = find_stop(full, params.stop, searched_from)

@@ -13,10 +13,10 @@ Invariants: `abort` and `release` return every page a request holds; an idle eng
 
 KV cache layout: `kv_cache` is one dense tensor, allocated once and registered whole with
 NIXL by the roles, indexed `[num_pages, num_layers, 2 (K, V), page_size, Hkv, D]` in either
-memory order (`--kv-layout`, engine/kv_pool.py says why each). Slot `s` is offset
-`s % page_size` of page `s // page_size`. Layer i's K and V are the views
-`kv_cache[:, i, 0]` / `kv_cache[:, i, 1]`, `[num_pages, page_size, Hkv, D]`, the attention
-ops' form. A tensor-parallel engine (engine/tp) has one pool per rank, of its KV heads.
+memory order (`--kv-layout`, engine/kv_pool.py says why each). Slot `s` is offset `s % page_size`
+of page `s // page_size`. Layer i's K and V are the views `kv_cache[:, i, 0]` / `kv_cache[:, i, 1]`,
+`[num_pages, page_size, Hkv, D]`, the attention ops' form. A tensor-parallel engine
+(engine/tp) has one pool per rank, of its KV heads.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 
 from pdserve.arith import ceil_div
 
+from .bans import BanRules
 from .capacity import KVCapacity
 from .completion import append_text, append_token, append_token_id, eos_token_ids, take_delta
 from .config import EngineConfig, SamplingParams
@@ -95,6 +96,7 @@ class Engine(SingleThreaded):
         self.eos_token_ids = eos_token_ids(c, self.tokenizer)
         self.new_detokenizer = detokenizer_factory(self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)  # structured outputs
+        self.bans = BanRules(self.tokenizer, self.eos_token_ids)  # min_tokens, bad_words
         self.requests: dict[str, Request] = {}
         # hook(layer_idx, [(request_id, begin, end, slots int64 array), ...]) after each layer
         # of a step, for the step's prefill-only requests (`_layer_hook_for`).
@@ -162,9 +164,7 @@ class Engine(SingleThreaded):
         except OutOfPages:
             self.pool.release_all(seq.pages)
             raise
-        seq.num_computed = matched
-        seq.num_published = matched // ps
-        seq.status = Status.PARKED
+        seq.num_computed, seq.num_published, seq.status = matched, matched // ps, Status.PARKED
         request.kv_window_end = kv_window_end
         request.num_cached_tokens = matched
         self.requests[request_id] = request
@@ -215,7 +215,7 @@ class Engine(SingleThreaded):
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._arrivals += 1
         return new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt, self.capacity,
-                           self.vocab_size, self.new_detokenizer, self._arrivals, self.grammars)
+                           self.vocab_size, self.new_detokenizer, self._arrivals, self.grammars, self.bans)
 
     # ---- one step ----------------------------------------------------------------------
     @entry_point

@@ -4,7 +4,7 @@ sequences (one for a prefill-only request, else `params.n`).
 Every way a request enters the engine (`add_request`, `prepare_receive`) comes through
 `new_request`, so a bad value is refused the same way everywhere, with a ValueError that
 names it, before anything is allocated: a structured output that does not compile too
-(`grammars`: the engine's `structured.Grammars`).
+(`grammars`: the engine's `structured.Grammars`; `bans`: its `bans.BanRules`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from pdserve.arith import ceil_div
 
+from .bans import BanRules
 from .capacity import KVCapacity
 from .config import SamplingParams
 from .penalties import penalties_of
@@ -21,7 +22,8 @@ from .sequence import Request, Sequence
 
 
 def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefill_only: bool, cache_salt,
-                capacity: KVCapacity, vocab_size: int, new_detokenizer, arrival: int, grammars) -> Request:
+                capacity: KVCapacity, vocab_size: int, new_detokenizer, arrival: int, grammars,
+                bans: BanRules) -> Request:
     prompt = list(prompt_token_ids or [])
     if not prompt:
         raise ValueError("prompt must not be empty, got 0 tokens")
@@ -50,7 +52,8 @@ def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefi
             seq.generator = torch.Generator().manual_seed(params.seed + i)
         seq.sampling = SamplingRow(params.temperature, params.top_k, params.top_p, params.min_p, seq.generator,
                                    params.logprobs, penalties_of(params, seq.token_ids, len(prompt)),
-                                   constraints[i] if constraints else None)
+                                   constraints[i] if constraints else None,
+                                   None if prefill_only else bans.of(params, seq.token_ids, len(prompt)))
         if not prefill_only:
             seq.detokenizer = new_detokenizer(prompt)
         if params.logprobs is not None:

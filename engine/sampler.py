@@ -11,8 +11,8 @@ Invariants:
   token, which is the same before and after renormalisation). The most likely token
   always survives. Top-p without top-k needs a full sort of the vocabulary (as in vLLM);
   top-k alone needs only a partial top-k.
-- Penalties and logit bias (engine/penalties.py), then a structured output's mask
-  (engine/structured.py), adjust a copy of a row's logits first, greedy rows included; a
+- Penalties and logit bias (engine/penalties.py), then bans (engine/bans.py), then a
+  structured output's mask (engine/structured.py), adjust a copy of a row's logits first, greedy rows included; a
   step with no such row makes no copy.
 - Logprobs are the log-softmax of the *unmodified* logits (before penalties, temperature
   and the filters), which is what vLLM reports by default ("raw logprobs"): they describe
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .bans import Bans, ban_
 from .device import to_device
 from .penalties import Penalties, penalize_
 from .structured import Constraint, mask_
@@ -46,6 +47,7 @@ class SamplingRow:
     num_logprobs: int | None = None  # None: no logprobs; 0: only the chosen token's
     penalties: Penalties | None = None  # None: its logits are sampled as they are
     constraint: Constraint | None = None  # None: any token may come next
+    bans: Bans | None = None  # None: no token is banned (min_tokens, bad_words)
 
     @property
     def is_greedy(self) -> bool:
@@ -64,7 +66,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows")
     raw = logits = logits.float()
-    if any(r.penalties is not None or r.constraint is not None for r in rows):
+    if any(r.penalties is not None or r.constraint is not None or r.bans is not None for r in rows):
         logits = _adjusted(logits, rows)
     if all(r.is_greedy for r in rows):
         token_ids = logits.argmax(dim=-1)
@@ -74,7 +76,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
 
 
 def _adjusted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """A copy of `logits` with the penalised rows adjusted and the constrained rows masked,
+    """A copy of `logits` with the penalised rows adjusted, banned tokens and what the
+    constrained rows' structures refuse masked,
     each in one batched pass (the logprobs want the raw logits)."""
     members = [i for i, r in enumerate(rows) if r.penalties is not None]
     if len(members) == len(rows):
@@ -84,6 +87,8 @@ def _adjusted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         if members:
             idx = to_device(logits.device, members)
             out[idx] = penalize_(logits[idx], [rows[i].penalties for i in members])
+    if any(r.bans is not None for r in rows):
+        ban_(out, [r.bans for r in rows])
     if any(r.constraint is not None for r in rows):
         mask_(out, [r.constraint for r in rows])
     return out

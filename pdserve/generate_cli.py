@@ -7,7 +7,8 @@ printed once complete, each under its index and finish reason. `--logprobs N` pr
 token (its id and its text, which the server fills in) with its log-probability and its N
 most likely alternatives; `--prompt-logprobs N` prints the same of the prompt's tokens
 first (scoring a text); `--presence-penalty`, `--frequency-penalty`, `--repetition-penalty`
-and `--logit-bias ID:BIAS` hold what the text has said against it; `--json-schema`,
+and `--logit-bias ID:BIAS` hold what the text has said against it; `--min-tokens N` and
+`--bad-word WORD` ban tokens (a stop before N tokens, a word); `--json-schema`,
 `--json-object`, `--regex` and `--choice` hold the answer to a structure; `--json` prints the whole `Completion` (every choice, logprobs,
 usage with timings and route) as one JSON object.
 """
@@ -19,7 +20,7 @@ import sys
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop",
                   "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "logit_bias")
+                  "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "bad_words")
 
 
 def add_generate_parser(sub) -> None:
@@ -61,6 +62,10 @@ def add_generate_parser(sub) -> None:
                         "discourages repeats; default 1, off)")
     p.add_argument("--logit-bias", type=_bias, action="append", default=None, metavar="ID:BIAS",
                    help="add BIAS in [-100, 100] to token ID's logit (repeatable; -100 bans it)")
+    p.add_argument("--min-tokens", type=int, default=None, metavar="N",
+                   help="no stop token or stop string ends the answer before N tokens (default 0)")
+    p.add_argument("--bad-word", dest="bad_words", action="append", default=None, metavar="WORD",
+                   help="never write WORD (repeatable)")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="SCHEMA|@FILE",
                        help="the answer is JSON matching this JSON Schema (text, or @ and a file)")

@@ -25,6 +25,7 @@ MAX_BIAS = 100.0  # a logit bias lies in [-100, 100], as OpenAI's: -100 bans a t
 MAX_LOGIT_BIAS = 1024  # biased tokens of one request (each is added at every step)
 MAX_STRUCTURE_CHARS = 64 * 1024  # a structured output's schema, expression or grammar
 MAX_CHOICES_LISTED = 256  # strings of a `choice` structured output
+MAX_BAD_WORDS = 64  # each is checked at every step of every sequence of the request
 STRUCTURE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
@@ -83,6 +84,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured_output: StructuredOutput | None = None  # None: free text
+    # Banned tokens (engine/bans.py, vLLM's meanings): no stop token or stop string ends the
+    # output before it has `min_tokens` tokens; no `bad_words` word is ever written.
+    min_tokens: int = 0
+    bad_words: list[str] = field(default_factory=list)
 
     @property
     def penalized(self) -> bool:
@@ -132,11 +137,18 @@ class SamplingParams:
                 and self.repetition_penalty > 0):
             _bad("repetition_penalty", self.repetition_penalty, "> 0 (1: off)")
         self._check_logit_bias(vocab_size)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            _bad("min_tokens", self.min_tokens, f"an integer in [0, max_tokens = {self.max_tokens}]")
+        if len(self.bad_words) > MAX_BAD_WORDS or any(
+                not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_CHARS for w in self.bad_words):
+            _bad("bad_words", self.bad_words[:4], f"at most {MAX_BAD_WORDS} words, each with a non-space "
+                 f"character and at most {MAX_STOP_CHARS} characters")
         if self.structured_output is not None:
             self.structured_output.validate()
-            if self.ignore_eos:
-                raise ValueError("ignore_eos cannot be combined with structured_output: a structured "
-                                 "text ends with its end-of-sequence token once complete")
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} cannot be combined with structured_output: a structured "
+                                     "text ends with its end-of-sequence token once complete")
 
     def _check_logit_bias(self, vocab_size: int | None) -> None:
         if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -43,7 +43,7 @@ IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop
                "logit_bias", "response_format",
                # pdserve's extras, as vLLM names them
                "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "repetition_penalty",
-               "structured_outputs"}
+               "structured_outputs", "min_tokens", "bad_words"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
                     True: {"messages", "max_completion_tokens", "top_logprobs", "tools",
                            "tool_choice", "parallel_tool_calls"}}
@@ -147,7 +147,7 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int,
         value = _typed(body, name, (int, float), "a number")
         if value is not None:
             setattr(pb, name, float(value))
-    for name in ("top_k", "n"):
+    for name in ("top_k", "n", "min_tokens"):
         value = _typed(body, name, (int,), "an integer")
         if value is not None:
             setattr(pb, name, value)
@@ -167,6 +167,10 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int,
     if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < 2 ** 31 for t in ids):
         raise invalid(f"stop_token_ids must be a list of token ids, got {ids!r}", "stop_token_ids")
     pb.stop_token_ids.extend(ids)
+    words = body.get("bad_words") or []
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise invalid(f"bad_words must be a list of strings, got {words!r:.80}", "bad_words")
+    pb.bad_words.extend(words)
     pb.logit_bias.update(_logit_bias(body.get("logit_bias")))
     try:
         structured = structured_output(body)

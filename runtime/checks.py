@@ -43,7 +43,8 @@ def sampling_from_pb(pb: pdserve_pb2.SamplingParams) -> SamplingParams:
         prompt_logprobs=given("prompt_logprobs", d.prompt_logprobs),
         presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
         repetition_penalty=given("repetition_penalty", d.repetition_penalty), logit_bias=dict(pb.logit_bias),
-        structured_output=structured_from_pb(pb.structured_output) if pb.HasField("structured_output") else None)
+        structured_output=structured_from_pb(pb.structured_output) if pb.HasField("structured_output") else None,
+        min_tokens=pb.min_tokens, bad_words=list(pb.bad_words))
 
 
 def structured_from_pb(pb: pdserve_pb2.StructuredOutput) -> StructuredOutput:

@@ -128,10 +128,16 @@ def test_pdserve_generate_prints_every_choice_logprobs_and_reads_stdin(cluster):
     penalized = json.loads(pdserve_generate(cluster, "--prompt", "the sky", "--max-tokens", "6",
                                             "--temperature", "0", "--repetition-penalty", "1.5",
                                             "--frequency-penalty", "0.5", "--logit-bias", "40:-100",
-                                            "--logit-bias", "41:5", "--json"))
+                                            "--logit-bias", "41:5", "--min-tokens", "3", "--bad-word", "the",
+                                            "--bad-word", "sky", "--json"))
     with Client(cluster.address("router")) as client:
         want = client.generate("the sky", max_tokens=6, temperature=0, repetition_penalty=1.5,
-                               frequency_penalty=0.5, logit_bias={40: -100, 41: 5})
+                               frequency_penalty=0.5, logit_bias={40: -100, 41: 5}, min_tokens=3,
+                               bad_words=["the", "sky"])
+    refused = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--server", cluster.address("router"),
+                              "--prompt", "the sky", "--max-tokens", "2", "--min-tokens", "3"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "min_tokens must be an integer in [0, max_tokens = 2], got 3" in refused.stderr
     assert penalized["choices"][0]["token_ids"] == want.token_ids and 40 not in want.token_ids
     shaped = pdserve_generate(cluster, "--prompt", "the sky", "--max-tokens", "6", "--temperature", "0",
                               "--choice", "yes", "--choice", "no way")

@@ -3,7 +3,8 @@ colocated node (the same engine without disaggregation): n choices with a seed, 
 and top logprobs (within 1e-4 in fp32), stop strings and stop ids, min_p, top_k and seed;
 then the same through the OpenAI endpoint with the `openai` client; penalties and logit
 bias against transformers' `generate`; structured output (gRPC, OpenAI's response_format,
-vLLM's structured_outputs) against transformers masked by the same grammar; and the
+vLLM's structured_outputs) against transformers masked by the same grammar; min_tokens and
+bad_words against transformers' own processors for them; and the
 timings every result carries."""
 
 from __future__ import annotations
@@ -150,6 +151,24 @@ def test_penalties_and_logit_bias_through_the_router_match_transformers(api, clu
                                  logit_bias={"40": 3, "41": -100},
                                  extra_body={"repetition_penalty": 1.4})
     assert out.choices[0].text == got.text
+
+
+def test_min_tokens_and_bad_words_through_the_router_match_transformers(api, cluster, tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    plain = transformers_greedy(model, [PROMPT], 12, 0)[0]
+    word = next(tok.decode([t]) for t in plain if tok.encode(tok.decode([t]), add_special_tokens=False) == [t])
+    forms = [tok.encode(w, add_special_tokens=False) for w in (word.lstrip(), " " + word.lstrip())]
+    stop = plain[1]  # the plain answer would stop at its second token
+    want = transformers_greedy(model, [PROMPT], 12, 0, eos_token_id=[stop, tok.eos_token_id], min_new_tokens=6,
+                               bad_words_ids=forms)[0]
+    assert len(want) > 2 and tok.encode(word, add_special_tokens=False)[0] not in want
+    out = api.completions.create(model=cluster.model, prompt=PROMPT, max_tokens=12, temperature=0.0,
+                                 extra_body={"min_tokens": 6, "bad_words": [word], "stop_token_ids": [stop]})
+    assert out.choices[0].text == tok.decode(want, skip_special_tokens=True)
 
 
 def test_structured_output_through_the_router_matches_transformers_masked_alike(api, cluster, tiny_model):
