@@ -79,15 +79,54 @@ def _tool_calls(i: int, calls) -> list[dict]:
                      f"\"arguments\": str}}}}, got {calls!r:.80}")
 
 
-def render(tokenizer, messages: list[dict], model: str, tools: list[dict] | None = None) -> list[int]:
-    """Prompt ids of checked `messages`, with the assistant's turn opened; `tools` go to the
-    template's `tools` variable (router/tools.py decides when). The template adds any
-    special tokens (a bos) itself, so encoding adds none."""
+# What the template's own arguments are, which chat_template_kwargs may not set.
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                "add_generation_prompt", "continue_final_message", "tokenize",
+                                "padding", "truncation", "max_length", "return_tensors",
+                                "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def template_options(body: dict) -> dict:
+    """vLLM's chat extras as `apply_chat_template` arguments: `add_generation_prompt`
+    (default true: open the assistant's turn), `continue_final_message` (default false: go
+    on with the last, assistant's, message instead, its turn left open) and
+    `chat_template_kwargs` (more variables for the template, such as Qwen3's
+    `enable_thinking`). ValueError naming the field."""
+    options = {"add_generation_prompt": True, "continue_final_message": False}
+    for name in options:
+        value = body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be a boolean, got {value!r:.80}")
+        options[name] = options[name] if value is None else value
+    if options["add_generation_prompt"] and options["continue_final_message"]:
+        if body.get("add_generation_prompt") is not None:
+            raise ValueError("continue_final_message continues the last message, so it cannot also open "
+                             "a new turn: send add_generation_prompt: false with it")
+        options["add_generation_prompt"] = False
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict) or not all(isinstance(k, str) and k.isidentifier() for k in extra):
+        raise ValueError(f"chat_template_kwargs must be an object of template variables, got {extra!r:.80}")
+    taken = sorted(TEMPLATE_ARGUMENTS & set(extra))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {taken[0]!r}: it is the request's own "
+                         "field or the template's argument")
+    return {**options, **extra}
+
+
+def render(tokenizer, messages: list[dict], model: str, tools: list[dict] | None = None,
+           options: dict | None = None) -> list[int]:
+    """Prompt ids of checked `messages`, with the assistant's turn opened unless `options`
+    (`template_options`) say otherwise; `tools` go to the template's `tools` variable
+    (router/tools.py decides when). The template adds any special tokens (a bos) itself,
+    so encoding adds none."""
     if tokenizer.chat_template is None:
         raise ValueError(f"model {model} has no chat template; send a prompt instead")
+    options = options or {"add_generation_prompt": True}
+    if options.get("continue_final_message") and messages[-1]["role"] != "assistant":
+        raise ValueError(f"continue_final_message needs the last message to be the assistant's, got role "
+                         f"{messages[-1]['role']!r}")
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options)
     except Exception as err:  # the template itself rejects the conversation
         raise ValueError(f"messages: the chat template of {model} rejects them: {err}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -22,6 +22,7 @@ import grpc
 
 from pdserve.proto import pdserve_pb2
 
+from .chat import template_options
 from .response_format import BadStructure, structured_output
 from .tools import Tools, tools_from_body
 
@@ -46,7 +47,9 @@ IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop
                "structured_outputs", "min_tokens", "bad_words"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
                     True: {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                           "tool_choice", "parallel_tool_calls"}}
+                           "tool_choice", "parallel_tool_calls",
+                           # vLLM's, for the chat template (router/chat.py)
+                           "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}}
 # Accepted only at a value that asks for nothing pdserve lacks (OpenAI's old `functions`,
 # audio, storage); any other value is a 400 naming the field.
 NEUTRAL = {"suffix": ("",), "functions": ([],), "function_call": ("none",),
@@ -254,9 +257,13 @@ def tools_of(body: dict) -> Tools | None:
 def chat_prompt(body: dict, tokenizer, tools: Tools | None = None) -> list[int]:
     """Token ids of `messages`, and of the `tools` offered, as the model's chat template
     renders them: the very function (and checks) a gRPC request's messages go through
-    (`PromptTokenizer.chat_ids`)."""
+    (`PromptTokenizer.chat_ids`), with the template options the body asks for."""
     try:
-        return tokenizer.chat_ids(body.get("messages"), tools)
+        options = template_options(body)
+    except ValueError as err:
+        raise invalid(str(err), str(err).split(" ", 1)[0]) from None
+    try:
+        return tokenizer.chat_ids(body.get("messages"), tools, options)
     except ValueError as err:
         raise invalid(str(err), "messages") from None
 

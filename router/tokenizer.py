@@ -69,11 +69,11 @@ class PromptTokenizer:
         name a token."""
         return self.tokenizer.decode([token_id])
 
-    def chat_ids(self, messages, tools: Tools | None = None) -> list[int]:
+    def chat_ids(self, messages, tools: Tools | None = None, options: dict | None = None) -> list[int]:
         """Prompt ids of a conversation ([{"role", "content"}], checked here) as the model's
         chat template renders it, with the tools it may call (router/tools.py), the
-        assistant's turn opened. Raises ValueError naming the bad message or value, or the
-        model when it has no chat template."""
+        assistant's turn opened (or as `options`, chat.template_options, say). Raises
+        ValueError naming the bad message or value, or the model when it has no chat template."""
         checked = chat.check_messages(messages, max_prompt_chars(self.card))
         checked, offered = template_inputs(checked, tools, self.tokenizer.chat_template)
-        return chat.render(self.tokenizer, checked, self.card.model, offered)
+        return chat.render(self.tokenizer, checked, self.card.model, offered, options)

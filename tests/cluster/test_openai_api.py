@@ -65,6 +65,26 @@ def test_chat_prompt_is_rendered_by_the_tokenizer_chat_template(api, model, clus
     assert whole.choices[0].message.content == run(grpc_answer()).text
 
 
+def test_chat_continues_the_final_message_when_asked(api, model, cluster):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    started = [*MESSAGES, {"role": "assistant", "content": "the quick"}]
+    ids = tok.encode(tok.apply_chat_template(started, tokenize=False, continue_final_message=True),
+                     add_special_tokens=False)
+    assert tok.decode(ids).endswith("the quick")  # the assistant's turn left open
+
+    async def grpc_answer():
+        async with AsyncClient(cluster.grpc) as client:
+            return await client.generate(ids, temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    whole = api.chat.completions.create(model=model, messages=started, **{
+        **GREEDY, "extra_body": {**GREEDY["extra_body"], "continue_final_message": True,
+                                 "add_generation_prompt": False}})
+    assert whole.usage.prompt_tokens == len(ids)
+    assert whole.choices[0].message.content == run(grpc_answer()).text
+
+
 def test_openai_client_streams_a_completion(api, model, cluster):
     prompt = "the quick brown fox"
     chunks = list(api.completions.create(model=model, prompt=prompt, stream=True, **GREEDY))
