@@ -11,8 +11,8 @@ results a conversation carries, and the calls an answer makes.
   - "none": text. The tools are left out of the prompt, so the model is not invited to
     write a call it may not make (vLLM's `--exclude-tools-when-tool-choice-none`).
   - "auto" (the default with tools): text, in which each `<tool_call>` block naming a tool
-    with an arguments object becomes a call. A block that does not parse leaves the whole
-    answer as text, never half of it.
+    with an arguments object becomes a call (the first alone when `parallel_tool_calls` is
+    false). A block that does not parse leaves the whole answer as text, never half of it.
   - "required": the answer is held by structured output (engine/structured.py) to a JSON
     array of one or more `{"name", "arguments"}`, each naming a tool and fitting its
     `parameters`; one call when `parallel_tool_calls` is false.
