@@ -3,7 +3,7 @@ the same event loop as the gRPC server.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events
 with `"stream": true`, ending with `data: [DONE]`), GET /v1/models, GET /metrics,
-GET /health.
+GET /health; and vLLM's POST /tokenize and /detokenize (router/tokenize_api.py).
 With API keys (`--api-key`, the same as the gRPC API's), every route but /health and
 /metrics needs `Authorization: Bearer <key>`, compared in constant time; without it the
 answer is 401 with OpenAI's error body and `WWW-Authenticate: Bearer`, never the key. The
@@ -32,7 +32,7 @@ import grpc
 from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router import prompt_batch, validation
+from pdserve.router import prompt_batch, tokenize_api, validation
 from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
     ChoiceLogprobs, OpenAIError, cache_salt_from_body, chat_prompt, completion_prompts, invalid,
@@ -80,6 +80,8 @@ class OpenAIFrontend:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
             web.get("/metrics", self.metrics),
             web.get("/health", self.health),
         ])
@@ -124,6 +126,12 @@ class OpenAIFrontend:
         return web.json_response({"object": "list", "data": [{
             "id": self.model_id, "object": "model", "created": self.created,
             "owned_by": "pdserve", "max_model_len": card.max_model_len}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return web.json_response(tokenize_api.tokenize(await self._body(request), self.tokenizer))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return web.json_response(tokenize_api.detokenize(await self._body(request), self.tokenizer))
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -151,6 +151,11 @@ def _post(url: str, data: bytes) -> tuple[int, dict]:
     ("/v1/completions", b'{"model": "M", "prompt": "hi", "temperature": "hot"}', "temperature"),
     ("/v1/chat/completions", b'{"model": "M", "messages": []}', "messages"),
     ("/v1/completions", b'{"model": "M", "prompt": [1, 99999]}', "prompt"),
+    ("/tokenize", b'{"model": "M"}', "prompt"),
+    ("/tokenize", b'{"model": "M", "prompt": "hi", "add_special_tokens": 1}', "add_special_tokens"),
+    ("/tokenize", b'{"model": "M", "messages": [{"role": "user"}]}', "messages"),
+    ("/tokenize", b'{"model": "M", "prompt": "hi", "stream": true}', "stream"),
+    ("/detokenize", b'{"model": "M", "tokens": [1, 99999]}', "tokens"),
 ])
 def test_bad_requests_are_400s_in_openai_error_shape(cluster, model, path, body, param):
     status, reply = _post(cluster.http + path, body.replace(b'"M"', json.dumps(model).encode()))
@@ -158,6 +163,26 @@ def test_bad_requests_are_400s_in_openai_error_shape(cluster, model, path, body,
     assert set(reply["error"]) == {"message", "type", "param", "code"}
     assert reply["error"]["type"] == "invalid_request_error"
     assert reply["error"]["param"] == param
+
+
+def test_tokenize_and_detokenize_answer_with_the_model_s_own_ids_and_text(cluster, model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    status, text = _post(cluster.http + "/tokenize", json.dumps(
+        {"model": model, "prompt": "the quick fox", "return_token_strs": True}).encode())
+    want = tok.encode("the quick fox")
+    assert status == 200 and text == {"count": len(want), "max_model_len": 512, "tokens": want,
+                                      "token_strs": tok.convert_ids_to_tokens(want)}
+    _, bare = _post(cluster.http + "/tokenize", json.dumps(
+        {"model": model, "prompt": "the quick fox", "add_special_tokens": False}).encode())
+    assert bare["tokens"] == tok.encode("the quick fox", add_special_tokens=False) and bare["token_strs"] is None
+    _, chat = _post(cluster.http + "/tokenize", json.dumps({"model": model, "messages": MESSAGES}).encode())
+    whole = openai.OpenAI(base_url=cluster.http + "/v1", api_key="unused").chat.completions.create(
+        model=model, messages=MESSAGES, **GREEDY)
+    assert chat["count"] == whole.usage.prompt_tokens == len(chat["tokens"])  # the chat request's prompt
+    status, back = _post(cluster.http + "/detokenize", json.dumps({"model": model, "tokens": want}).encode())
+    assert status == 200 and back == {"prompt": tok.decode(want)}
 
 
 def test_a_client_that_leaves_mid_stream_aborts_the_request_on_every_node(cluster, model):
