@@ -198,7 +198,8 @@ class OpenAIFrontend:
             shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", self.model_id,
                           ChoiceLogprobs(self._token_text, chat),
                           None if chat else echo_of(body, prompts, self.tokenizer,
-                                                    sampling.HasField("logprobs")), tools)
+                                                    sampling.HasField("logprobs")), tools,
+                          self.tokenizer.opens_thinking(prompts[0]) if chat and self.tokenizer.thinks else None)
             headers = {"X-Request-Id": request_id}
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 from pdserve.router.echo import Echo
 from pdserve.router.openai_protocol import ChoiceLogprobs, chunk, now, usage_body
+from pdserve.router.reasoning import ReasoningStream
 from pdserve.router.tools import CallStream, Tools, merge_calls
 
 
 class Shape:
     def __init__(self, chat: bool, response_id: str, model: str, logprobs: ChoiceLogprobs,
-                 echo: Echo | None = None, tools: Tools | None = None) -> None:
+                 echo: Echo | None = None, tools: Tools | None = None, thinking: bool | None = None) -> None:
+        """`thinking`: None for a model that does not think, else whether the prompt opened
+        its think block (router/reasoning.py)."""
         self.chat, self.id, self.model, self.logprobs, self.echo = chat, response_id, model, logprobs, echo
-        self.tools = tools
+        self.tools, self.thinking = tools, thinking
+        self.thoughts: dict[int, ReasoningStream] = {}
+        self.reasoning: dict[int, str] = {}
         self.kind = "chat.completion" if chat else "text_completion"
         self.created = now()
         self.started: set[int] = set()
@@ -30,25 +35,34 @@ class Shape:
             self.usage = self._usage(msg.usage)
             return
         i = msg.index
-        text, deltas, entries, finish = self._parts(msg)
+        text, reasoning, deltas, entries, finish = self._parts(msg)
         self.text[i] = self.text.get(i, "") + text
+        self.reasoning[i] = self.reasoning.get(i, "") + reasoning
         merge_calls(self.calls.setdefault(i, []), deltas)
         self.entries.setdefault(i, []).extend(entries)
         if finish:
             self.finish[i] = finish
 
-    def _parts(self, msg) -> tuple[str, list[dict], list, str]:
-        """(text, tool-call deltas, logprob entries, finish reason) of a choice's message."""
+    def _parts(self, msg) -> tuple[str, str, list[dict], list, str]:
+        """(text, reasoning, tool-call deltas, logprob entries, finish reason) of a choice's
+        message: the model's reasoning first taken out, then the calls."""
         text, entries, finish = self.echo.choice(msg) if self.echo else \
             (msg.text, list(msg.logprobs), msg.finish_reason)
+        reasoning = ""
+        if self.thinking is not None:
+            thought = self.thoughts.setdefault(msg.index, ReasoningStream(self.thinking))
+            reasoning, text = thought.feed(text)
+            if finish:
+                more_reasoning, more_text = thought.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
         if self.tools is None:
-            return text, [], entries, finish
+            return text, reasoning, [], entries, finish
         stream = self.streams.setdefault(msg.index, CallStream(self.tools))
         text, deltas = stream.feed(text)
         if finish:
             more_text, more_deltas, finish = stream.finish(finish)
             text, deltas = text + more_text, deltas + more_deltas
-        return text, deltas, entries, finish
+        return text, reasoning, deltas, entries, finish
 
     def _usage(self, usage):
         return self.echo.usage(usage) if self.echo else usage
@@ -61,7 +75,7 @@ class Shape:
                 return []
             return [chunk(kind, self.id, self.created, self.model, [], usage_body(self._usage(msg.usage)))]
         out = []
-        text, deltas, entries, finish = self._parts(msg)
+        text, reasoning, deltas, entries, finish = self._parts(msg)
         logprobs = self.logprobs.render(entries, msg.index)
         finish = finish or None
         if self.chat:
@@ -70,11 +84,13 @@ class Shape:
                 out.append({**chunk(kind, self.id, self.created, self.model, [{
                     "index": msg.index, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}]), **extra})
-            delta = {"content": text} if text else {}
+            delta = {"reasoning_content": reasoning} if reasoning else {}
+            if text:
+                delta["content"] = text
             if deltas:
                 delta["tool_calls"] = deltas
-            if self.tools is not None and not delta and logprobs is None and finish is None:
-                return out  # text held back for the calls: nothing to say yet
+            if (self.tools or self.thinking is not None) and not delta and logprobs is None and finish is None:
+                return out  # text held back (a tag, the calls): nothing to say yet
             choice = {"index": msg.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": msg.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -87,6 +103,8 @@ class Shape:
             logprobs = self.logprobs.render(self.entries.get(i), i)
             if self.chat:
                 message = {"role": "assistant", "content": self.text[i]}
+                if self.thinking is not None:
+                    message["reasoning_content"] = self.reasoning[i] or None
                 if self.calls.get(i):  # OpenAI's: no content but what the calls left
                     message.update(content=self.text[i].strip() or None, tool_calls=self.calls[i])
                 choices.append({"index": i, "message": message, "logprobs": logprobs,

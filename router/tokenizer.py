@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.models.catalogue import served_name
-from pdserve.router import chat
+from pdserve.router import chat, reasoning
 from pdserve.router.tools import Tools, template_inputs
 from pdserve.router.validation import max_prompt_chars
 
@@ -57,6 +57,11 @@ class PromptTokenizer:
         )
         # What ends a chat answer; a conversation's request also stops there (validation.py).
         self.end_of_turn_ids = chat.end_of_turn_ids(self.tokenizer, path, config)
+        self.thinks = reasoning.thinks(self.tokenizer.chat_template)  # router/reasoning.py
+
+    def opens_thinking(self, prompt_ids: list[int]) -> bool:
+        """Whether a chat prompt ends inside an open think block (its last ids are enough)."""
+        return self.thinks and reasoning.opened(self.tokenizer.decode(prompt_ids[-16:]))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))

@@ -21,10 +21,12 @@ from pdserve.router.tokenizer import ModelCard
 
 class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
     def __init__(self, name: str, matched: int = 0, tokens=(5, 6, 7), token_delay_s=0.0,
-                 fail: dict | None = None):
+                 fail: dict | None = None, texts: list[str] | None = None):
+        """`texts`: each token's text (default "<id>")."""
         self.name = name
         self.matched = matched
-        self.tokens = tokens
+        self.tokens = tokens if texts is None else tuple(range(10, 10 + len(texts)))
+        self.texts = texts
         self.token_delay_s = token_delay_s
         self.fail = fail or {}  # rpc name -> StatusCode
         self.calls: list[tuple[str, object]] = []
@@ -93,7 +95,8 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
         for i, t in enumerate(self.tokens):
             await asyncio.sleep(self.token_delay_s)
             last = i == len(self.tokens) - 1
-            yield pdserve_pb2.GenerateResponse(request_id=request.request_id, text=f"<{t}>",
+            text = f"<{t}>" if self.texts is None else self.texts[i]
+            yield pdserve_pb2.GenerateResponse(request_id=request.request_id, text=text,
                                                token_ids=[t], finish_reason="length" if last else "")
         yield pdserve_pb2.GenerateResponse(request_id=request.request_id, usage=pdserve_pb2.Usage(
             prompt_tokens=4, completion_tokens=len(self.tokens), total_tokens=4 + len(self.tokens)))
@@ -123,6 +126,7 @@ async def start_fake(worker: FakeWorker) -> tuple[grpc.aio.Server, str]:
 
 class CharTokenizer:
     card = ModelCard(model="fake", vocab_size=256, max_model_len=128, eos_token_ids=[2])
+    thinks = False  # no think tags (router/reasoning.py)
 
     def encode(self, text):
         return [ord(c) for c in text]
@@ -176,9 +180,10 @@ async def one_request(prefill: list[FakeWorker], decode: list[FakeWorker], reque
 
 
 @contextlib.asynccontextmanager
-async def openai_router(decode: list):
+async def openai_router(decode: list, tokenizer=None):
     """The OpenAI front (router/openai_http.py) of an in-process router over `decode` workers
-    (fakes, or dead addresses given as strings): its base URL."""
+    (fakes, or dead addresses given as strings), with `tokenizer` (default CharTokenizer):
+    its base URL."""
     from pdserve.router.openai_http import OpenAIFrontend
     from pdserve.runtime.http import start_http
 
@@ -192,7 +197,7 @@ async def openai_router(decode: list):
         addresses.append(address)
     registry = WorkerRegistry([], addresses, RoundRobin(), RoundRobin())
     dispatcher = Dispatcher(RouterConfig(model="fake", decode=addresses, full_retry_s=0.1), registry)
-    runner = await start_http(OpenAIFrontend(dispatcher, CharTokenizer(), "fake").app(),
+    runner = await start_http(OpenAIFrontend(dispatcher, tokenizer or CharTokenizer(), "fake").app(),
                               "127.0.0.1", 0, "test")
     try:
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
