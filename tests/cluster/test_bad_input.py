@@ -98,6 +98,7 @@ sampling = st.fixed_dictionaries({}, optional={
     "seed": st.integers(0, 2**64 - 1), "ignore_eos": st.booleans(),
     "stop": st.lists(st.text(max_size=5), max_size=3),
     "stop_token_ids": st.lists(st.integers(-2, VOCAB + 2), max_size=3),
+    "min_tokens": st.integers(-2, 10), "bad_words": st.lists(st.text(max_size=6), max_size=3),
 })
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=list(HealthCheck))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.router.openai_protocol import OpenAIError, sampling_from_body, tools_of
 from pdserve.router.tokenizer import PromptTokenizer
@@ -178,3 +180,31 @@ def test_required_named_and_none_answers():
     assert answer(tools(tool_choice="none"), AUTO, [7]) == (AUTO, [], "stop")
     serial = tools(parallel_tool_calls=False)
     assert answer(serial, AUTO, [])[1] == [("get_weather", '{"city": "Paris"}')]
+
+
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=8)),
+                           lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                   st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+                           max_leaves=12)
+tool_like = st.fixed_dictionaries({"type": st.sampled_from(["function", "other"])}, optional={
+    "function": st.fixed_dictionaries({}, optional={
+        "name": st.one_of(st.sampled_from(["get_weather", "get_time", "bad name"]), json_values),
+        "description": json_values, "parameters": json_values})})
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(tools=st.one_of(json_values, st.lists(tool_like, max_size=3)),
+       choice=st.one_of(json_values, st.sampled_from(["none", "auto", "required"]),
+                        st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+                            {"name": st.sampled_from(["get_weather", "get_time", "nope"])})})),
+       parallel=json_values, text=st.text(alphabet=st.sampled_from(list('<>/tool_cal{}":, ax[]')), max_size=60))
+def test_any_body_is_tools_or_a_400_and_any_answer_splits(tools, choice, parallel, text):
+    body = {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}
+    try:
+        given_tools = tools_of(body)
+    except OpenAIError as err:
+        assert err.status == 400 and err.param in ("tools", "tool_choice", "parallel_tool_calls")
+        return
+    if given_tools is not None:
+        content, calls, _ = answer(given_tools, text, [len(text) // 2], "stop")
+        assert all(name in given_tools.functions for name, _ in calls)
