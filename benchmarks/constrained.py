@@ -1,12 +1,13 @@
 """`pdserve bench constrained`: what held generation costs. Greedy generation with pdserve's
 `LLM` under every penalty at once (repetition 1.2, frequency 0.5, presence 0.5, a logit
-bias on four tokens) and under two structured outputs (a regular expression of letters,
-and a JSON Schema: an array of strings), each beside pdserve's plain greedy generation of
+bias on four tokens), under bans (`min_tokens` the whole answer, four common `bad_words`)
+and under two structured outputs (a regular expression of letters, and a JSON Schema: an
+array of strings), each beside pdserve's plain greedy generation of
 the same tokens (`*_vs_plain`, ratios of throughputs) and transformers' `generate` with the
 same rules as logits processors, in left-padded batches (`*_speedup_vs_transformers`).
 
-Every run generates exactly `--new` tokens a prompt: plain greedy ignores EOS, and neither
-structure can end sooner (1,000 letters or 200 strings at least, EOS not allowed before),
+Every run generates exactly `--new` tokens a prompt: plain greedy ignores EOS, the bans
+hold it back to the end, and neither structure can end sooner (1,000 letters or 200 strings at least, EOS not allowed before),
 so the batches shrink alike (`*_full_length` says it held). pdserve's runs alternate, twice each, the fastest kept: a
 workload's first run pays for what the warm-up did not touch. `*_matching_prompts` counts
 prompts whose tokens equal transformers'. Both apply the same rules, but a padded batch's
@@ -28,6 +29,7 @@ from pdserve.benchmarks.engine import FIRST_PROMPT_TOKEN, random_prompts
 from pdserve.benchmarks.model_choice import add_transformers_comparison_flags
 
 PENALTIES = dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5)
+BAD_WORDS = ["the", "and", "of", "to"]  # common: an English text meets them at once
 # Neither can be complete within 128 tokens (a token holds a few letters; a string item
 # takes two tokens at least), so no row ends early.
 STRUCTURES = {"regex": "[a-z ]{1000,}",
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     greedy = dict(max_tokens=new, temperature=0.0)
     params = {"plain": SamplingParams(**greedy, ignore_eos=True),
               "penalties": SamplingParams(**greedy, ignore_eos=True, logit_bias=bias, **PENALTIES),
+              "bans": SamplingParams(**greedy, min_tokens=new, bad_words=BAD_WORDS),
               **{name: SamplingParams(**greedy, structured_output=spec) for name, spec in specs.items()}}
     llm = LLM(model.dir, dtype=args.dtype, enable_prefix_cache=False)
     for p in params.values():  # one-time set-up (the grammars' tables too) stays out of the figures
@@ -132,8 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(model.dir, dtype=getattr(torch, args.dtype)).eval()
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     batches = [prompts[b:b + args.hf_batch_size] for b in range(0, count, args.hf_batch_size)]
+    banned = llm.engine.bans.of(params["bans"], [], 0)  # the words' token ids, as the engine bans them
     baselines = {"penalties": lambda batch: transformers_penalized(hf, batch, new, pad_id, logit_bias=bias, eos=False,
                                                                     **PENALTIES),
+                 "bans": lambda batch: transformers_greedy(hf, batch, new, pad_id, eos=False, bad_words_ids=[
+                     [t] for t in banned.always] + [list(f) for f in banned.after]),
                  **{name: lambda batch, spec=spec: transformers_greedy(
                      hf, batch, new, pad_id, processors=lambda _: [LogitsProcessor(llm.engine.grammars.compiled(spec))])
                     for name, spec in specs.items()}}
@@ -141,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model": model.described(args.dtype, config), "threads": torch.get_num_threads(), "quick": args.quick,
               "num_prompts": count, "new_tokens_each": new,
               "penalties": {**PENALTIES, "logit_bias": {str(t): b for t, b in bias.items()}},
+              "bans": {"min_tokens": new, "bad_words": BAD_WORDS},
               "structures": STRUCTURES, "pdserve_runs_s": {name: [round(t, 3) for t, _ in r] for name, r in runs.items()},
               "pdserve_plain_tokens_per_s": round(tokens / best["plain"], 1)}
     for name, baseline in baselines.items():

@@ -1,5 +1,5 @@
 """`pdserve bench constrained --quick --json` times pdserve plain, under penalties and under
-two structured outputs, and transformers under the same rules, and finds pdserve's tokens
+bans and two structured outputs, and transformers under the same rules, and finds pdserve's tokens
 the same as transformers'."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def test_quick_constrained_bench_reports_every_rule_against_plain_and_transforme
     assert report["model"]["name"] == "bench-random-tiny" and report["quick"] is True
     assert (report["num_prompts"], report["new_tokens_each"]) == (4, 8)
     assert report["pdserve_plain_tokens_per_s"] > 0
-    for rule in ("penalties", "regex", "json"):
+    for rule in ("penalties", "bans", "regex", "json"):
         assert report[f"pdserve_{rule}_tokens_per_s"] > 0 and report[f"transformers_{rule}_tokens_per_s"] > 0
         assert report[f"{rule}_vs_plain"] == pytest.approx(
             report[f"pdserve_{rule}_tokens_per_s"] / report["pdserve_plain_tokens_per_s"], rel=0.01)
