@@ -7,8 +7,9 @@ step's forward calls `append_token_id` when the id arrives and `append_text` a s
 Invariants:
 - A stop token (an EOS unless `ignore_eos`, or one of `stop_token_ids`) is kept in
   `token_ids` (as transformers' `generate` does) but adds no text.
-- A stop string ends the sequence and is cut from the text, with whatever followed it;
-  not before the output has `min_tokens` tokens (nor can a stop token: engine/bans.py).
+- A stop string ends the sequence and is cut from the text, with whatever followed it
+  (`include_stop_str_in_output` keeps the string itself); not before the output has
+  `min_tokens` tokens (nor can a stop token: engine/bans.py).
 - Streamed text is never retracted: while stop strings are set, the last
   `max(len(stop)) - 1` characters are held back, since a stop string could begin there.
 """
@@ -58,6 +59,8 @@ def append_text(seq: Sequence, token: int, is_stop_token: bool) -> None:
         searched_from = len(seq.text) + len(seq.pending_text)
         full = seq.text + seq.pending_text + delta
         cut = find_stop(full, params.stop, searched_from)
+        if cut is not None and params.include_stop_str_in_output:  # the first listed that begins there
+            cut += len(next(s for s in params.stop if s and full.startswith(s, cut)))
         if cut is not None:
             # The hold-back guarantees a match never begins inside already streamed text.
             full = full[:cut]

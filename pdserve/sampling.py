@@ -88,6 +88,7 @@ class SamplingParams:
     # output before it has `min_tokens` tokens; no `bad_words` word is ever written.
     min_tokens: int = 0
     bad_words: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
 
     @property
     def penalized(self) -> bool:

@@ -44,7 +44,8 @@ IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop
                "logit_bias", "response_format",
                # pdserve's extras, as vLLM names them
                "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "repetition_penalty",
-               "structured_outputs", "min_tokens", "bad_words"}
+               "structured_outputs", "min_tokens", "bad_words", "include_stop_str_in_output",
+               "truncate_prompt_tokens"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
                     True: {"messages", "max_completion_tokens", "top_logprobs", "tools",
                            "tool_choice", "parallel_tool_calls",
@@ -159,8 +160,9 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int,
         if not 0 <= seed < 2 ** 64:
             raise invalid(f"seed must be in [0, 2**64), got {seed}", "seed")
         pb.seed = seed
-    if _typed(body, "ignore_eos", (bool,), "a boolean"):
-        pb.ignore_eos = True
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        if _typed(body, name, (bool,), "a boolean"):
+            setattr(pb, name, True)
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):

@@ -156,6 +156,11 @@ def _post(url: str, data: bytes) -> tuple[int, dict]:
     ("/tokenize", b'{"model": "M", "messages": [{"role": "user"}]}', "messages"),
     ("/tokenize", b'{"model": "M", "prompt": "hi", "stream": true}', "stream"),
     ("/detokenize", b'{"model": "M", "tokens": [1, 99999]}', "tokens"),
+    ("/v1/completions", b'{"model": "M", "prompt": "hi", "truncate_prompt_tokens": 0}', "truncate_prompt_tokens"),
+    ("/v1/completions", b'{"model": "M", "prompt": "hi", "truncate_prompt_tokens": 2, "echo": true}',
+     "truncate_prompt_tokens"),
+    ("/v1/completions", b'{"model": "M", "prompt": "hi", "include_stop_str_in_output": 1}',
+     "include_stop_str_in_output"),
 ])
 def test_bad_requests_are_400s_in_openai_error_shape(cluster, model, path, body, param):
     status, reply = _post(cluster.http + path, body.replace(b'"M"', json.dumps(model).encode()))
@@ -183,6 +188,21 @@ def test_tokenize_and_detokenize_answer_with_the_model_s_own_ids_and_text(cluste
     assert chat["count"] == whole.usage.prompt_tokens == len(chat["tokens"])  # the chat request's prompt
     status, back = _post(cluster.http + "/detokenize", json.dumps({"model": model, "tokens": want}).encode())
     assert status == 200 and back == {"prompt": tok.decode(want)}
+
+
+def test_truncate_prompt_tokens_serves_the_prompt_s_last_tokens(api, model, cluster):
+    ids = [(i * 37) % 400 + 30 for i in range(40)]
+
+    async def grpc_answer():
+        async with AsyncClient(cluster.grpc) as client:
+            return await client.generate(ids[-10:], temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    cut = api.completions.create(model=model, prompt=ids, **{
+        **GREEDY, "extra_body": {**GREEDY["extra_body"], "truncate_prompt_tokens": 10}})
+    assert cut.usage.prompt_tokens == 10 and cut.choices[0].text == run(grpc_answer()).text
+    whole = api.completions.create(model=model, prompt=ids, **{
+        **GREEDY, "extra_body": {**GREEDY["extra_body"], "truncate_prompt_tokens": -1}})
+    assert whole.usage.prompt_tokens == 40  # -1: up to the model's context, which it fits
 
 
 def test_a_client_that_leaves_mid_stream_aborts_the_request_on_every_node(cluster, model):

@@ -59,6 +59,10 @@ def test_stop_string_is_cut_from_text(llm, prompts_of_lengths):
     out = llm.generate([p], greedy(max_tokens=16, stop=[stop]))[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[:cut]
+    # vLLM's include_stop_str_in_output: the string stays; of two beginning there, the first listed
+    kept = llm.generate([p], greedy(max_tokens=16, stop=[stop[:2] + "\x00", stop, stop[:2]],
+                                    include_stop_str_in_output=True))[0]
+    assert kept.finish_reason == "stop" and kept.text == full.text[:cut + len(stop)]
 
 
 def test_streamed_text_adds_up_and_never_contains_the_stop_string(make_engine, prompts_of_lengths):
