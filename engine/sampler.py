@@ -12,8 +12,8 @@ Invariants:
   always survives. Top-p without top-k needs a full sort of the vocabulary (as in vLLM);
   top-k alone needs only a partial top-k.
 - Penalties and logit bias (engine/penalties.py), then bans (engine/bans.py), then a
-  structured output's mask (engine/structured.py), adjust a copy of a row's logits first, greedy rows included; a
-  step with no such row makes no copy.
+  structured output's mask (engine/structured.py), adjust a copy of a row's logits first,
+  greedy rows included; a step with no such row makes no copy.
 - Logprobs are the log-softmax of the *unmodified* logits (before penalties, temperature
   and the filters), which is what vLLM reports by default ("raw logprobs"): they describe
   the model, not the sampling policy, so they are comparable across sampling settings.
