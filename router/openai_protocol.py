@@ -181,12 +181,13 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int,
         structured = structured_output(body)
     except BadStructure as err:
         raise invalid(str(err), err.param) from None
-    if tools is not None and tools.structure() is not None:
+    forced = tools.structure() if tools is not None else None
+    if forced is not None:
         if structured is not None:
             raise invalid(f"tool_choice {tools.mode!r} holds the answer to the tools' arguments, so it "
                           "cannot also follow response_format or structured_outputs: send one",
                           "tool_choice")
-        structured = tools.structure()
+        structured = forced
     if structured is not None:
         pb.structured_output.CopyFrom(structured)
     if chat:
