@@ -177,7 +177,7 @@ class OpenAIFrontend:
         observer = StreamObserver(self.role, request_id, api="chat" if chat else "completions")
         try:
             body = await self._body(request)
-            tools = tools_of(body) if chat else None
+            tools = tools_of(body, self.tokenizer.tool_dialect) if chat else None
             prompts = _truncated(body, [chat_prompt(body, self.tokenizer, tools)] if chat else completion_prompts(
                 body, self.tokenizer.encode, validation.max_prompt_chars(self.tokenizer.card)),
                 self.tokenizer.card.max_model_len)

@@ -24,6 +24,7 @@ from pdserve.proto import pdserve_pb2
 
 from .chat import template_options
 from .response_format import BadStructure, structured_output
+from .tool_dialects import HERMES, Dialect
 from .tools import Tools, tools_from_body
 
 HTTP_STATUS = {
@@ -249,10 +250,11 @@ def _prompt_ids(prompt, encode, max_chars: int, name: str) -> list[int]:
     return ids
 
 
-def tools_of(body: dict) -> Tools | None:
-    """The chat request's checked tools (router/tools.py), or None."""
+def tools_of(body: dict, dialect: Dialect = HERMES) -> Tools | None:
+    """The chat request's checked tools (router/tools.py) for a model that calls them in
+    `dialect`, or None."""
     try:
-        return tools_from_body(body)
+        return tools_from_body(body, dialect)
     except BadStructure as err:
         raise invalid(str(err), err.param) from None
 

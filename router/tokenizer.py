@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pdserve.models.catalogue import served_name
 from pdserve.router import chat, reasoning
+from pdserve.router.tool_dialects import dialect_of
 from pdserve.router.tools import Tools, template_inputs
 from pdserve.router.validation import max_prompt_chars
 
@@ -58,6 +59,7 @@ class PromptTokenizer:
         # What ends a chat answer; a conversation's request also stops there (validation.py).
         self.end_of_turn_ids = chat.end_of_turn_ids(self.tokenizer, path, config)
         self.thinks = reasoning.thinks(self.tokenizer.chat_template)  # router/reasoning.py
+        self.tool_dialect = dialect_of(self.tokenizer.chat_template)  # router/tool_dialects.py
 
     def opens_thinking(self, prompt_ids: list[int]) -> bool:
         """Whether a chat prompt ends inside an open think block (its last ids are enough)."""

@@ -10,16 +10,17 @@ results a conversation carries, and the calls an answer makes.
 - `tool_choice` decides what the answer may be:
   - "none": text. The tools are left out of the prompt, so the model is not invited to
     write a call it may not make (vLLM's `--exclude-tools-when-tool-choice-none`).
-  - "auto" (the default with tools): text, in which each `<tool_call>` block naming a tool
-    with an arguments object becomes a call (the first alone when `parallel_tool_calls` is
-    false). A block that does not parse leaves the whole answer as text, never half of it.
+  - "auto" (the default with tools): text, in which the calls the model writes in its
+    family's way (router/tool_dialects.py: Hermes' `<tool_call>` blocks, Llama 3's JSON,
+    Mistral's `[TOOL_CALLS]`) become calls, the first alone when `parallel_tool_calls` is
+    false. A call that does not parse leaves the whole answer as text, never half of it.
   - "required": the answer is held by structured output (engine/structured.py) to a JSON
     array of one or more `{"name", "arguments"}`, each naming a tool and fitting its
     `parameters`; one call when `parallel_tool_calls` is false.
   - a named function: the answer is held to its `parameters` and is the call's arguments.
 - Streaming: a named call's arguments stream as they come. The text of "auto" streams
-  until a `<tool_call>` begins (a possible start is held back); calls come whole when the
-  choice ends, as "required"'s do.
+  until a call begins (a possible start is held back); calls come whole when the choice
+  ends, as "required"'s do.
 - Finish reason: "tool_calls" when an answer that stopped by itself made calls; a named
   call ends "stop", as OpenAI's does when a function is forced.
 """
@@ -28,16 +29,14 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 
 from pdserve.proto import pdserve_pb2
 
 from .response_format import BadStructure
+from .tool_dialects import HERMES, HERMES_CLOSE, HERMES_OPEN, Dialect, call_of
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
 MODES = ("none", "auto", "required")
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -46,11 +45,13 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 class Tools:
     """A request's checked tools. `functions`: name to {"name", "description"?,
     "parameters"}; `mode`: "none", "auto", "required" or "function" (then `function` is the
-    one forced); `parallel`: whether one answer may make several calls."""
+    one forced); `parallel`: whether one answer may make several calls; `dialect`: how the
+    model writes calls (router/tool_dialects.py)."""
     functions: dict[str, dict]
     mode: str
     function: str | None = None
     parallel: bool = True
+    dialect: Dialect = HERMES
 
     def for_template(self) -> list[dict]:
         return [{"type": "function", "function": f} for f in self.functions.values()]
@@ -70,9 +71,10 @@ class Tools:
         return pdserve_pb2.StructuredOutput(json_schema=json.dumps(schema))
 
 
-def tools_from_body(body: dict) -> Tools | None:
-    """The request's `tools`, `tool_choice` and `parallel_tool_calls`, checked; None without
-    tools. BadStructure (a 400) names the field and the value that broke the rule."""
+def tools_from_body(body: dict, dialect: Dialect = HERMES) -> Tools | None:
+    """The request's `tools`, `tool_choice` and `parallel_tool_calls`, checked, for a model
+    that writes calls in `dialect`; None without tools. BadStructure (a 400) names the field
+    and the value that broke the rule."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -93,9 +95,9 @@ def tools_from_body(body: dict) -> Tools | None:
         functions[function["name"]] = function
     named = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     if isinstance(named, dict) and named.get("name") in functions:
-        return Tools(functions, "function", named["name"], parallel is not False)
+        return Tools(functions, "function", named["name"], parallel is not False, dialect)
     if choice is None or choice in MODES:
-        return Tools(functions, choice or "auto", None, parallel is not False)
+        return Tools(functions, choice or "auto", None, parallel is not False, dialect)
     if isinstance(named, dict):
         raise BadStructure(f"tool_choice names function {named.get('name')!r:.80}, which is not in tools "
                            f"({', '.join(functions)})", "tool_choice")
@@ -141,7 +143,7 @@ def template_inputs(messages: list[dict], tools: Tools | None, template: str | N
             else:
                 folded.append({"role": "user", "content": text, "tool_results": True})
         elif "tool_calls" in m:
-            blocks = [f"{OPEN}\n{json.dumps(_as_object(c)['function'], ensure_ascii=False)}\n{CLOSE}"
+            blocks = [f"{HERMES_OPEN}\n{json.dumps(_as_object(c)['function'], ensure_ascii=False)}\n{HERMES_CLOSE}"
                       for c in m["tool_calls"]]
             folded.append({"role": m["role"], "content": "\n".join(filter(None, [m["content"], *blocks]))})
         else:
@@ -161,8 +163,8 @@ def _described(tools: Tools) -> str:
     return ("You may call functions to answer. They are listed here, one JSON object per line:\n"
             f"<tools>\n{listed}\n</tools>\n"
             "To call one, write a JSON object with the function's name and its arguments inside "
-            f"{OPEN}{CLOSE} tags, one block per call:\n"
-            f'{OPEN}\n{{"name": <function name>, "arguments": <arguments object>}}\n{CLOSE}')
+            f"{HERMES_OPEN}{HERMES_CLOSE} tags, one block per call:\n"
+            f'{HERMES_OPEN}\n{{"name": <function name>, "arguments": <arguments object>}}\n{HERMES_CLOSE}')
 
 
 def _as_object(call: dict) -> dict:
@@ -183,7 +185,8 @@ class CallStream:
     def __init__(self, tools: Tools) -> None:
         self.tools = tools
         self.held = ""          # text not given out yet
-        self.calling = False    # "auto": a <tool_call> began, the rest waits for the end
+        self.calling = False    # "auto": a call began, the rest waits for the end
+        self.texting = False    # "auto", a dialect whose calls begin the answer: this one did not
         self.opened = False     # "function": the call's first delta went out
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
@@ -194,18 +197,31 @@ class CallStream:
         if mode == "function":
             if not self.opened:
                 self.opened = True
-                return "", [_call(0, self.tools.function, text)]
+                return "", [self._call(0, self.tools.function, text)]
             return "", [{"index": 0, "function": {"arguments": text}}] if text else []
         self.held += text
         if mode == "required" or self.calling:
             return "", []
-        at = self.held.find(OPEN)
+        dialect = self.tools.dialect
+        if not dialect.anywhere:
+            head = self.held.lstrip()
+            if not self.texting and head.startswith(dialect.starts):
+                self.calling = True
+            elif not self.texting and any(s.startswith(head) for s in dialect.starts):
+                pass  # may yet begin a call
+            else:
+                self.texting = True
+                content, self.held = self.held, ""
+                return content, []
+            return "", []
+        at = self.held.find(dialect.starts[0])
         if at >= 0:
             self.calling = True
             content, self.held = self.held[:at], self.held[at:]
             return content, []
-        keep = next(k for k in range(min(len(OPEN) - 1, len(self.held)), -1, -1)
-                    if self.held.endswith(OPEN[:k]))  # what may yet become `<tool_call>`
+        opener = dialect.starts[0]
+        keep = next(k for k in range(min(len(opener) - 1, len(self.held)), -1, -1)
+                    if self.held.endswith(opener[:k]))  # what may yet become the opener
         cut = len(self.held) - keep
         content, self.held = self.held[:cut], self.held[cut:]
         return content, []
@@ -218,12 +234,17 @@ class CallStream:
         if self.tools.mode == "none":
             return held, [], reason
         parsed = _array(held, self.tools) if self.tools.mode == "required" else \
-            _blocks(held, self.tools) if self.calling else None
+            self.tools.dialect.parse(held, self.tools.functions) if self.calling else None
         if not parsed:
             return held, [], reason
         content, calls = parsed
-        deltas = [_call(i, name, arguments) for i, (name, arguments) in enumerate(calls)]
+        calls = calls if self.tools.parallel else calls[:1]
+        deltas = [self._call(i, name, arguments) for i, (name, arguments) in enumerate(calls)]
         return content, deltas, "tool_calls" if reason == "stop" else reason
+
+    def _call(self, index: int, name: str, arguments: str) -> dict:
+        return {"index": index, "id": self.tools.dialect.call_id(), "type": "function",
+                "function": {"name": name, "arguments": arguments}}
 
 
 def merge_calls(calls: list[dict], deltas: list[dict]) -> None:
@@ -235,39 +256,10 @@ def merge_calls(calls: list[dict], deltas: list[dict]) -> None:
             calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
 
 
-def _call(index: int, name: str, arguments: str) -> dict:
-    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-
-
-def _one(value, tools: Tools) -> tuple[str, str] | None:
-    """(name, arguments text) of a call object naming a tool, else None."""
-    if not isinstance(value, dict) or value.get("name") not in tools.functions:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    return (value["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
-
-
 def _array(text: str, tools: Tools):
     try:
         value = json.loads(text)
     except ValueError:
         return None  # cut short (length): the text is the answer
-    calls = [_one(v, tools) for v in value] if isinstance(value, list) else [None]
+    calls = [call_of(v, tools.functions) for v in value] if isinstance(value, list) else [None]
     return ("", calls) if calls and None not in calls else None
-
-
-def _blocks(text: str, tools: Tools):
-    calls, rest, at = [], [], 0
-    for block in BLOCK.finditer(text):
-        rest.append(text[at:block.start()])
-        at = block.end()
-        try:
-            call = _one(json.loads(block.group(1)), tools)
-        except ValueError:
-            return None
-        if call is None:
-            return None
-        calls.append(call)
-    rest.append(text[at:])
-    return "".join(rest).strip(), calls if tools.parallel else calls[:1]

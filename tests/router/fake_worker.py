@@ -17,6 +17,7 @@ from pdserve.router.policies import RoundRobin
 from pdserve.router.registry import WorkerRegistry
 from pdserve.router.service import GenerationService
 from pdserve.router.tokenizer import ModelCard
+from pdserve.router.tool_dialects import HERMES
 
 
 class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
@@ -127,6 +128,7 @@ async def start_fake(worker: FakeWorker) -> tuple[grpc.aio.Server, str]:
 class CharTokenizer:
     card = ModelCard(model="fake", vocab_size=256, max_model_len=128, eos_token_ids=[2])
     thinks = False  # no think tags (router/reasoning.py)
+    tool_dialect = HERMES  # router/tool_dialects.py
 
     def encode(self, text):
         return [ord(c) for c in text]

@@ -2,12 +2,14 @@
 tool choices are 400s naming the field and value; the prompt is the template's own
 rendering where it knows tools, and a system message listing them where it does not; the
 "required" structure takes a call to a listed tool and nothing else (xgrammar, as the
-decode node compiles it); and an answer's text gives the same content and calls streamed in
-any pieces as whole."""
+decode node compiles it); the calls of an "auto" answer are read in the dialect its
+template asks for (Hermes, Llama 3 JSON, Mistral); and an answer's text gives the same
+content and calls streamed in any pieces as whole."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 
 from pdserve.router.openai_protocol import OpenAIError, sampling_from_body, tools_of
 from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.router.tool_dialects import DIALECTS, HERMES, dialect_of
 from pdserve.router.tools import CallStream, merge_calls, tools_from_body
 from tests.chat_checkpoint import write_tokenizer_only
 
@@ -38,8 +41,8 @@ HISTORY = [{"role": "user", "content": "weather in Paris?"},
            {"role": "tool", "tool_call_id": "call_2", "content": "12:00"}]
 
 
-def tools(**body):
-    return tools_from_body({"tools": TOOLS, **body})
+def tools(dialect=HERMES, **body):
+    return tools_from_body({"tools": TOOLS, **body}, dialect)
 
 
 @pytest.mark.parametrize("body,param,named", [
@@ -182,6 +185,78 @@ def test_required_named_and_none_answers():
     assert answer(serial, AUTO, [])[1] == [("get_weather", '{"city": "Paris"}')]
 
 
+# Each dialect's answers: (text, content, calls, finish reason), with a stop at the end.
+LLAMA3, MISTRAL = DIALECTS["llama3_json"], DIALECTS["mistral"]
+DIALECT_ANSWERS = [
+    (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "",
+     [("get_weather", '{"city": "Paris"}')], "tool_calls"),
+    (LLAMA3, ' <|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "arguments": '
+             '{"city": "Oslo"}};', "", [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')], "tool_calls"),
+    (LLAMA3, '{"name": "get_time", "parameters": {}}\nIt is noon.', "It is noon.", [("get_time", "{}")],
+     "tool_calls"),
+    (LLAMA3, 'I will call {"name": "get_time", "parameters": {}}', None, [], "stop"),  # not first: text
+    (LLAMA3, '{"answer": 4}', None, [], "stop"),
+    (LLAMA3, '{"name": "get_time", "parameters": {}}; {"name": "get_news", "parameters": {}}', None, [], "stop"),
+    (LLAMA3, '<|python_tag|', None, [], "stop"),
+    (MISTRAL, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+              '{"name": "get_time", "arguments": {}}]', "",
+     [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")], "tool_calls"),
+    (MISTRAL, '[{"name": "get_time", "arguments": {}}]', "", [("get_time", "{}")], "tool_calls"),
+    (MISTRAL, "[1] says it is sunny.", None, [], "stop"),
+    (MISTRAL, '[TOOL_CALLS] {"name": "get_time", "arguments": {}}', None, [], "stop"),
+    (MISTRAL, "Sunny, [TOOL_CALLS] later.", None, [], "stop"),
+]
+
+
+@pytest.mark.parametrize("dialect,text,content,calls,finish", DIALECT_ANSWERS)
+def test_each_dialect_reads_its_calls_the_same_streamed_in_any_pieces(dialect, text, content, calls, finish):
+    given = tools(dialect)
+    want = (text if content is None else content, calls, finish)
+    for cut in range(len(text) + 1):
+        assert answer(given, text, [cut]) == want, cut
+    assert answer(given, text, list(range(1, len(text)))) == want
+    if calls and not content:  # a call cut short: the answer is its text
+        assert answer(given, text[:-3], [], "length") == (text[:-3], [], "length")
+
+
+def test_a_text_answer_streams_as_it_comes_in_every_dialect():
+    for dialect in DIALECTS.values():
+        stream = CallStream(tools(dialect))
+        assert stream.feed("  ")[0] + stream.feed("It")[0] == "  It"  # out once it is not a call
+        assert stream.feed(" is {") == (" is {", []) and stream.finish("stop") == ("", [], "stop")
+
+
+def test_mistral_calls_get_the_nine_character_ids_its_template_takes():
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for dialect, shape in ((MISTRAL, r"[A-Za-z0-9]{9}"), (LLAMA3, r"call_[0-9a-f]{24}"), (HERMES, r"call_[0-9a-f]{24}")):
+        for given, text in ((tools(dialect, tool_choice=named), "{}"),
+                            (tools(dialect, tool_choice="required"), '[{"name": "get_time", "arguments": {}}]')):
+            stream = CallStream(given)
+            deltas = stream.feed(text)[1] + stream.finish("stop")[1]
+            assert re.fullmatch(shape, deltas[0]["id"]), (dialect.name, deltas)
+
+
+# Excerpts of the real templates: the lines that say how the model is to call.
+LLAMA31_TEMPLATE = (
+    "{%- if tools is not none %}{{- 'Given the following functions, please respond with a JSON for a function "
+    "call with its proper arguments that best answers the given prompt.\\n\\n' }}{{- 'Respond in the format "
+    "{\"name\": function name, \"parameters\": dictionary of argument name and its value}.' }}{%- endif %}"
+    "{%- if builtin_tools is defined %}{{- '<|python_tag|>' }}{%- endif %}")
+MISTRAL_TEMPLATE = ('{%- if tools is not none %}{{- "[AVAILABLE_TOOLS] [" }}{%- endif %}'
+                    '{%- for m in messages %}{%- if m.tool_calls is defined %}{{- "[TOOL_CALLS] [" }}{%- endif %}'
+                    '{%- endfor %}')
+QWEN_TEMPLATE = ("{%- if tools %}{{- '<tools>' }}{%- for tool in tools %}{{- tool | tojson }}{%- endfor %}"
+                 "{{- '</tools>\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+                 "\\n</tool_call>' }}{%- endif %}")
+
+
+def test_the_template_names_the_dialect(tmp_path, tiny_model):
+    assert [dialect_of(t).name for t in (LLAMA31_TEMPLATE, MISTRAL_TEMPLATE, QWEN_TEMPLATE, TOOLS_TEMPLATE, None)] \
+        == ["llama3_json", "mistral", "hermes", "hermes", "hermes"]
+    assert PromptTokenizer(tiny_model).tool_dialect is HERMES  # its system message asks for Hermes' blocks
+    assert PromptTokenizer(str(write_tokenizer_only(tmp_path, MISTRAL_TEMPLATE))).tool_dialect is MISTRAL
+
+
 json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=8)),
                            lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                    st.dictionaries(st.text(max_size=8), inner, max_size=3)),
@@ -192,19 +267,29 @@ tool_like = st.fixed_dictionaries({"type": st.sampled_from(["function", "other"]
         "description": json_values, "parameters": json_values})})
 
 
+# Answers made of the pieces calls are written with, as well as of their characters.
+PIECES = [" ", "\n", "text", "<tool_call>", "</tool_call>", "<tool_", "[TOOL_CALLS]", "<|python_tag|>", "<|py",
+          '{"name": "get_time", "arguments": {}}', '{"name": "get_weather", "parameters": {"city": "x"}}',
+          '{"name": "nope", "arguments": {}}', "[", "]", "{", "}", ";", ","]
+answers = st.one_of(st.text(alphabet=st.sampled_from(list('<>/tool_cal{}":, ax[];|')), max_size=60),
+                    st.lists(st.sampled_from(PIECES), max_size=8).map("".join))
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(tools=st.one_of(json_values, st.lists(tool_like, max_size=3)),
        choice=st.one_of(json_values, st.sampled_from(["none", "auto", "required"]),
                         st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
                             {"name": st.sampled_from(["get_weather", "get_time", "nope"])})})),
-       parallel=json_values, text=st.text(alphabet=st.sampled_from(list('<>/tool_cal{}":, ax[]')), max_size=60))
-def test_any_body_is_tools_or_a_400_and_any_answer_splits(tools, choice, parallel, text):
+       parallel=json_values, dialect=st.sampled_from(list(DIALECTS.values())), text=answers,
+       cut=st.integers(0, 300))
+def test_any_body_is_tools_or_a_400_and_any_answer_splits(tools, choice, parallel, dialect, text, cut):
     body = {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}
     try:
-        given_tools = tools_of(body)
+        given_tools = tools_of(body, dialect)
     except OpenAIError as err:
         assert err.status == 400 and err.param in ("tools", "tool_choice", "parallel_tool_calls")
         return
     if given_tools is not None:
-        content, calls, _ = answer(given_tools, text, [len(text) // 2], "stop")
+        content, calls, finish = answer(given_tools, text, [min(cut, len(text))], "stop")
         assert all(name in given_tools.functions for name, _ in calls)
+        assert (content, calls, finish) == answer(given_tools, text, [], "stop")

@@ -1,0 +1,116 @@
+"""How a model writes the tool calls of an "auto" answer, by its chat template's family
+(what vLLM's `--tool-call-parser` names; here the template decides, `dialect_of`):
+
+- "hermes": `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks anywhere in
+  the text. Qwen2.5, Qwen3 and Hermes templates ask for these, and so does the system
+  message pdserve writes for a template that knows no tools (router/tools.py).
+- "llama3_json": the answer is one or more `{"name": ..., "parameters": {...}}` objects,
+  `;` between them, after an optional `<|python_tag|>` (Llama 3.1 to 3.3's JSON calls).
+- "mistral": the answer is `[TOOL_CALLS]` and a JSON array of `{"name", "arguments"}`
+  (Mistral's v3 tokenizer). `[TOOL_CALLS]` is a special token, dropped from the text as the
+  others are, so an answer that begins with the array is a call as well. Mistral's
+  templates refuse call ids that are not 9 letters or digits, so its calls get such ids.
+
+In the last two a call can only begin the answer: an answer whose first non-space
+characters are a call's start is held back until it ends, then given as calls, or whole as
+text when it does not parse; any other answer streams as it comes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|\Z)", re.S)
+PYTHON_TAG, TOOL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    starts: tuple[str, ...]  # what a call begins with ("hermes": anywhere, else the answer)
+    anywhere: bool
+
+    def call_id(self) -> str:
+        return uuid.uuid4().hex[:9] if self.name == "mistral" else f"call_{uuid.uuid4().hex[:24]}"
+
+    def parse(self, text: str, functions: dict) -> tuple[str, list[tuple[str, str]]] | None:
+        """(content left, [(name, arguments text)]) of an answer that makes calls to
+        `functions`, or None when any part of it does not parse as a call to one of them."""
+        if self.anywhere:
+            return _blocks(text, functions)
+        head, marker = text.strip(), self.starts[0]  # the special token, where it was kept
+        head = head[len(marker):].lstrip() if head.startswith(marker) else head
+        values, at = _values(head, ";" if self.name == "llama3_json" else "")
+        if not values:
+            return None
+        if self.name == "mistral":
+            values = values[0] if len(values) == 1 and isinstance(values[0], list) else [None]
+        calls = [call_of(v, functions) for v in values]
+        return (head[at:].strip(), calls) if calls and None not in calls else None
+
+
+HERMES = Dialect("hermes", (HERMES_OPEN,), anywhere=True)
+DIALECTS = {d.name: d for d in (HERMES, Dialect("llama3_json", (PYTHON_TAG, "{"), anywhere=False),
+                                 Dialect("mistral", (TOOL_CALLS, "["), anywhere=False))}
+
+
+def dialect_of(chat_template: str | None) -> Dialect:
+    """The dialect a chat template asks its model to call tools in; Hermes' for a template
+    that knows no tools (pdserve's system message asks for it) or is none of the others."""
+    if not isinstance(chat_template, str) or "tools" not in chat_template:
+        return HERMES
+    if TOOL_CALLS in chat_template:
+        return DIALECTS["mistral"]
+    if HERMES_OPEN in chat_template:
+        return HERMES
+    if PYTHON_TAG in chat_template or '"parameters": dictionary' in chat_template:
+        return DIALECTS["llama3_json"]
+    return HERMES
+
+
+def call_of(value, functions: dict) -> tuple[str, str] | None:
+    """(name, arguments text) of a call object naming one of `functions`, else None."""
+    if not isinstance(value, dict) or value.get("name") not in functions:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return (value["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
+
+
+def _values(text: str, separator: str) -> tuple[list, int]:
+    """The JSON values that begin `text`, `separator` (and white space) between them, and
+    where the text after them begins; ([], 0) when one does not parse."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return [], 0
+        values.append(value)
+        rest = text[at:].lstrip()
+        if not separator or not rest.startswith(separator):
+            return values, at
+        rest = rest[len(separator):].lstrip()
+        at = len(text) - len(rest)
+        if not rest:  # a separator after the last one
+            return values, at
+
+
+def _blocks(text: str, functions: dict):
+    calls, rest, at = [], [], 0
+    for found in HERMES_BLOCK.finditer(text):
+        rest.append(text[at:found.start()])
+        at = found.end()
+        try:
+            call = call_of(json.loads(found.group(1)), functions)
+        except ValueError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    rest.append(text[at:])
+    return "".join(rest).strip(), calls
+
