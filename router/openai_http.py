@@ -2,7 +2,8 @@
 the same event loop as the gRPC server.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events
-with `"stream": true`, ending with `data: [DONE]`), GET /v1/models, GET /metrics,
+with `"stream": true`, ending with `data: [DONE]`), POST /v1/responses (served as a chat
+request, router/responses_api.py; its events are named), GET /v1/models, GET /metrics,
 GET /health; and vLLM's POST /tokenize and /detokenize (router/tokenize_api.py).
 With API keys (`--api-key`, the same as the gRPC API's), every route but /health and
 /metrics needs `Authorization: Bearer <key>`, compared in constant time; without it the
@@ -32,7 +33,7 @@ import grpc
 from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router import prompt_batch, tokenize_api, validation
+from pdserve.router import prompt_batch, responses_api, tokenize_api, validation
 from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
     ChoiceLogprobs, OpenAIError, cache_salt_from_body, chat_prompt, completion_prompts, invalid,
@@ -95,6 +96,7 @@ class OpenAIFrontend:
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/responses", self.responses),
             web.get("/v1/models", self.models),
             web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize),
@@ -172,11 +174,22 @@ class OpenAIFrontend:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        observer = StreamObserver(self.role, request_id, api="chat" if chat else "completions")
+    async def responses(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await self._body(request)
+            return await self._generate(request, chat=True, responses=True)
+        except OpenAIError as err:
+            raise responses_api.renamed(err) from None
+
+    async def _generate(self, request: web.Request, chat: bool, responses: bool = False) -> web.StreamResponse:
+        """`responses`: the body is a Responses API request, served as the chat request it
+        maps to and answered in its shape."""
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        observer = StreamObserver(self.role, request_id, api="responses" if responses else "chat" if chat
+                                  else "completions")
+        try:
+            body = original = await self._body(request)
+            if responses:
+                body = responses_api.chat_body(original)
             tools = tools_of(body, self.tokenizer.tool_dialect) if chat else None
             prompts = _truncated(body, [chat_prompt(body, self.tokenizer, tools)] if chat else completion_prompts(
                 body, self.tokenizer.encode, validation.max_prompt_chars(self.tokenizer.card)),
@@ -215,6 +228,9 @@ class OpenAIFrontend:
                                                     sampling.HasField("logprobs")), tools,
                           self.tokenizer.opens_thinking(prompts[0]) if chat and self.tokenizer.thinks else None)
             headers = {"X-Request-Id": request_id}
+            if responses:
+                answer = responses_api.ResponseStream(request_id, self.model_id, original)
+                return await self._respond(request, headers, first, messages, shape, answer, body.get("stream"))
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 return await self._stream(request, headers, first, messages, shape, include_usage)
@@ -258,6 +274,37 @@ class OpenAIFrontend:
         except NodeError as err:
             await send(_as_openai_error(err, shape.chat).body())
         await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _respond(self, request, headers, msg, messages, shape, answer, stream: bool):
+        """A Responses API answer: its events as server-sent events, or its last state whole."""
+        response = None
+        if stream:
+            response = web.StreamResponse(headers={
+                **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+
+        async def send(events: list[dict]) -> None:
+            for event in events if response is not None else ():
+                await response.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+
+        await send(answer.start())
+        try:
+            while msg is not None:
+                for part in shape.chunks(msg, include_usage=True):
+                    await send(answer.feed(part))
+                msg = await anext(messages, None)
+        except NodeError as err:
+            error = responses_api.renamed(_as_openai_error(err, chat=True))
+            if response is None:
+                raise error from None
+            await send(answer.failed(error.body()["error"]))
+            await response.write_eof()
+            return response
+        await send(answer.end())
+        if response is None:
+            return web.json_response(answer.response, headers=headers)
         await response.write_eof()
         return response
 

@@ -1,0 +1,129 @@
+"""The Responses API's parts at the router (router/responses_api.py), no model running: a
+request maps to the chat request it means; a chat answer's chunks (reasoning, text, calls)
+become output items whose events, replayed, give the whole response; and a failure after
+the start ends the stream with OpenAI's error and a failed response."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.openai_protocol import OpenAIError
+from pdserve.router.responses_api import ResponseStream, chat_body, renamed
+
+MODE = {"type": "function", "name": "set_mode", "parameters": {"type": "object"}}
+
+
+def test_a_request_is_the_chat_request_it_means():
+    body = {"model": "m", "instructions": "be brief", "max_output_tokens": 9, "temperature": 0.5, "top_k": 3,
+            "safety_identifier": "u1", "store": True, "metadata": {"k": "v"}, "tools": [MODE],
+            "tool_choice": {"type": "function", "name": "set_mode"},
+            "text": {"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}}},
+            "input": [{"role": "developer", "content": "use tools"},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "light"}]},
+                      {"type": "reasoning", "id": "rs_1", "summary": []},
+                      {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+                      {"type": "function_call", "call_id": "c1", "name": "set_mode", "arguments": "{}"},
+                      {"type": "function_call", "call_id": "c2", "name": "set_mode", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "on"}]}
+    chat = chat_body(body)
+    assert chat == {
+        "model": "m", "temperature": 0.5, "top_k": 3, "user": "u1", "max_completion_tokens": 9,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": {"type": "object"}}},
+        "tools": [{"type": "function", "function": {"name": "set_mode", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "set_mode"}},
+        "messages": [
+            {"role": "system", "content": "be brief"}, {"role": "system", "content": "use tools"},
+            {"role": "user", "content": "light"},
+            {"role": "assistant", "content": "ok", "tool_calls": [  # one answer's text and calls: one turn
+                {"id": "c1", "type": "function", "function": {"name": "set_mode", "arguments": "{}"}},
+                {"id": "c2", "type": "function", "function": {"name": "set_mode", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "on"}]}
+    assert chat_body({"model": "m", "input": "hi", "tool_choice": "required"})["tool_choice"] == "required"
+
+
+@pytest.mark.parametrize("body,param,named", [
+    ({"conversation": "c1"}, "conversation", "stores none"),
+    ({"background": True}, "background", "stores none"),
+    ({"max_tokens": 5}, "max_tokens", "max_output_tokens"),
+    ({"n": 2}, "n", "one request"),
+    ({"include": ["file_search_call.results"]}, "include", "file_search_call.results"),
+    ({"truncation": "auto"}, "truncation", "'auto'"),
+    ({"tools": [{"type": "file_search"}]}, "tools", "'file_search'"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "input[0]"),
+    ({"input": 5}, "input", "5"),
+])
+def test_what_cannot_be_served_is_refused_by_its_own_name(body, param, named):
+    with pytest.raises(OpenAIError) as err:
+        chat_body({"model": "m", "input": "hi", **body})
+    assert (err.value.status, err.value.param) == (400, param) and named in err.value.message
+    assert renamed(err.value).param == param  # its own name stays
+    chat_check = renamed(OpenAIError(400, "max_tokens must be an integer >= 1, got 0", "max_tokens"))
+    assert (chat_check.param, chat_check.message) == ("max_output_tokens", "max_output_tokens must be an "
+                                                                           "integer >= 1, got 0")
+
+
+def chunk(delta: dict | None = None, finish=None, usage=None) -> dict:
+    return {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}] if delta is not None else [],
+            "usage": usage}
+
+
+def replay(events: list[dict]) -> dict:
+    """The response a client builds from the events alone."""
+    items: dict[int, dict] = {}
+    for e in events:
+        if e["type"] == "response.output_item.added":
+            items[e["output_index"]] = {**e["item"], "content": []} if "content" in e["item"] else dict(e["item"])
+        elif e["type"] == "response.content_part.added":
+            items[e["output_index"]]["content"].append(dict(e["part"]))
+        elif e["type"] in ("response.output_text.delta", "response.reasoning_text.delta"):
+            items[e["output_index"]]["content"][e["content_index"]]["text"] += e["delta"]
+        elif e["type"] == "response.function_call_arguments.delta":
+            items[e["output_index"]]["arguments"] += e["delta"]
+        elif e["type"] == "response.output_item.done":
+            assert items[e["output_index"]] == {**e["item"], "status": items[e["output_index"]]["status"]}
+            items[e["output_index"]]["status"] = e["item"]["status"]
+    return {"output": [items[i] for i in sorted(items)], "status": events[-1]["response"]["status"]}
+
+
+def test_reasoning_text_and_calls_become_items_whose_events_give_the_whole():
+    stream = ResponseStream("r1", "m", {"input": "hi", "metadata": {"k": "v"}})
+    events = stream.start()
+    assert events[0]["response"]["output"] == [] and events[0]["response"]["status"] == "in_progress"
+    for part in [chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "think"}),
+                 chunk({"reasoning_content": " more"}), chunk({"content": "Sure."}),
+                 chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                        "function": {"name": "set_mode", "arguments": '{"mode"'}}]}),
+                 chunk({"tool_calls": [{"index": 0, "function": {"arguments": ': "on"}'}}]}),
+                 chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                                        "function": {"name": "set_mode", "arguments": "{}"}}]}, "tool_calls"),
+                 chunk(None, usage={"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                                    "prompt_tokens_details": {"cached_tokens": 2}})]:
+        events += stream.feed(part)
+    events += stream.end()
+    whole = stream.response
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [(i["type"], i["status"]) for i in whole["output"]] == [
+        ("reasoning", "completed"), ("message", "completed"), ("function_call", "completed"),
+        ("function_call", "completed")]
+    assert whole["output"][0]["content"][0]["text"] == "think more"
+    assert whole["output"][1]["content"][0] == {"type": "output_text", "text": "Sure.", "annotations": []}
+    assert [(c["call_id"], c["arguments"]) for c in whole["output"][2:]] == [("call_a", '{"mode": "on"}'),
+                                                                            ("call_b", "{}")]
+    assert whole["status"] == "completed" and whole["metadata"] == {"k": "v"}
+    assert whole["usage"]["input_tokens_details"] == {"cached_tokens": 2} and whole["usage"]["output_tokens"] == 7
+    assert replay(events) == {"output": whole["output"], "status": "completed"}
+    assert events[-1] == {"type": "response.completed", "sequence_number": len(events) - 1, "response": whole}
+
+
+def test_an_answer_cut_short_is_incomplete_and_a_failure_ends_the_stream():
+    stream = ResponseStream("r2", "m", {"input": "hi"})
+    events = stream.start() + stream.feed(chunk({"content": "abc"}, "length")) + stream.end()
+    assert stream.response["status"] == "incomplete" and stream.response["output"][0]["status"] == "incomplete"
+    assert stream.response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert replay(events)["output"] == stream.response["output"]
+    failing = ResponseStream("r3", "m", {"input": "hi"})
+    failing.start(), failing.feed(chunk({"content": "a"}))
+    error = {"message": "decode node lost", "type": "server_error", "param": None, "code": "unavailable"}
+    last = failing.failed(error)
+    assert [e["type"] for e in last] == ["error", "response.failed"] and last[0]["message"] == "decode node lost"
+    assert last[1]["response"]["error"] == {"code": "unavailable", "message": "decode node lost"}
