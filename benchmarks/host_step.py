@@ -69,7 +69,7 @@ def measure(model_dir: str, batch: int, steps: int, prompt_len: int, byte_level:
               enable_prefix_cache=False)
     engine, tokenizer = llm.engine, llm.engine.tokenizer
     if not byte_level:
-        engine.new_detokenizer = lambda prompt: IncrementalDetokenizer(tokenizer, True, prompt)
+        engine.new_detokenizer = lambda prompt, skip=True: IncrementalDetokenizer(tokenizer, skip, prompt)
     text_ids = list(dict.fromkeys(tokenizer.encode(TEXT, add_special_tokens=False)))[:TEXT_IDS]
     params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     for i in range(batch):

@@ -33,12 +33,19 @@ _PROMPT_CONTEXT_TOKENS = 6
 
 
 def detokenizer_factory(tokenizer, skip_special_tokens: bool = True):
-    """`make(prompt_token_ids)` -> a new sequence's detokenizer. The byte table is built
-    here, once (a few tens of milliseconds for a 50k vocabulary)."""
-    table = byte_level_table(tokenizer, skip_special_tokens)
-    if table is not None:
-        return lambda prompt_token_ids=None: ByteLevelDetokenizer(table)
-    return lambda prompt_token_ids=None: IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_token_ids)
+    """`make(prompt_token_ids, skip_special_tokens)` -> a new sequence's detokenizer, which
+    leaves special tokens out of the text unless told otherwise. Each byte table is built
+    once (a few tens of milliseconds for a 50k vocabulary): the default's here, the other's
+    when a request first asks for it."""
+    tables = {skip_special_tokens: byte_level_table(tokenizer, skip_special_tokens)}
+
+    def make(prompt_token_ids=None, skip: bool = skip_special_tokens):
+        if skip not in tables:
+            tables[skip] = byte_level_table(tokenizer, skip)
+        if tables[skip] is not None:
+            return ByteLevelDetokenizer(tables[skip])
+        return IncrementalDetokenizer(tokenizer, skip, prompt_token_ids)
+    return make
 
 
 class ByteLevelDetokenizer:

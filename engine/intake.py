@@ -55,7 +55,7 @@ def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefi
                                    constraints[i] if constraints else None,
                                    None if prefill_only else bans.of(params, seq.token_ids, len(prompt)))
         if not prefill_only:
-            seq.detokenizer = new_detokenizer(prompt)
+            seq.detokenizer = new_detokenizer(prompt, params.skip_special_tokens)
         if params.logprobs is not None:
             seq.logprobs = []
         request.seqs.append(seq)

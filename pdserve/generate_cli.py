@@ -21,7 +21,7 @@ import sys
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop",
                   "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "presence_penalty",
                   "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "bad_words",
-                  "include_stop_str_in_output")
+                  "include_stop_str_in_output", "skip_special_tokens")
 
 
 def add_generate_parser(sub) -> None:
@@ -51,6 +51,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--include-stop-str-in-output", action="store_true", default=None,
                    help="keep the stop string that ended the text at its end")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=None,
+                   help="leave special tokens such as <|im_start|> out of the text (default: yes)")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="print each token's id, text and log-probability, and its N most "
                         "likely alternatives")

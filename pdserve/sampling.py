@@ -89,6 +89,7 @@ class SamplingParams:
     min_tokens: int = 0
     bad_words: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
+    skip_special_tokens: bool = True  # special tokens are left out of the text
 
     @property
     def penalized(self) -> bool:

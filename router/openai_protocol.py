@@ -46,7 +46,7 @@ IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop
                # pdserve's extras, as vLLM names them
                "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "repetition_penalty",
                "structured_outputs", "min_tokens", "bad_words", "include_stop_str_in_output",
-               "truncate_prompt_tokens"}
+               "truncate_prompt_tokens", "skip_special_tokens"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
                     True: {"messages", "max_completion_tokens", "top_logprobs", "tools",
                            "tool_choice", "parallel_tool_calls",
@@ -164,6 +164,8 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int,
     for name in ("ignore_eos", "include_stop_str_in_output"):
         if _typed(body, name, (bool,), "a boolean"):
             setattr(pb, name, True)
+    if _typed(body, "skip_special_tokens", (bool,), "a boolean") is not None:  # unset: true
+        pb.skip_special_tokens = body["skip_special_tokens"]
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):

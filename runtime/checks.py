@@ -45,7 +45,8 @@ def sampling_from_pb(pb: pdserve_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=given("repetition_penalty", d.repetition_penalty), logit_bias=dict(pb.logit_bias),
         structured_output=structured_from_pb(pb.structured_output) if pb.HasField("structured_output") else None,
         min_tokens=pb.min_tokens, bad_words=list(pb.bad_words),
-        include_stop_str_in_output=pb.include_stop_str_in_output)
+        include_stop_str_in_output=pb.include_stop_str_in_output,
+        skip_special_tokens=given("skip_special_tokens", d.skip_special_tokens))
 
 
 def structured_from_pb(pb: pdserve_pb2.StructuredOutput) -> StructuredOutput:

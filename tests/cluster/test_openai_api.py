@@ -161,6 +161,7 @@ def _post(url: str, data: bytes) -> tuple[int, dict]:
      "truncate_prompt_tokens"),
     ("/v1/completions", b'{"model": "M", "prompt": "hi", "include_stop_str_in_output": 1}',
      "include_stop_str_in_output"),
+    ("/v1/completions", b'{"model": "M", "prompt": "hi", "skip_special_tokens": "no"}', "skip_special_tokens"),
 ])
 def test_bad_requests_are_400s_in_openai_error_shape(cluster, model, path, body, param):
     status, reply = _post(cluster.http + path, body.replace(b'"M"', json.dumps(model).encode()))
@@ -188,6 +189,16 @@ def test_tokenize_and_detokenize_answer_with_the_model_s_own_ids_and_text(cluste
     assert chat["count"] == whole.usage.prompt_tokens == len(chat["tokens"])  # the chat request's prompt
     status, back = _post(cluster.http + "/detokenize", json.dumps({"model": model, "tokens": want}).encode())
     assert status == 200 and back == {"prompt": tok.decode(want)}
+
+
+def test_skip_special_tokens_false_writes_them_through_router_and_decode_node(api, model):
+    from transformers import AutoTokenizer
+
+    user = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("<|user|>")
+    forced = dict(model=model, prompt="hi", max_tokens=2, temperature=0.0, logit_bias={str(user): 100})
+    assert api.completions.create(**forced).choices[0].text == ""
+    kept = api.completions.create(**forced, extra_body={"skip_special_tokens": False})
+    assert kept.choices[0].text == "<|user|><|user|>" and kept.usage.completion_tokens == 2
 
 
 def test_truncate_prompt_tokens_serves_the_prompt_s_last_tokens(api, model, cluster):

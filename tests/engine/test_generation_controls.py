@@ -65,6 +65,19 @@ def test_stop_string_is_cut_from_text(llm, prompts_of_lengths):
     assert kept.finish_reason == "stop" and kept.text == full.text[:cut + len(stop)]
 
 
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for(llm, prompt):
+    tokenizer = llm.engine.tokenizer
+    user = tokenizer.convert_tokens_to_ids("<|user|>")  # special, and no stop token
+    forced = dict(max_tokens=3, logit_bias={user: 100.0})
+    skipped = llm.generate([prompt], greedy(**forced))[0]
+    kept = llm.generate([prompt], greedy(**forced, skip_special_tokens=False))[0]
+    assert skipped.token_ids == kept.token_ids == [user] * 3
+    assert (skipped.text, kept.text) == ("", "<|user|>" * 3)
+    assert kept.text == tokenizer.decode(kept.token_ids, skip_special_tokens=False)
+    assert llm.generate([prompt], greedy(max_tokens=3))[0].text == \
+        llm.generate([prompt], greedy(max_tokens=3, skip_special_tokens=False))[0].text  # no special: the same
+
+
 def test_streamed_text_adds_up_and_never_contains_the_stop_string(make_engine, prompts_of_lengths):
     engine = make_engine("llama", page_size=4, num_pages=256)
     p = prompts_of_lengths([6], seed=13)[0]
