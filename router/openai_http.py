@@ -3,7 +3,8 @@ the same event loop as the gRPC server.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events
 with `"stream": true`, ending with `data: [DONE]`), POST /v1/responses (served as a chat
-request, router/responses_api.py; its events are named), GET /v1/models, GET /metrics,
+request, router/responses_api.py; its events are named), GET /v1/models (and
+/v1/models/<id>), GET /metrics,
 GET /health; and vLLM's POST /tokenize and /detokenize (router/tokenize_api.py).
 With API keys (`--api-key`, the same as the gRPC API's), every route but /health and
 /metrics needs `Authorization: Bearer <key>`, compared in constant time; without it the
@@ -98,6 +99,7 @@ class OpenAIFrontend:
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/responses", self.responses),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model:.+}", self.model),  # a directory's name has slashes
             web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize),
             web.get("/metrics", self.metrics),
@@ -140,10 +142,17 @@ class OpenAIFrontend:
 
     # ---- simple routes ------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
-        card = self.tokenizer.card
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_id, "object": "model", "created": self.created,
-            "owned_by": "pdserve", "max_model_len": card.max_model_len}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.model_id:
+            raise OpenAIError(404, f"The model `{request.match_info['model']}` does not exist; this server "
+                                   f"serves `{self.model_id}`.", "model", "model_not_found")
+        return web.json_response(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pdserve",
+                "max_model_len": self.tokenizer.card.max_model_len}
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return web.json_response(tokenize_api.tokenize(await self._body(request), self.tokenizer))

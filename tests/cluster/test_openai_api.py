@@ -28,6 +28,10 @@ def model(api):
 def test_models_lists_the_served_model(api, cluster):
     models = api.models.list().data
     assert [m.id for m in models] == [cluster.model]
+    assert api.models.retrieve(cluster.model) == models[0]  # a directory: its slashes in the path
+    with pytest.raises(openai.NotFoundError) as err:
+        api.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found" and "no-such-model" in err.value.body["message"]
 
 
 def test_openai_client_streams_a_chat_completion(api, model):
