@@ -32,7 +32,8 @@ import uuid
 from .openai_protocol import OpenAIError, now
 
 MAPPED = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "metadata", "store",
-          "safety_identifier", "stream_options", "prompt_cache_key", "include", "truncation", "reasoning"}
+          "safety_identifier", "stream_options", "prompt_cache_key", "include", "truncation", "reasoning",
+          "max_tool_calls"}
 STORED = ("previous_response_id", "conversation", "prompt", "background")
 CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
               "response_format": "text.format", "n": "one request per answer",
@@ -59,13 +60,18 @@ def chat_body(body: dict) -> dict:
             raise refused(f"{name} needs a stored response, and pdserve stores none: send the whole "
                           "conversation in input", name)
     for name, instead in CHAT_NAMES.items():
-        if name in body:
+        if body.get(name) is not None:
             raise refused(f"{name} is a chat completions field; on /v1/responses use {instead}", name)
-    for name, allowed in (("include", (None, [])), ("truncation", (None, "disabled")), ("reasoning", (None, {})),
-                          ("max_tool_calls", (None,))):
-        if body.get(name) not in allowed:
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and not any(reasoning.values()):
+        reasoning = None  # {"effort": null}: nothing asked
+    for name, value, allowed in (("include", body.get("include"), (None, [])),
+                                 ("truncation", body.get("truncation"), (None, "disabled")),
+                                 ("reasoning", reasoning, (None,)),
+                                 ("max_tool_calls", body.get("max_tool_calls"), (None,))):
+        if value not in allowed:
             raise refused(f"{name} {body[name]!r:.80} is not served: leave it out", name)
-    chat = {k: v for k, v in body.items() if k not in MAPPED and k not in STORED}
+    chat = {k: v for k, v in body.items() if k not in MAPPED and k not in STORED and k not in CHAT_NAMES}
     if body.get("safety_identifier") is not None:
         chat["user"] = body["safety_identifier"]
     if body.get("max_output_tokens") is not None:

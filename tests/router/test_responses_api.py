@@ -39,6 +39,10 @@ def test_a_request_is_the_chat_request_it_means():
                 {"id": "c2", "type": "function", "function": {"name": "set_mode", "arguments": "{}"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "on"}]}
     assert chat_body({"model": "m", "input": "hi", "tool_choice": "required"})["tool_choice"] == "required"
+    # what asks for nothing (nulls, as some clients send every field) is no refusal
+    quiet = chat_body({"model": "m", "input": "hi", "reasoning": {"effort": None}, "top_logprobs": None,
+                       "max_tool_calls": None, "include": [], "truncation": "disabled"})
+    assert quiet == {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("body,param,named", [
@@ -127,3 +131,38 @@ def test_an_answer_cut_short_is_incomplete_and_a_failure_ends_the_stream():
     last = failing.failed(error)
     assert [e["type"] for e in last] == ["error", "response.failed"] and last[0]["message"] == "decode node lost"
     assert last[1]["response"]["error"] == {"code": "unavailable", "message": "decode node lost"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_node_lost_mid_answer_fails_the_response_with_its_error(tmp_path, stream):
+    """Over a fake decode node that dies after its first token (in-process router)."""
+    import asyncio
+    import json
+
+    import aiohttp
+
+    from pdserve.engine.checkpoint import CHAT_TEMPLATE
+    from pdserve.router.tokenizer import PromptTokenizer
+    from tests.chat_checkpoint import write_tokenizer_only
+    from tests.router.fake_worker import openai_router
+    from tests.router.test_openai_errors import FailsMidStream
+
+    tokenizer = PromptTokenizer(str(write_tokenizer_only(tmp_path, CHAT_TEMPLATE)), "fake")
+
+    async def post():
+        async with openai_router([FailsMidStream("d")], tokenizer) as url, aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/v1/responses",
+                                    json={"model": "fake", "input": "hi", "stream": stream}) as reply:
+                return reply.status, await reply.text()
+
+    status, text = asyncio.run(asyncio.wait_for(post(), 30))
+    if not stream:  # nothing was sent yet: the error is the answer
+        assert status == 500 and json.loads(text)["error"]["message"].endswith("decode node crashed")
+        return
+    events = [json.loads(block.split("\ndata: ", 1)[1]) for block in text.strip().split("\n\n")]
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "error", "response.failed"]
+    assert events[4]["delta"] == "<5>" and events[5]["code"] == "internal"
+    assert events[-1]["response"]["status"] == "failed"
+    assert events[-1]["response"]["error"]["message"].endswith("decode node crashed")
