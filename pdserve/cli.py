@@ -115,8 +115,9 @@ def cmd_router(args) -> int:
     from pdserve.runtime.options import from_args
     from pdserve.runtime.server import ServerConfig, run
 
+    template = _chat_template(args)  # before the model, which may take a while to fetch
     config = from_args(RouterConfig, args, model=_model(args),
-                       served_model_name=args.served_model_name,
+                       served_model_name=args.served_model_name, chat_template=template,
                        server=from_args(ServerConfig, args))
     _start_node(args, "router")
     run(run_router(config))
@@ -145,6 +146,7 @@ def cmd_worker(args) -> int:
     from pdserve.runtime.options import from_args
     from pdserve.runtime.server import ServerConfig, run
 
+    template = _chat_template(args)  # before the model, which may take a while to fetch
     engine = from_args(EngineConfig, args, model_dir=_model(args),
                        kv_cache_memory_bytes=args.kv_cache_mb and args.kv_cache_mb * 1024 * 1024)
     _engine_or_exit(args, engine)
@@ -153,10 +155,20 @@ def cmd_worker(args) -> int:
         prefill=from_args(PrefillConfig, args), decode=from_args(DecodeConfig, args),
         membership=from_args(MembershipConfig, args), metrics_port=args.metrics_port,
         http_port=getattr(args, "http_port", None), served_model_name=args.served_model_name,
-        test_gates=args.test_gates)
+        chat_template=template, test_gates=args.test_gates)
     _start_node(args, "worker")
     run(run_worker(config))
     return 0
+
+
+def _chat_template(args) -> str | None:
+    """`--chat-template`'s template (models_cli.chat_template_of), or exit 1 naming it."""
+    from pdserve.models_cli import chat_template_of
+
+    try:
+        return chat_template_of(getattr(args, "chat_template", None))
+    except ValueError as err:
+        raise SystemExit(f"pdserve {args.command}: {err}") from None
 
 
 def _engine_or_exit(args, engine) -> None:
@@ -185,8 +197,9 @@ def cmd_up(args) -> int:
     from pdserve.runtime.auth import APIKeyConfig
     from pdserve.runtime.options import from_args
 
+    _chat_template(args)  # a bad one stops `up` before any node starts
     config = from_args(UpConfig, args, model=_model(args), extra=args.worker_args,
-                       served_model_name=args.served_model_name,
+                       served_model_name=args.served_model_name, chat_template=args.chat_template,
                        api=from_args(APIKeyConfig, args))
     try:
         return up(config)
@@ -232,7 +245,7 @@ def _add_server_commands(sub) -> None:
     configuration dataclasses that import nothing heavy, so the plain install (the client)
     parses them too and names the missing extra only when one runs (`main`)."""
     from pdserve.decode.config import DecodeConfig
-    from pdserve.models_cli import add_model_flag, add_models_parser
+    from pdserve.models_cli import add_chat_template_flag, add_model_flag, add_models_parser
     from pdserve.up import UpConfig, UpParser
     from pdserve.worker.config import DEFAULT_PORTS
     from pdserve.prefill.config import PrefillConfig
@@ -245,6 +258,7 @@ def _add_server_commands(sub) -> None:
     p = sub.add_parser("router", help="client-facing router over prefill and decode workers")
     p.__class__ = _RouterParser
     _add_node_flags(p, api_key=True)
+    add_chat_template_flag(p)
     add_options(p, RouterConfig)
     p.set_defaults(func=cmd_router)
 
@@ -260,6 +274,7 @@ def _add_server_commands(sub) -> None:
                        help="serve Prometheus /metrics over HTTP on this port; 0 picks a free one "
                             "(default: none)")
         if role == "both":
+            add_chat_template_flag(p)
             p.add_argument("--http-port", type=int, default=None,
                            help="serve the OpenAI-compatible API (as `pdserve router` does) and "
                                 "/metrics over HTTP on this port; 0 picks a free one (default: "
@@ -278,6 +293,7 @@ def _add_server_commands(sub) -> None:
     p.__class__ = UpParser
     p.worker_flags = frozenset(worker_flags)
     add_model_flag(p)
+    add_chat_template_flag(p)
     add_options(p, UpConfig)
     add_options(p.add_argument_group("authentication (the cluster key is made up for the "
                                      "run)"), APIKeyConfig)

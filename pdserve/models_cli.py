@@ -8,6 +8,7 @@ the random-weight demo model is generated (`engine.checkpoint.ensure_demo_model`
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import sys
@@ -26,6 +27,36 @@ def add_model_flag(p: argparse.ArgumentParser) -> None:
                    help="the model's name to clients: in GetModelInfo, OpenAI /v1/models and "
                         "the `model` an OpenAI request must name (default: the catalogue name, "
                         "else --model as given)")
+
+
+def add_chat_template_flag(p: argparse.ArgumentParser) -> None:
+    """`--chat-template`, on the servers that render conversations (router, serve, up)."""
+    p.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                   help="render conversations with this Jinja chat template instead of the model's "
+                        "own (for a model without one, or to fix one): a file, or the template "
+                        "itself on one line, \\n for a new line, as vLLM's flag takes it")
+
+
+def chat_template_of(value: str | None) -> str | None:
+    """The template `--chat-template` gives: a file's text, or the value itself when it is a
+    template (backslash escapes decoded); None for none. ValueError naming the flag when it
+    is neither, or when the template does not parse."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        text = Path(value).read_text()
+    elif "{{" in value or "{%" in value:
+        text = codecs.decode(value, "unicode_escape")
+    else:
+        raise ValueError(f"--chat-template {value!r:.80} is no file, nor a Jinja template (no {{{{ or {{%)")
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as err:
+        raise ValueError(f"--chat-template does not parse: line {err.lineno}: {err.message}") from None
+    return text
 
 
 def resolve_model(model: str, source: str | None = None) -> str:

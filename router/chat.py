@@ -120,7 +120,8 @@ def render(tokenizer, messages: list[dict], model: str, tools: list[dict] | None
     (router/tools.py decides when). The template adds any special tokens (a bos) itself,
     so encoding adds none."""
     if tokenizer.chat_template is None:
-        raise ValueError(f"model {model} has no chat template; send a prompt instead")
+        raise ValueError(f"model {model} has no chat template: send a prompt instead, or start the "
+                         "server with --chat-template")
     options = options or {"add_generation_prompt": True}
     if options.get("continue_final_message") and messages[-1]["role"] != "assistant":
         raise ValueError(f"continue_final_message needs the last message to be the assistant's, got role "

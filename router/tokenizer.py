@@ -42,11 +42,15 @@ def _load_tokenizer(model_dir: Path):
 
 class PromptTokenizer:
     """`served_model_name`: the model's name to clients (`card.model`); None: the catalogue
-    name, else the directory as given (`served_name`)."""
+    name, else the directory as given (`served_name`). `chat_template`: the one to render
+    conversations with, instead of the checkpoint's (`--chat-template`)."""
 
-    def __init__(self, model_dir: str, served_model_name: str | None = None) -> None:
+    def __init__(self, model_dir: str, served_model_name: str | None = None,
+                 chat_template: str | None = None) -> None:
         path = Path(model_dir)
         self.tokenizer = _load_tokenizer(path)
+        if chat_template is not None:  # before anything below reads the template
+            self.tokenizer.chat_template = chat_template
         config = json.loads((path / "config.json").read_text())
         eos = config.get("eos_token_id", self.tokenizer.eos_token_id)
         self.card = ModelCard(

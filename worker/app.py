@@ -122,7 +122,8 @@ async def run_worker(config: WorkerConfig) -> None:
     if node.role == "both":
         from pdserve.worker.colocated import ColocatedService
 
-        colocated = ColocatedService(node.decode, config.engine.model_dir, config.served_model_name)
+        colocated = ColocatedService(node.decode, config.engine.model_dir, config.served_model_name,
+                                     config.chat_template)
         pdserve_pb2_grpc.add_GenerationServicer_to_server(colocated, server)
         names.append(GENERATION)
     if gates is not None:

@@ -27,4 +27,5 @@ class WorkerConfig:
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: none
     http_port: int | None = None  # role both: the OpenAI API and /metrics; None: none
     served_model_name: str | None = None  # what clients call it (None: models.catalogue.served_name)
+    chat_template: str | None = None  # role both: --chat-template's text (None: the model's own)
     test_gates: str = ""  # request id prefix stopped at test gates (runtime/gates.py)

@@ -18,6 +18,7 @@ from tests.cluster.nodes import WORKER_FLAGS, run, sample, scrape, wait_until
 
 GREEDY = dict(temperature=0.0, max_tokens=6, extra_body={"ignore_eos": True})
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a fox"}]
+BRACKETS = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 
 
 @pytest.fixture(scope="module")
@@ -255,11 +256,12 @@ def test_a_client_that_leaves_mid_stream_aborts_the_request_on_every_node(cluste
 
 @pytest.fixture(scope="module")
 def serve_http(tiny_model, tmp_path_factory):
-    """One `pdserve serve` node with its OpenAI API on, serving the tiny model as `foo`:
-    (the node, the API's base URL)."""
+    """One `pdserve serve` node with its OpenAI API on, serving the tiny model as `foo`,
+    conversations rendered by BRACKETS given on one line: (the node, the API's base URL)."""
     port = free_port()
     node = NodeProcess(["serve", "--model", tiny_model, "--host", "127.0.0.1", "--port", "0",
-                        "--http-port", str(port), "--served-model-name", "foo", *WORKER_FLAGS],
+                        "--http-port", str(port), "--served-model-name", "foo", *WORKER_FLAGS,
+                        "--chat-template", BRACKETS.replace("\n", "\\n")],
                        log=tmp_path_factory.mktemp("serve-http") / "serve.log")
     try:
         node.wait_ready()
@@ -287,5 +289,10 @@ def test_serve_answers_the_openai_api_itself_under_its_served_name(serve_http, t
     assert listed == ["foo"] and [m.id for m in models] == ["foo"]
     assert whole.model == "foo" and whole.usage.completion_tokens == 6
     assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks) == answer.text
+    from transformers import AutoTokenizer
+
+    status, rendered = _post(http + "/tokenize", json.dumps({"model": "foo", "messages": MESSAGES}).encode())
+    assert status == 200 and rendered["tokens"] == AutoTokenizer.from_pretrained(tiny_model).encode(
+        "[system] be brief\n[user] name a fox\n[assistant] ", add_special_tokens=False)
     # /metrics beside the API samples the node's own gauges (its pool: WORKER_FLAGS' pages)
     assert sample(scrape(http + "/metrics"), "pdserve_kv_pages_total", role="both") == 256

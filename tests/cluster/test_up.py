@@ -8,6 +8,7 @@ for the rest; `make serve ARGS=...` reaches it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -23,6 +24,7 @@ from pdserve.procs import NodeProcess
 from pdserve.cli import build_parser
 from pdserve.up import UpConfig, kv_share, node_args
 from tests.cluster.nodes import run
+from tests.cluster.test_openai_api import _post
 
 IDLE_WINDOW_S = 3.0
 SETTLE_S = 1.0  # start-up work (imports, first allocations) is not idle time
@@ -181,11 +183,17 @@ def test_up_keys_its_nodes_with_a_fresh_private_cluster_key_removed_at_exit(tiny
 
 def test_up_names_both_front_doors_and_gives_both_workers_its_flags_and_the_name(tiny_model, tmp_path):
     """The ready line names the gRPC and the OpenAI address; the OpenAI one serves the model
-    as --served-model-name, refusing the directory's name; both workers built their KV
-    pools in the dtype and pages `up` was given, under that name (their own log lines)."""
+    as --served-model-name, refusing the directory's name, and renders conversations with
+    --chat-template's file; both workers built their KV pools in the dtype and pages `up`
+    was given, under that name (their own log lines)."""
+    from transformers import AutoTokenizer
+
+    template = tmp_path / "brackets.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
     node = NodeProcess(["up", "--model", tiny_model, "--port", "0", "--http-port", "0",
                         "--device", "cpu", "--dtype", "float32", "--page-size", "8",
-                        "--num-pages", "64", "--served-model-name", "foo"], log=tmp_path / "up.log")
+                        "--num-pages", "64", "--served-model-name", "foo", "--chat-template", str(template)],
+                       log=tmp_path / "up.log")
     try:
         node.wait_ready()
         doors = re.search(r"router on (\S+:\d+) \(gRPC\), OpenAI API on (http://\S+:\d+/v1)",
@@ -199,6 +207,10 @@ def test_up_names_both_front_doors_and_gives_both_workers_its_flags_and_the_name
             with pytest.raises(openai.NotFoundError):
                 api.completions.create(model=tiny_model, prompt="hello", max_tokens=2)
         assert out.model == "foo" and out.usage.completion_tokens == 2
+        status, rendered = _post(doors.group(2).removesuffix("/v1") + "/tokenize", json.dumps({
+            "model": "foo", "messages": [{"role": "user", "content": "hi"}]}).encode())
+        assert status == 200 and rendered["tokens"] == \
+            AutoTokenizer.from_pretrained(tiny_model).encode("[user] hi", add_special_tokens=False)
 
         async def grpc_models():
             async with AsyncClient(node.address) as client:
