@@ -193,11 +193,16 @@ def _engine_or_exit(args, engine) -> None:
 
 def cmd_up(args) -> int:
     _ports_or_exit(args)
+    from pdserve.runtime.http_limits import HTTPConfig
     from pdserve.up import UpConfig, up
     from pdserve.runtime.auth import APIKeyConfig
     from pdserve.runtime.options import from_args
 
     _chat_template(args)  # a bad one stops `up` before any node starts
+    try:
+        HTTPConfig(allowed_origins=args.allowed_origins).validate()
+    except ValueError as err:
+        raise SystemExit(f"pdserve up: {err}") from None
     config = from_args(UpConfig, args, model=_model(args), extra=args.worker_args,
                        served_model_name=args.served_model_name, chat_template=args.chat_template,
                        api=from_args(APIKeyConfig, args))

@@ -91,6 +91,10 @@ class UpConfig:
     decode_metrics_port: int | None = option(None, "decode worker's /metrics port (default: "
                                                    "none)", type=int)
     log_format: str = option("text", "log lines of every node", choices=LOG_FORMATS)
+    allowed_origins: list[str] = option(
+        help="browser pages from this origin (https://host[:port]; * for any) may call the "
+             "router's HTTP port (CORS; repeat for several; default: none)",
+        metavar="ORIGIN", default_factory=list)
     extra: list[str] = field(default_factory=list)  # more flags for both workers
     served_model_name: str | None = None  # --served-model-name, to every node
     chat_template: str | None = None  # --chat-template as given, to the router
@@ -194,6 +198,7 @@ def node_args(config: UpConfig, prefill_port: int, decode_port: int, http_port: 
         "router": ["router", *common, "--host", config.host, "--port", str(config.port),
                    "--http-port", str(http_port), *cluster, *api,
                    *([] if config.chat_template is None else ["--chat-template", config.chat_template]),
+                   *(a for origin in config.allowed_origins for a in ("--allowed-origins", origin)),
                    "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}"],
     }
 

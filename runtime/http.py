@@ -13,6 +13,8 @@ Invariants (one `HTTPConfig` per process, set at start from the `--http-*` flags
   must arrive within `http_body_timeout_s` (408), and is read only after the app's own
   middlewares ran, so an unauthenticated request is refused before its body is read.
 - Beyond `http_max_connections` open connections a new one is closed at once.
+- Browser pages of other origins are answered only as `--allowed-origins` says
+  (runtime/cors.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from pdserve.runtime import http_limits, metrics, tls
+from pdserve.runtime import cors, http_limits, metrics, tls
 from pdserve.runtime.http_limits import HTTPConfig, configure, current  # noqa: F401
 
 log = logging.getLogger("pdserve.runtime.http")
@@ -64,6 +66,7 @@ async def start_http(app: web.Application, host: str, port: int, what: str) -> w
     when `runtime.tls` has a certificate (unless `--plain-http`)."""
     config = http_limits.current()
     app.middlewares.append(_body_within(config.http_body_timeout_s))
+    cors.install(app, config.origins)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
                            keepalive_timeout=config.http_header_timeout_s)
     await runner.setup()

@@ -7,9 +7,12 @@ only a server install has (the light client parses the same `pdserve` commands).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from pdserve.runtime.options import option
+
+ORIGIN = re.compile(r"https?://[^/\s:]+(:\d+)?")  # a page's origin: scheme, host and port, no path
 
 
 @dataclass(frozen=True)
@@ -25,8 +28,21 @@ class HTTPConfig:
         False, "serve the HTTP port (OpenAI API, /metrics) as plain HTTP even with --tls-cert "
                "(default: HTTPS whenever --tls-cert is set, so the API key never crosses in "
                "clear)")
+    allowed_origins: list[str] = option(
+        help="browser pages from this origin (https://host[:port]; * for any) may call the HTTP "
+             "port (CORS; repeat or comma-separate for several; default: none)",
+        metavar="ORIGIN", default_factory=list)
+
+    @property
+    def origins(self) -> frozenset[str]:
+        return frozenset(o.strip().rstrip("/") for given in self.allowed_origins for o in given.split(",")
+                         if o.strip())
 
     def validate(self) -> None:
+        for origin in self.origins:
+            if origin != "*" and not ORIGIN.fullmatch(origin):
+                raise ValueError(f"--allowed-origins {origin!r} is not an origin: give scheme://host[:port] "
+                                 "(e.g. https://app.example.com) or *")
         for name in ("http_header_timeout_s", "http_body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got "

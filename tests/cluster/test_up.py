@@ -93,6 +93,16 @@ def test_up_leaves_a_kv_size_the_user_gave_to_both_workers():
     assert build_parser().parse_args(node_args(config, 1001, 1002, 1003, [], [])["decode"]).dtype == "float32"
 
 
+def test_up_gives_its_router_the_origins_and_the_chat_template_and_the_workers_neither():
+    given = build_parser().parse_args(["up", "--allowed-origins", "http://localhost:3000",
+                                       "--allowed-origins", "*", "--chat-template", "{{ x }}"])
+    config = UpConfig(model="m", allowed_origins=given.allowed_origins, chat_template=given.chat_template)
+    args = node_args(config, 1001, 1002, 1003, [], [])
+    router = build_parser().parse_args(args["router"])
+    assert (router.allowed_origins, router.chat_template) == (["http://localhost:3000", "*"], "{{ x }}")
+    assert all("--allowed-origins" not in args[r] and "--chat-template" not in args[r] for r in ("prefill", "decode"))
+
+
 def _device_args(monkeypatch, found: str, **config) -> dict[str, list[str]]:
     """Each child's command line, with `found` as the device this machine would default to."""
     import pdserve.up

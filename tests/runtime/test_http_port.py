@@ -190,3 +190,64 @@ def test_without_the_api_key_a_post_is_refused_before_its_body_is_read():
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_browser_pages_of_allowed_origins_may_call_and_others_may_not():
+    """CORS (runtime/cors.py), with the API key on: a preflight needs no key; an allowed
+    origin's answers, refusals included, name it; another origin's preflight is a 403
+    naming the flag; without --allowed-origins nothing is added."""
+    import aiohttp
+
+    auth.configure(None, "sk-right")
+    ask_for = {"Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization, content-type"}
+
+    async def main(origins: list[str]):
+        http.configure(HTTPConfig(allowed_origins=origins))
+        runner, port = await serve(OpenAIFrontend(None, None, "m", api_keys=auth.current().api_keys).app())
+        try:
+            async with aiohttp.ClientSession() as session:
+                async def call(method, path, origin, **headers):
+                    async with session.request(method, f"http://127.0.0.1:{port}{path}",
+                                               headers={"Origin": origin, **headers}) as reply:
+                        return reply.status, reply.headers, await reply.read()
+
+                return [await call("OPTIONS", "/v1/chat/completions", "http://localhost:3000", **ask_for),
+                        await call("GET", "/health", "http://localhost:3000"),
+                        await call("GET", "/v1/models", "http://localhost:3000"),  # no key: 401
+                        await call("OPTIONS", "/v1/chat/completions", "https://evil.example", **ask_for),
+                        await call("GET", "/health", "https://evil.example")]
+        finally:
+            await runner.cleanup()
+
+    pre, scrape, refused, evil, evil_get = asyncio.run(main(["https://app.example, http://localhost:3000"]))
+    assert pre[0] == 204 and pre[1]["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    assert pre[1]["Access-Control-Allow-Headers"] == "authorization, content-type"
+    assert "POST" in pre[1]["Access-Control-Allow-Methods"]
+    assert scrape[0] == 200 and scrape[1]["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    assert "X-Request-Id" in scrape[1]["Access-Control-Expose-Headers"] and scrape[1]["Vary"] == "Origin"
+    assert refused[0] == 401 and refused[1]["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    assert evil[0] == 403 and b"--allowed-origins" in evil[2] and "Access-Control-Allow-Origin" not in evil[1]
+    assert evil_get[0] == 200 and "Access-Control-Allow-Origin" not in evil_get[1]
+    off = asyncio.run(main([]))
+    assert off[0][0] == 401 and all("Access-Control-Allow-Origin" not in r[1] for r in off)
+    with pytest.raises(ValueError, match="'app.example' is not an origin"):
+        HTTPConfig(allowed_origins=["app.example"]).validate()
+
+
+def test_a_streamed_answer_names_the_allowed_origin_too():
+    import aiohttp
+
+    from tests.router.fake_worker import FakeWorker, openai_router
+
+    http.configure(HTTPConfig(allowed_origins=["*"]))
+
+    async def main():
+        async with openai_router([FakeWorker("d")]) as url, aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/v1/completions", headers={"Origin": "https://app.example"},
+                                    json={"model": "fake", "prompt": "hi", "stream": True}) as reply:
+                return reply.status, reply.headers, await reply.text()
+
+    status, headers, body = asyncio.run(main())
+    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    assert headers["Access-Control-Allow-Origin"] == "https://app.example" and body.endswith("data: [DONE]\n\n")
