@@ -118,6 +118,7 @@ def cmd_router(args) -> int:
     template = _chat_template(args)  # before the model, which may take a while to fetch
     config = from_args(RouterConfig, args, model=_model(args),
                        served_model_name=args.served_model_name, chat_template=template,
+                       tool_call_parser=args.tool_call_parser,
                        server=from_args(ServerConfig, args))
     _start_node(args, "router")
     run(run_router(config))
@@ -155,7 +156,8 @@ def cmd_worker(args) -> int:
         prefill=from_args(PrefillConfig, args), decode=from_args(DecodeConfig, args),
         membership=from_args(MembershipConfig, args), metrics_port=args.metrics_port,
         http_port=getattr(args, "http_port", None), served_model_name=args.served_model_name,
-        chat_template=template, test_gates=args.test_gates)
+        chat_template=template, tool_call_parser=getattr(args, "tool_call_parser", "auto"),
+        test_gates=args.test_gates)
     _start_node(args, "worker")
     run(run_worker(config))
     return 0
@@ -205,6 +207,7 @@ def cmd_up(args) -> int:
         raise SystemExit(f"pdserve up: {err}") from None
     config = from_args(UpConfig, args, model=_model(args), extra=args.worker_args,
                        served_model_name=args.served_model_name, chat_template=args.chat_template,
+                       tool_call_parser=args.tool_call_parser,
                        api=from_args(APIKeyConfig, args))
     try:
         return up(config)
@@ -250,7 +253,7 @@ def _add_server_commands(sub) -> None:
     configuration dataclasses that import nothing heavy, so the plain install (the client)
     parses them too and names the missing extra only when one runs (`main`)."""
     from pdserve.decode.config import DecodeConfig
-    from pdserve.models_cli import add_chat_template_flag, add_model_flag, add_models_parser
+    from pdserve.models_cli import add_chat_flags, add_model_flag, add_models_parser
     from pdserve.up import UpConfig, UpParser
     from pdserve.worker.config import DEFAULT_PORTS
     from pdserve.prefill.config import PrefillConfig
@@ -263,7 +266,7 @@ def _add_server_commands(sub) -> None:
     p = sub.add_parser("router", help="client-facing router over prefill and decode workers")
     p.__class__ = _RouterParser
     _add_node_flags(p, api_key=True)
-    add_chat_template_flag(p)
+    add_chat_flags(p)
     add_options(p, RouterConfig)
     p.set_defaults(func=cmd_router)
 
@@ -279,7 +282,7 @@ def _add_server_commands(sub) -> None:
                        help="serve Prometheus /metrics over HTTP on this port; 0 picks a free one "
                             "(default: none)")
         if role == "both":
-            add_chat_template_flag(p)
+            add_chat_flags(p)
             p.add_argument("--http-port", type=int, default=None,
                            help="serve the OpenAI-compatible API (as `pdserve router` does) and "
                                 "/metrics over HTTP on this port; 0 picks a free one (default: "
@@ -298,7 +301,7 @@ def _add_server_commands(sub) -> None:
     p.__class__ = UpParser
     p.worker_flags = frozenset(worker_flags)
     add_model_flag(p)
-    add_chat_template_flag(p)
+    add_chat_flags(p)
     add_options(p, UpConfig)
     add_options(p.add_argument_group("authentication (the cluster key is made up for the "
                                      "run)"), APIKeyConfig)

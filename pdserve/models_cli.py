@@ -29,12 +29,19 @@ def add_model_flag(p: argparse.ArgumentParser) -> None:
                         "else --model as given)")
 
 
-def add_chat_template_flag(p: argparse.ArgumentParser) -> None:
-    """`--chat-template`, on the servers that render conversations (router, serve, up)."""
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # router/tool_dialects.py
+
+
+def add_chat_flags(p: argparse.ArgumentParser) -> None:
+    """`--chat-template` and `--tool-call-parser`, on the servers that render conversations
+    and read their answers (router, serve, up)."""
     p.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                    help="render conversations with this Jinja chat template instead of the model's "
                         "own (for a model without one, or to fix one): a file, or the template "
                         "itself on one line, \\n for a new line, as vLLM's flag takes it")
+    p.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="how the model writes the tool calls of an \"auto\" answer (router/"
+                        "tool_dialects.py); auto: as its chat template asks (default: %(default)s)")
 
 
 def chat_template_of(value: str | None) -> str | None:

@@ -14,7 +14,8 @@ and two thirds to decode; `--kv-cache-mb` or `--num-pages` given to `up` goes to
 
 Worker flags: `up` takes the ones users reach for (`--dtype`, `--device`, `--page-size`,
 `--num-pages`, `--kv-cache-mb`, `--kv-cache-memory-fraction`, `--max-num-seqs`) and
-`--served-model-name` itself (and `--chat-template`, which only the router renders with);
+`--served-model-name` itself (and `--chat-template` and `--tool-call-parser`, which only
+the router uses);
 every other worker flag goes after `--`, to both workers.
 The OpenAI API is on port 8000 by default (as vLLM's), and the ready line names it.
 
@@ -98,6 +99,7 @@ class UpConfig:
     extra: list[str] = field(default_factory=list)  # more flags for both workers
     served_model_name: str | None = None  # --served-model-name, to every node
     chat_template: str | None = None  # --chat-template as given, to the router
+    tool_call_parser: str = "auto"  # --tool-call-parser, to the router
     api: APIKeyConfig = field(default_factory=APIKeyConfig)  # the router's, if any
     start_timeout_s: float = 120.0
     stop_grace_s: float = 10.0
@@ -198,6 +200,7 @@ def node_args(config: UpConfig, prefill_port: int, decode_port: int, http_port: 
         "router": ["router", *common, "--host", config.host, "--port", str(config.port),
                    "--http-port", str(http_port), *cluster, *api,
                    *([] if config.chat_template is None else ["--chat-template", config.chat_template]),
+                   "--tool-call-parser", config.tool_call_parser,
                    *(a for origin in config.allowed_origins for a in ("--allowed-origins", origin)),
                    "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}"],
     }

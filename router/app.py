@@ -51,7 +51,8 @@ async def run_router(config: RouterConfig) -> None:
     dispatcher = Dispatcher(config, registry)
     dispatcher.load_monitor = monitor
     server = new_server()
-    tokenizer = PromptTokenizer(config.model, config.served_model_name, config.chat_template)
+    tokenizer = PromptTokenizer(config.model, config.served_model_name, config.chat_template,
+                                config.tool_call_parser)
     pdserve_pb2_grpc.add_GenerationServicer_to_server(GenerationService(dispatcher, tokenizer), server)
     http = await start_router_http(config, dispatcher, tokenizer, registry)
 

@@ -30,6 +30,7 @@ class RouterConfig:
     model: str
     served_model_name: str | None = None  # what clients call it (None: models.catalogue.served_name)
     chat_template: str | None = None  # --chat-template's text, instead of the model's (None: its own)
+    tool_call_parser: str = "auto"  # --tool-call-parser: a router/tool_dialects.py dialect, or auto
     server: ServerConfig = field(default_factory=ServerConfig)
     prefill: list[str] = option(
         help="prefill worker endpoint (repeat or comma-separate for several)",

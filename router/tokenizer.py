@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pdserve.models.catalogue import served_name
 from pdserve.router import chat, reasoning
-from pdserve.router.tool_dialects import dialect_of
+from pdserve.router.tool_dialects import DIALECTS, dialect_of
 from pdserve.router.tools import Tools, template_inputs
 from pdserve.router.validation import max_prompt_chars
 
@@ -43,10 +43,11 @@ def _load_tokenizer(model_dir: Path):
 class PromptTokenizer:
     """`served_model_name`: the model's name to clients (`card.model`); None: the catalogue
     name, else the directory as given (`served_name`). `chat_template`: the one to render
-    conversations with, instead of the checkpoint's (`--chat-template`)."""
+    conversations with, instead of the checkpoint's (`--chat-template`); `tool_call_parser`:
+    the dialect of the model's tool calls, or "auto" for the template's."""
 
     def __init__(self, model_dir: str, served_model_name: str | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, tool_call_parser: str = "auto") -> None:
         path = Path(model_dir)
         self.tokenizer = _load_tokenizer(path)
         if chat_template is not None:  # before anything below reads the template
@@ -63,7 +64,8 @@ class PromptTokenizer:
         # What ends a chat answer; a conversation's request also stops there (validation.py).
         self.end_of_turn_ids = chat.end_of_turn_ids(self.tokenizer, path, config)
         self.thinks = reasoning.thinks(self.tokenizer.chat_template)  # router/reasoning.py
-        self.tool_dialect = dialect_of(self.tokenizer.chat_template)  # router/tool_dialects.py
+        self.tool_dialect = dialect_of(self.tokenizer.chat_template) if tool_call_parser == "auto" \
+            else DIALECTS[tool_call_parser]  # router/tool_dialects.py
 
     def opens_thinking(self, prompt_ids: list[int]) -> bool:
         """Whether a chat prompt ends inside an open think block (its last ids are enough)."""

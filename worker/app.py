@@ -123,7 +123,7 @@ async def run_worker(config: WorkerConfig) -> None:
         from pdserve.worker.colocated import ColocatedService
 
         colocated = ColocatedService(node.decode, config.engine.model_dir, config.served_model_name,
-                                     config.chat_template)
+                                     config.chat_template, config.tool_call_parser)
         pdserve_pb2_grpc.add_GenerationServicer_to_server(colocated, server)
         names.append(GENERATION)
     if gates is not None:

@@ -93,14 +93,16 @@ def test_up_leaves_a_kv_size_the_user_gave_to_both_workers():
     assert build_parser().parse_args(node_args(config, 1001, 1002, 1003, [], [])["decode"]).dtype == "float32"
 
 
-def test_up_gives_its_router_the_origins_and_the_chat_template_and_the_workers_neither():
-    given = build_parser().parse_args(["up", "--allowed-origins", "http://localhost:3000",
-                                       "--allowed-origins", "*", "--chat-template", "{{ x }}"])
-    config = UpConfig(model="m", allowed_origins=given.allowed_origins, chat_template=given.chat_template)
+def test_up_gives_its_router_the_origins_chat_template_and_tool_parser_and_the_workers_none():
+    given = build_parser().parse_args(["up", "--allowed-origins", "http://localhost:3000", "--allowed-origins",
+                                       "*", "--chat-template", "{{ x }}", "--tool-call-parser", "mistral"])
+    config = UpConfig(model="m", allowed_origins=given.allowed_origins, chat_template=given.chat_template,
+                      tool_call_parser=given.tool_call_parser)
     args = node_args(config, 1001, 1002, 1003, [], [])
     router = build_parser().parse_args(args["router"])
-    assert (router.allowed_origins, router.chat_template) == (["http://localhost:3000", "*"], "{{ x }}")
-    assert all("--allowed-origins" not in args[r] and "--chat-template" not in args[r] for r in ("prefill", "decode"))
+    assert (router.allowed_origins, router.chat_template, router.tool_call_parser) == \
+        (["http://localhost:3000", "*"], "{{ x }}", "mistral")
+    assert not {"--allowed-origins", "--chat-template", "--tool-call-parser"} & {*args["prefill"], *args["decode"]}
 
 
 def _device_args(monkeypatch, found: str, **config) -> dict[str, list[str]]:
@@ -193,8 +195,8 @@ def test_up_keys_its_nodes_with_a_fresh_private_cluster_key_removed_at_exit(tiny
 
 def test_up_names_both_front_doors_and_gives_both_workers_its_flags_and_the_name(tiny_model, tmp_path):
     """The ready line names the gRPC and the OpenAI address; the OpenAI one serves the model
-    as --served-model-name, refusing the directory's name, and renders conversations with
-    --chat-template's file; both workers built their KV pools in the dtype and pages `up`
+    as --served-model-name, refusing the directory's name, renders conversations with
+    --chat-template's file and reads calls as --tool-call-parser says; both workers built their KV pools in the dtype and pages `up`
     was given, under that name (their own log lines)."""
     from transformers import AutoTokenizer
 
@@ -202,7 +204,8 @@ def test_up_names_both_front_doors_and_gives_both_workers_its_flags_and_the_name
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
     node = NodeProcess(["up", "--model", tiny_model, "--port", "0", "--http-port", "0",
                         "--device", "cpu", "--dtype", "float32", "--page-size", "8",
-                        "--num-pages", "64", "--served-model-name", "foo", "--chat-template", str(template)],
+                        "--num-pages", "64", "--served-model-name", "foo", "--chat-template", str(template),
+                        "--tool-call-parser", "mistral"],
                        log=tmp_path / "up.log")
     try:
         node.wait_ready()
@@ -216,6 +219,11 @@ def test_up_names_both_front_doors_and_gives_both_workers_its_flags_and_the_name
                                          temperature=0, extra_body={"ignore_eos": True})
             with pytest.raises(openai.NotFoundError):
                 api.completions.create(model=tiny_model, prompt="hello", max_tokens=2)
+            called = api.chat.completions.create(  # Mistral's dialect: its calls' ids are 9 characters
+                model="foo", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "f"}})
+        assert re.fullmatch(r"[0-9a-f]{9}", called.choices[0].message.tool_calls[0].id)
         assert out.model == "foo" and out.usage.completion_tokens == 2
         status, rendered = _post(doors.group(2).removesuffix("/v1") + "/tokenize", json.dumps({
             "model": "foo", "messages": [{"role": "user", "content": "hi"}]}).encode())

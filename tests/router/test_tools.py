@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from pdserve.router.openai_protocol import OpenAIError, sampling_from_body, tools_of
 from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.models_cli import TOOL_CALL_PARSERS
 from pdserve.router.tool_dialects import DIALECTS, HERMES, dialect_of
 from pdserve.router.tools import CallStream, merge_calls, tools_from_body
 from tests.chat_checkpoint import write_tokenizer_only
@@ -255,6 +256,9 @@ def test_the_template_names_the_dialect(tmp_path, tiny_model):
         == ["llama3_json", "mistral", "hermes", "hermes", "hermes"]
     assert PromptTokenizer(tiny_model).tool_dialect is HERMES  # its system message asks for Hermes' blocks
     assert PromptTokenizer(str(write_tokenizer_only(tmp_path, MISTRAL_TEMPLATE))).tool_dialect is MISTRAL
+    # --tool-call-parser names it instead; its choices are the dialects
+    assert PromptTokenizer(tiny_model, tool_call_parser="llama3_json").tool_dialect is LLAMA3
+    assert set(TOOL_CALL_PARSERS) == {"auto", *DIALECTS}
 
 
 json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=8)),
