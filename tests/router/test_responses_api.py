@@ -6,6 +6,8 @@ the start ends the stream with OpenAI's error and a failed response."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdserve.router.openai_protocol import OpenAIError
 from pdserve.router.responses_api import ResponseStream, chat_body, renamed
@@ -166,3 +168,104 @@ def test_a_node_lost_mid_answer_fails_the_response_with_its_error(tmp_path, stre
     assert events[4]["delta"] == "<5>" and events[5]["code"] == "internal"
     assert events[-1]["response"]["status"] == "failed"
     assert events[-1]["response"]["error"]["message"].endswith("decode node crashed")
+
+
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=6)),
+                           lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                   st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+                           max_leaves=8)
+parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                        "text": st.one_of(st.text(max_size=5), json_values)}), max_size=2)
+items = st.one_of(
+    st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "developer", "assistant"]),
+                                             json_values)},
+                          optional={"type": st.sampled_from(["message", "other"]),
+                                    "content": st.one_of(st.text(max_size=8), parts, json_values)}),
+    st.fixed_dictionaries({"type": st.just("function_call")}, optional={
+        "call_id": st.one_of(st.text(max_size=4), json_values), "name": st.one_of(st.just("f"), json_values),
+        "arguments": st.one_of(st.sampled_from(["{}", "{", ""]), json_values)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output")}, optional={
+        "call_id": st.one_of(st.text(max_size=4), json_values), "output": st.one_of(st.text(max_size=5), json_values)}),
+    st.fixed_dictionaries({"type": st.just("reasoning")}), json_values)
+bodies = st.fixed_dictionaries({"input": st.one_of(st.text(max_size=12), st.lists(items, max_size=4), json_values)},
+                               optional={
+    "instructions": st.one_of(st.text(max_size=8), json_values),
+    "max_output_tokens": st.one_of(st.integers(-2, 40), json_values),
+    "tools": st.one_of(st.lists(st.one_of(st.fixed_dictionaries({
+        "type": st.just("function"), "name": st.sampled_from(["f", "g", "bad name"])}), json_values), max_size=2),
+        json_values),
+    "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), json_values, st.fixed_dictionaries(
+        {"type": st.just("function"), "name": st.sampled_from(["f", "x"])})),
+    "text": st.one_of(json_values, st.fixed_dictionaries({"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "yaml"])},
+        optional={"schema": json_values, "name": st.text(max_size=4)})})),
+    "stream": st.booleans(), "temperature": st.one_of(st.floats(-1, 3), json_values),
+    "previous_response_id": st.one_of(st.none(), st.text(max_size=3)), "reasoning": json_values,
+    "include": json_values, "store": json_values, "metadata": json_values, "n": json_values})
+fine_items = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "developer", "assistant"]),
+                           "content": st.one_of(st.text(max_size=8), parts.filter(
+                               lambda ps: all(p["type"] != "input_image" and isinstance(p["text"], str)
+                                              for p in ps)))}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.just("c1"), "name": st.just("f"),
+                           "arguments": st.just("{}")}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.just("c1"),
+                           "output": st.text(max_size=5)}))
+fine_bodies = st.fixed_dictionaries({"input": st.one_of(st.text(min_size=1, max_size=12),
+                                                        st.lists(fine_items, min_size=1, max_size=3))}, optional={
+    "instructions": st.text(max_size=8), "max_output_tokens": st.integers(1, 8), "stream": st.booleans(),
+    "tools": st.just([{"type": "function", "name": "f"}]),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"}]),
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+    "metadata": st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2)})
+
+
+def test_any_responses_body_is_an_answer_or_a_400_naming_a_field_it_sent(tmp_path):
+    """Random bodies to /v1/responses of an in-process router over a fake decode node, most
+    of the fine ones served, most of the others refused: every one is a well-formed response
+    (whole, or events ending it) or a 400 whose `param` is a field of the body, never a 500."""
+    import asyncio
+    import json
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from pdserve.engine.checkpoint import CHAT_TEMPLATE
+    from pdserve.router.tokenizer import PromptTokenizer
+    from tests.chat_checkpoint import write_tokenizer_only
+    from tests.router.fake_worker import FakeWorker, openai_router
+
+    tokenizer = PromptTokenizer(str(write_tokenizer_only(tmp_path, CHAT_TEMPLATE)), "fake")
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    router = openai_router([FakeWorker("d")], tokenizer)
+    url = asyncio.run_coroutine_threadsafe(router.__aenter__(), loop).result(30) + "/v1/responses"
+
+    @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @given(body=st.one_of(fine_bodies, bodies))
+    def check(body):
+        sent = json.dumps({"model": "fake", **body}).encode()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, sent, {"Content-Type": "application/json"}),
+                                        timeout=30) as reply:
+                status, text = reply.status, reply.read().decode()
+        except urllib.error.HTTPError as err:
+            status, text = err.code, err.read().decode()
+        if status == 400:
+            param = json.loads(text)["error"]["param"]
+            assert param and param.split(".")[0].split("[")[0] in {"model", *body}, (param, body)
+            return
+        assert status == 200, (status, text, body)
+        if body.get("stream"):
+            events = [json.loads(block.split("\ndata: ", 1)[1]) for block in text.strip().split("\n\n")]
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            whole = events[-1]["response"]
+        else:
+            whole = json.loads(text)
+        assert whole["object"] == "response" and whole["status"] in ("completed", "incomplete"), whole
+
+    try:
+        check()
+    finally:
+        asyncio.run_coroutine_threadsafe(router.__aexit__(None, None, None), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
