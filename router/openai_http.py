@@ -39,7 +39,7 @@ from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
     ChoiceLogprobs, OpenAIError, cache_salt_from_body, chat_prompt, completion_prompts, invalid,
     now, sampling_from_body, tools_of)
-from pdserve.router.openai_shape import Shape
+from pdserve.router.openai_shape import Shape, stream_options_of
 from pdserve.runtime import auth, metrics, tenants
 from pdserve.runtime.errors import NodeError, retry_after_of
 from pdserve.runtime.observe import StreamObserver
@@ -206,7 +206,7 @@ class OpenAIFrontend:
             default_max = max(1, self.tokenizer.card.max_model_len - len(prompts[0])) if chat \
                 else COMPLETIONS_DEFAULT_MAX_TOKENS
             sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max, tools=tools)
-            cache_salt = cache_salt_from_body(body)
+            cache_salt, stream_usage = cache_salt_from_body(body), stream_options_of(body)
             if body.get("user"):  # OpenAI's end-user id: on the request's log line
                 observer.fields["user"] = body["user"]
             if chat:  # stops at the template's end of turn, as a gRPC conversation does
@@ -241,8 +241,8 @@ class OpenAIFrontend:
                 answer = responses_api.ResponseStream(request_id, self.model_id, original)
                 return await self._respond(request, headers, first, messages, shape, answer, body.get("stream"))
             if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return await self._stream(request, headers, first, messages, shape, include_usage)
+                shape.stream_usage(*stream_usage, sum(map(len, prompts)))
+                return await self._stream(request, headers, first, messages, shape)
             try:
                 while first is not None:
                     shape.add(first)
@@ -266,7 +266,7 @@ class OpenAIFrontend:
             [one(one_id, ids, StreamObserver(self.role, one_id, **observer.fields))
              for one_id, ids in ids_of.items()], sampling.n or 1, observer.request_id)
 
-    async def _stream(self, request, headers, first, messages, shape, include_usage):
+    async def _stream(self, request, headers, first, messages, shape):
         response = web.StreamResponse(headers={
             **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -277,7 +277,7 @@ class OpenAIFrontend:
         msg = first
         try:
             while msg is not None:
-                for event in shape.chunks(msg, include_usage):
+                for event in shape.chunks(msg):
                     await send(event)
                 msg = await anext(messages, None)
         except NodeError as err:

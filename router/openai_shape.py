@@ -6,7 +6,7 @@ streamed or whole."""
 from __future__ import annotations
 
 from pdserve.router.echo import Echo
-from pdserve.router.openai_protocol import ChoiceLogprobs, chunk, now, usage_body
+from pdserve.router.openai_protocol import ChoiceLogprobs, chunk, invalid, now, usage_body
 from pdserve.router.reasoning import ReasoningStream
 from pdserve.router.tools import CallStream, Tools, merge_calls
 
@@ -29,6 +29,14 @@ class Shape:
         self.entries: dict[int, list] = {}
         self.finish: dict[int, str | None] = {}
         self.usage = None
+        self.include_usage = False  # a stream's `stream_options` (stream_usage)
+        self.continuous: list[int] | None = None  # [prompt tokens, completion tokens so far]
+
+    def stream_usage(self, include_usage: bool, continuous: bool, prompt_tokens: int) -> None:
+        """`stream_options_of`'s choices: the usage chunk at the end, and (vLLM's
+        continuous_usage_stats) the usage so far on every chunk."""
+        self.include_usage = include_usage
+        self.continuous = [prompt_tokens, 0] if continuous else None
 
     def add(self, msg) -> None:
         if msg.HasField("usage"):
@@ -67,9 +75,15 @@ class Shape:
     def _usage(self, usage):
         return self.echo.usage(usage) if self.echo else usage
 
-    def chunks(self, msg, include_usage: bool) -> list[dict]:
+    def chunks(self, msg, include_usage: bool | None = None) -> list[dict]:
+        """The stream's chunks for `msg`; `include_usage`: None for the stream's own choice."""
+        include_usage = self.include_usage if include_usage is None else include_usage
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         extra = {"usage": None} if include_usage else {}
+        if self.continuous is not None and not msg.HasField("usage"):
+            self.continuous[1] += len(msg.token_ids)
+            prompt, done = self.continuous
+            extra = {"usage": {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}}
         if msg.HasField("usage"):
             if not include_usage:
                 return []
@@ -113,3 +127,24 @@ class Shape:
                 choices.append({"index": i, "text": self.text[i], "logprobs": logprobs,
                                 "finish_reason": self.finish.get(i)})
         return chunk(self.kind, self.id, self.created, self.model, choices, usage_body(self.usage))
+
+
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
+
+
+def stream_options_of(body: dict) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of the request's `stream_options`: given only
+    with `stream: true`, booleans each; vLLM's continuous stats need include_usage too.
+    OpenAI's include_obfuscation pads chunks against length side channels: not done."""
+    options = body.get("stream_options")
+    if options is None:
+        return False, False
+    if body.get("stream") is not True:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(options, dict) or not all(k in STREAM_OPTIONS and isinstance(v, bool)
+                                                for k, v in options.items()):
+        raise invalid(f"stream_options must be an object of booleans among {', '.join(STREAM_OPTIONS)}, "
+                      f"got {options!r:.80}", "stream_options")
+    if options.get("continuous_usage_stats") and not options.get("include_usage"):
+        raise invalid("stream_options.continuous_usage_stats needs include_usage: true", "stream_options")
+    return bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))

@@ -95,6 +95,24 @@ def test_a_streamed_batch_sends_every_choice_and_one_usage_at_the_end():
     usages = [c["usage"] for c in chunks if c.get("usage")]
     assert len(usages) == 1 and not chunks[-1]["choices"]
     assert usages[0]["prompt_tokens"] == 4 and usages[0]["completion_tokens"] == 2
+    # vLLM's continuous_usage_stats: every chunk also says the usage so far
+    status, text = run(_post(EchoesPrompt("d"), {"prompt": [[104, 105], "yo"], "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}}))
+    chunks = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
+    so_far = [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) for c in chunks if c["choices"]]
+    assert so_far == [(4, 1), (4, 2)] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("options,stream,named", [
+    ({"include_usage": True}, False, "only allowed when stream is true"),
+    ({"include_usage": "yes"}, True, "object of booleans"),
+    ({"continuous": True}, True, "object of booleans"),
+    ({"continuous_usage_stats": True}, True, "needs include_usage"),
+])
+def test_stream_options_that_ask_for_what_cannot_be_are_a_400(options, stream, named):
+    status, text = run(_post(EchoesPrompt("d"), {"prompt": "hi", "stream": stream, "stream_options": options}))
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "stream_options" and named in error["message"]
 
 
 @pytest.mark.parametrize("prompt,message", [
