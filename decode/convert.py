@@ -17,7 +17,8 @@ def _logprobs_pb(entries) -> list[pdserve_pb2.TokenLogprob]:
     out = []
     for e in entries or []:
         top = [pdserve_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in (e.top_logprobs or [])]
-        out.append(pdserve_pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob or 0.0, top=top))
+        out.append(pdserve_pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob or 0.0, top=top,
+                                            rank=e.rank or 0))
     return out
 
 

@@ -59,6 +59,7 @@ class Sample:
     token_id: int
     logprob: float | None = None  # of token_id, when num_logprobs is not None
     top_logprobs: list[tuple[int, float]] | None = None  # most likely first
+    rank: int | None = None  # a prompt token's: 1 + the tokens likelier than it
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
@@ -211,7 +212,7 @@ def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
 
 
 def _with_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow], ranks: bool = False
 ) -> list[Sample]:
     chosen = token_ids.tolist()
     samples = [Sample(token_id=t) for t in chosen]
@@ -227,17 +228,21 @@ def _with_logprobs(
     top_vals, top_ids = logprobs.topk(n_max, dim=-1)  # n_max == 0 gives empty lists
     # One copy to the host, not three (each waits for the device): float64 holds the
     # float32 logprobs and the token ids exactly.
-    packed = torch.cat([chosen.double(), top_vals.double(), top_ids.double()], dim=1).tolist()
+    # With `ranks`, a last column: how many tokens are likelier than the chosen one, plus 1.
+    rank = (logprobs > chosen).sum(dim=1, keepdim=True) + 1 if ranks else chosen[:, :0]
+    packed = torch.cat([chosen.double(), top_vals.double(), top_ids.double(), rank.double()], dim=1).tolist()
     for j, i in enumerate(wanted):
         n = rows[i].num_logprobs
         row = packed[j]
         samples[i].logprob = row[0]
         samples[i].top_logprobs = [(int(t), v) for t, v in zip(row[1 + n_max:1 + n_max + n], row[1:1 + n])]
+        if ranks:
+            samples[i].rank = int(row[-1])
     return samples
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_logprobs: int) -> list[Sample]:
     """Row i of `logits` scored at token_ids[i] (a prompt's logprobs): its logprob and the
-    `num_logprobs` likeliest tokens, as a sampled token's."""
+    `num_logprobs` likeliest tokens, as a sampled token's, and its rank."""
     rows = [SamplingRow(num_logprobs=num_logprobs)] * len(token_ids)
-    return _with_logprobs(logits.float(), to_device(logits.device, token_ids), rows)
+    return _with_logprobs(logits.float(), to_device(logits.device, token_ids), rows, ranks=True)

@@ -34,6 +34,7 @@ class TokenLogprob:
     logprob: float
     top: list[TopLogprob] = field(default_factory=list)
     token: str = ""
+    rank: int | None = None  # a prompt token's: 1 + the tokens likelier than it
 
 
 @dataclass
@@ -156,7 +157,7 @@ class PdserveError(grpc.aio.AioRpcError):
 
 def logprobs_of(entries) -> list[TokenLogprob]:
     return [TokenLogprob(e.token_id, e.logprob,
-                         [TopLogprob(t.token_id, t.logprob, t.token) for t in e.top], e.token)
+                         [TopLogprob(t.token_id, t.logprob, t.token) for t in e.top], e.token, e.rank or None)
             for e in entries]
 
 

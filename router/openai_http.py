@@ -49,22 +49,6 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers hold no k
 TENANT = web.RequestKey("tenant", str)  # the caller's, from its API key
 
 
-def _truncated(body: dict, prompts: list[list[int]], max_model_len: int) -> list[list[int]]:
-    """vLLM's `truncate_prompt_tokens` k: each prompt keeps its last k tokens (-1: the
-    model's context); the shortened prompt is the one checked, served and counted."""
-    k = body.get("truncate_prompt_tokens")
-    if k is None:
-        return prompts
-    if not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1):
-        raise invalid(f"truncate_prompt_tokens must be -1 (the model's context) or an integer >= 1, "
-                      f"got {k!r:.80}", "truncate_prompt_tokens")
-    if body.get("echo"):  # the echoed text is the prompt as sent, which this would contradict
-        raise invalid("truncate_prompt_tokens cannot be combined with echo: send the prompt you want "
-                      "echoed", "truncate_prompt_tokens")
-    keep = max_model_len if k == -1 else k
-    return [ids[-keep:] for ids in prompts]
-
-
 def _as_openai_error(err: BaseException, chat: bool) -> OpenAIError:
     if isinstance(err, OpenAIError):
         return err
@@ -200,7 +184,7 @@ class OpenAIFrontend:
             if responses:
                 body = responses_api.chat_body(original)
             tools = tools_of(body, self.tokenizer.tool_dialect) if chat else None
-            prompts = _truncated(body, [chat_prompt(body, self.tokenizer, tools)] if chat else completion_prompts(
+            prompts = prompt_batch.truncated(body, [chat_prompt(body, self.tokenizer, tools)] if chat else completion_prompts(
                 body, self.tokenizer.encode, validation.max_prompt_chars(self.tokenizer.card)),
                 self.tokenizer.card.max_model_len)
             default_max = max(1, self.tokenizer.card.max_model_len - len(prompts[0])) if chat \
@@ -237,6 +221,7 @@ class OpenAIFrontend:
                                                     sampling.HasField("logprobs")), tools,
                           self.tokenizer.opens_thinking(prompts[0]) if chat and self.tokenizer.thinks else None)
             headers = {"X-Request-Id": request_id}
+            shape.scored = {} if body.get("prompt_logprobs") is not None else None
             if responses:
                 answer = responses_api.ResponseStream(request_id, self.model_id, original)
                 return await self._respond(request, headers, first, messages, shape, answer, body.get("stream"))

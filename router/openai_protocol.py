@@ -46,7 +46,7 @@ IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop
                # pdserve's extras, as vLLM names them
                "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "repetition_penalty",
                "structured_outputs", "min_tokens", "bad_words", "include_stop_str_in_output",
-               "truncate_prompt_tokens", "skip_special_tokens"}
+               "truncate_prompt_tokens", "skip_special_tokens", "prompt_logprobs"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
                     True: {"messages", "max_completion_tokens", "top_logprobs", "tools",
                            "tool_choice", "parallel_tool_calls",
@@ -202,6 +202,12 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int,
             pb.logprobs = logprobs
             if echo:
                 pb.prompt_logprobs = logprobs
+    scored = _typed(body, "prompt_logprobs", (int,), "an integer")  # vLLM's: its own field in the answer
+    if scored is not None:
+        if body.get("stream") or pb.HasField("prompt_logprobs"):
+            raise invalid("prompt_logprobs are not available with stream, nor beside echo's prompt logprobs: "
+                          "send one", "prompt_logprobs")
+        pb.prompt_logprobs = scored
     return pb
 
 

@@ -31,6 +31,7 @@ class Shape:
         self.usage = None
         self.include_usage = False  # a stream's `stream_options` (stream_usage)
         self.continuous: list[int] | None = None  # [prompt tokens, completion tokens so far]
+        self.scored: dict[int, list] | None = None  # vLLM's prompt_logprobs, by choice, when asked
 
     def stream_usage(self, include_usage: bool, continuous: bool, prompt_tokens: int) -> None:
         """`stream_options_of`'s choices: the usage chunk at the end, and (vLLM's
@@ -48,6 +49,8 @@ class Shape:
         self.reasoning[i] = self.reasoning.get(i, "") + reasoning
         merge_calls(self.calls.setdefault(i, []), deltas)
         self.entries.setdefault(i, []).extend(entries)
+        if self.scored is not None and msg.prompt_logprobs and i not in self.scored:
+            self.scored[i] = self._prompt_logprobs(msg.prompt_logprobs)
         if finish:
             self.finish[i] = finish
 
@@ -126,7 +129,25 @@ class Shape:
             else:
                 choices.append({"index": i, "text": self.text[i], "logprobs": logprobs,
                                 "finish_reason": self.finish.get(i)})
-        return chunk(self.kind, self.id, self.created, self.model, choices, usage_body(self.usage))
+                if self.scored is not None:
+                    choices[-1]["prompt_logprobs"] = self.scored.get(i)
+        whole = chunk(self.kind, self.id, self.created, self.model, choices, usage_body(self.usage))
+        if self.chat and self.scored is not None:  # vLLM's place for a conversation's
+            whole["prompt_logprobs"] = self.scored.get(0)
+        return whole
+
+    def _prompt_logprobs(self, entries) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first (nothing scores
+        it), then {token id: {logprob, rank, decoded_token}} of the token and its likeliest."""
+        text = self.logprobs.token_text
+        scored: list[dict | None] = [None]
+        for e in entries:
+            ranked = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank or None, "decoded_token": text(e.token_id)}}
+            for rank, t in enumerate(e.top, 1):
+                ranked.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": rank,
+                                                    "decoded_token": text(t.token_id)})
+            scored.append(ranked)
+        return scored
 
 
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")

@@ -11,6 +11,9 @@ Invariants:
   the prompt on every node holding it.
 - The usage of the prompts arrives once, at the end: token counts summed, timings those of
   the slowest prompt.
+
+`truncated` cuts each prompt of a request to its last tokens first, as vLLM's
+`truncate_prompt_tokens` asks.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from pdserve.proto import pdserve_pb2
+from pdserve.router.openai_protocol import invalid
 
 # Usage fields that add up over the batch; every other number is a time, of which the
 # batch reports its slowest prompt's.
@@ -83,3 +87,19 @@ def batch_usage(usages: list[pdserve_pb2.Usage]) -> pdserve_pb2.Usage:
         for name in TIMES:
             setattr(total, name, max(getattr(total, name), getattr(u, name)))
     return total
+
+
+def truncated(body: dict, prompts: list[list[int]], max_model_len: int) -> list[list[int]]:
+    """vLLM's `truncate_prompt_tokens` k: each prompt keeps its last k tokens (-1: the
+    model's context); the shortened prompt is the one checked, served and counted."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None:
+        return prompts
+    if not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1):
+        raise invalid(f"truncate_prompt_tokens must be -1 (the model's context) or an integer >= 1, "
+                      f"got {k!r:.80}", "truncate_prompt_tokens")
+    if body.get("echo"):  # the echoed text is the prompt as sent, which this would contradict
+        raise invalid("truncate_prompt_tokens cannot be combined with echo: send the prompt you want "
+                      "echoed", "truncate_prompt_tokens")
+    keep = max_model_len if k == -1 else k
+    return [ids[-keep:] for ids in prompts]

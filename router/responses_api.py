@@ -37,7 +37,8 @@ MAPPED = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_c
 STORED = ("previous_response_id", "conversation", "prompt", "background")
 CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
               "response_format": "text.format", "n": "one request per answer",
-              "logprobs": "/v1/chat/completions for logprobs", "top_logprobs": "/v1/chat/completions for logprobs"}
+              "logprobs": "/v1/chat/completions for logprobs", "top_logprobs": "/v1/chat/completions for logprobs",
+              "prompt_logprobs": "/v1/chat/completions for prompt_logprobs"}
 # A chat check's message names the chat field; the client sent the Responses one.
 RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
            "response_format": "text.format", "messages": "input"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import openai
 import pytest
 import torch
 
@@ -103,10 +104,45 @@ def test_grpc_prompt_logprobs_name_each_token(cluster, colocated, hf, where):
                                want.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1),
                                atol=1e-4, rtol=0)
     assert all(len(e.top) == 3 and e.top[0].token for e in got)
+    assert [e.rank for e in got] == [1 + int((row > row[t]).sum()) for row, t in zip(want, ids[1:])]
     assert [c.token_ids for c in scored.choices] == [plain.token_ids] * 2
     assert scored.usage.cached_prompt_tokens == 0 and plain.prompt_logprobs is None
     if where == "router":  # the decode node computed the whole prompt
         assert scored.usage.route.skip_reason == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("api_name", ["completions", "chat"])
+def test_vllm_prompt_logprobs_rank_each_token_as_transformers_does(api, model, hf, api_name):
+    """vLLM's body field: per prompt token (the first None), the token and its likeliest,
+    each with its logprob, its rank among all and its text; on completions in each choice,
+    on chat beside the choices. Not with a stream."""
+    from pdserve.router.tokenizer import PromptTokenizer
+
+    ids_of, logprobs, tokenizer = hf
+    if api_name == "chat":
+        messages = [{"role": "user", "content": "name a fox"}]
+        ids = PromptTokenizer(model).chat_ids(messages)  # as transformers renders it (test_chat_messages.py)
+        answer = api.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0.0,
+                                             extra_body={"prompt_logprobs": 2})
+        scored = answer.model_extra["prompt_logprobs"]
+    else:
+        ids = ids_of(PROMPTS[0])
+        answer = api.completions.create(model=model, prompt=PROMPTS[0], max_tokens=2, n=2, temperature=0.0,
+                                        extra_body={"prompt_logprobs": 2})
+        scored = answer.choices[0].model_extra["prompt_logprobs"]
+        assert answer.choices[1].model_extra["prompt_logprobs"] == scored
+    want = logprobs(ids)
+    assert scored[0] is None and len(scored) == len(ids)
+    for entry, row, token in zip(scored[1:], want, ids[1:]):
+        ranks = {int(t): (v["rank"], v["decoded_token"]) for t, v in entry.items()}
+        likeliest = row.argsort(descending=True)[:2].tolist()
+        assert set(ranks) == {token, *likeliest}
+        assert ranks[token] == (1 + int((row > row[token]).sum()), tokenizer.decode([token]))
+        assert [ranks[t][0] for t in likeliest] == [1, 2]
+        assert entry[str(token)]["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        api.completions.create(model=model, prompt=PROMPTS[0], max_tokens=2, stream=True,
+                               extra_body={"prompt_logprobs": 2})
 
 
 def test_pdserve_generate_prints_the_prompts_logprobs_first(cluster, hf):
