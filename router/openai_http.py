@@ -184,9 +184,9 @@ class OpenAIFrontend:
             if responses:
                 body = responses_api.chat_body(original)
             tools = tools_of(body, self.tokenizer.tool_dialect) if chat else None
-            prompts = prompt_batch.truncated(body, [chat_prompt(body, self.tokenizer, tools)] if chat else completion_prompts(
-                body, self.tokenizer.encode, validation.max_prompt_chars(self.tokenizer.card)),
-                self.tokenizer.card.max_model_len)
+            given = [chat_prompt(body, self.tokenizer, tools)] if chat else completion_prompts(
+                body, self.tokenizer.encode, validation.max_prompt_chars(self.tokenizer.card))
+            prompts = prompt_batch.truncated(body, given, self.tokenizer.card.max_model_len)
             default_max = max(1, self.tokenizer.card.max_model_len - len(prompts[0])) if chat \
                 else COMPLETIONS_DEFAULT_MAX_TOKENS
             sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max, tools=tools)

@@ -142,7 +142,8 @@ class Shape:
         text = self.logprobs.token_text
         scored: list[dict | None] = [None]
         for e in entries:
-            ranked = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank or None, "decoded_token": text(e.token_id)}}
+            ranked = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank or None,
+                                        "decoded_token": text(e.token_id)}}
             for rank, t in enumerate(e.top, 1):
                 ranked.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": rank,
                                                     "decoded_token": text(t.token_id)})

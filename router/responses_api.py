@@ -167,7 +167,8 @@ class ResponseStream:
             "model": model, "output": [], "error": None, "incomplete_details": None,
             "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
             "max_output_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
-            "top_p": body.get("top_p"), "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
+            "top_p": body.get("top_p"), "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": body.get("text") or {"format": {"type": "text"}}, "store": False, "usage": None}
         self.sequence = 0
