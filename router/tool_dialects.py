@@ -10,14 +10,18 @@
   (Mistral's v3 tokenizer). `[TOOL_CALLS]` is a special token, dropped from the text as the
   others are, so an answer that begins with the array is a call as well. Mistral's
   templates refuse call ids that are not 9 letters or digits, so its calls get such ids.
+- "pythonic": the answer is a Python list of calls with keyword arguments,
+  `[get_weather(city="Paris"), get_time()]` (Llama 4's template, and Llama 3.2's pythonic
+  one), each argument a literal; read with `ast`, never run.
 
-In the last two a call can only begin the answer: an answer whose first non-space
+In the last three a call can only begin the answer: an answer whose first non-space
 characters are a call's start is held back until it ends, then given as calls, or whole as
 text when it does not parse; any other answer streams as it comes.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -42,6 +46,8 @@ class Dialect:
         `functions`, or None when any part of it does not parse as a call to one of them."""
         if self.anywhere:
             return _blocks(text, functions)
+        if self.name == "pythonic":
+            return _pythonic(text, functions)
         head, marker = text.strip(), self.starts[0]  # the special token, where it was kept
         head = head[len(marker):].lstrip() if head.startswith(marker) else head
         values, at = _values(head, ";" if self.name == "llama3_json" else "")
@@ -55,7 +61,8 @@ class Dialect:
 
 HERMES = Dialect("hermes", (HERMES_OPEN,), anywhere=True)
 DIALECTS = {d.name: d for d in (HERMES, Dialect("llama3_json", (PYTHON_TAG, "{"), anywhere=False),
-                                 Dialect("mistral", (TOOL_CALLS, "["), anywhere=False))}
+                                 Dialect("mistral", (TOOL_CALLS, "["), anywhere=False),
+                                 Dialect("pythonic", ("[",), anywhere=False))}
 
 
 def dialect_of(chat_template: str | None) -> Dialect:
@@ -65,6 +72,8 @@ def dialect_of(chat_template: str | None) -> Dialect:
         return HERMES
     if TOOL_CALLS in chat_template:
         return DIALECTS["mistral"]
+    if "[func_name1(" in chat_template:  # "put it in the format of [func_name1(params_name1=...), ...]"
+        return DIALECTS["pythonic"]
     if HERMES_OPEN in chat_template:
         return HERMES
     if PYTHON_TAG in chat_template or '"parameters": dictionary' in chat_template:
@@ -114,3 +123,22 @@ def _blocks(text: str, functions: dict):
     rest.append(text[at:])
     return "".join(rest).strip(), calls
 
+
+def _pythonic(text: str, functions: dict):
+    """The answer as `[f(a=1), g()]`: each element a call of a listed function by name with
+    keyword arguments of literal values (strings, numbers, lists, dicts, True/False/None)."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+        if not isinstance(tree, ast.List):
+            return None
+        calls = []
+        for call in tree.elts:
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
+                    and all(k.arg for k in call.keywords)):
+                return None
+            calls.append({"name": call.func.id, "arguments": {k.arg: ast.literal_eval(k.value)
+                                                              for k in call.keywords}})
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return None
+    found = [call_of(c, functions) for c in calls]
+    return ("", found) if found and None not in found else None

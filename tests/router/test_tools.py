@@ -187,7 +187,7 @@ def test_required_named_and_none_answers():
 
 
 # Each dialect's answers: (text, content, calls, finish reason), with a stop at the end.
-LLAMA3, MISTRAL = DIALECTS["llama3_json"], DIALECTS["mistral"]
+LLAMA3, MISTRAL, PYTHONIC = DIALECTS["llama3_json"], DIALECTS["mistral"], DIALECTS["pythonic"]
 DIALECT_ANSWERS = [
     (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "",
      [("get_weather", '{"city": "Paris"}')], "tool_calls"),
@@ -206,6 +206,12 @@ DIALECT_ANSWERS = [
     (MISTRAL, "[1] says it is sunny.", None, [], "stop"),
     (MISTRAL, '[TOOL_CALLS] {"name": "get_time", "arguments": {}}', None, [], "stop"),
     (MISTRAL, "Sunny, [TOOL_CALLS] later.", None, [], "stop"),
+    (PYTHONIC, ' [get_weather(city="Paris", days=[1, 2]), get_time()]', "",
+     [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("get_time", "{}")], "tool_calls"),
+    (PYTHONIC, '[get_weather("Paris")]', None, [], "stop"),  # a positional argument names nothing
+    (PYTHONIC, '[get_time(at=__import__("os"))]', None, [], "stop"),  # literals only: nothing runs
+    (PYTHONIC, "[1] says it is sunny.", None, [], "stop"),
+    (PYTHONIC, "Sunny [get_time()]", None, [], "stop"),
 ]
 
 
@@ -246,14 +252,18 @@ LLAMA31_TEMPLATE = (
 MISTRAL_TEMPLATE = ('{%- if tools is not none %}{{- "[AVAILABLE_TOOLS] [" }}{%- endif %}'
                     '{%- for m in messages %}{%- if m.tool_calls is defined %}{{- "[TOOL_CALLS] [" }}{%- endif %}'
                     '{%- endfor %}')
+LLAMA4_TEMPLATE = ("{%- if tools %}{{- 'If you decide to invoke any of the function(s), you MUST put it in the "
+                   "format of [func_name1(params_name1=params_value1, params_name2=params_value2...), "
+                   "func_name2(params)]' }}{%- endif %}")
 QWEN_TEMPLATE = ("{%- if tools %}{{- '<tools>' }}{%- for tool in tools %}{{- tool | tojson }}{%- endfor %}"
                  "{{- '</tools>\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
                  "\\n</tool_call>' }}{%- endif %}")
 
 
 def test_the_template_names_the_dialect(tmp_path, tiny_model):
-    assert [dialect_of(t).name for t in (LLAMA31_TEMPLATE, MISTRAL_TEMPLATE, QWEN_TEMPLATE, TOOLS_TEMPLATE, None)] \
-        == ["llama3_json", "mistral", "hermes", "hermes", "hermes"]
+    templates = (LLAMA31_TEMPLATE, MISTRAL_TEMPLATE, LLAMA4_TEMPLATE, QWEN_TEMPLATE, TOOLS_TEMPLATE, None)
+    assert [dialect_of(t).name for t in templates] == ["llama3_json", "mistral", "pythonic", "hermes", "hermes",
+                                                        "hermes"]
     assert PromptTokenizer(tiny_model).tool_dialect is HERMES  # its system message asks for Hermes' blocks
     assert PromptTokenizer(str(write_tokenizer_only(tmp_path, MISTRAL_TEMPLATE))).tool_dialect is MISTRAL
     # --tool-call-parser names it instead; its choices are the dialects
@@ -274,7 +284,7 @@ tool_like = st.fixed_dictionaries({"type": st.sampled_from(["function", "other"]
 # Answers made of the pieces calls are written with, as well as of their characters.
 PIECES = [" ", "\n", "text", "<tool_call>", "</tool_call>", "<tool_", "[TOOL_CALLS]", "<|python_tag|>", "<|py",
           '{"name": "get_time", "arguments": {}}', '{"name": "get_weather", "parameters": {"city": "x"}}',
-          '{"name": "nope", "arguments": {}}', "[", "]", "{", "}", ";", ","]
+          '{"name": "nope", "arguments": {}}', "get_time()", 'get_weather(city="x")', "[", "]", "{", "}", ";", ","]
 answers = st.one_of(st.text(alphabet=st.sampled_from(list('<>/tool_cal{}":, ax[];|')), max_size=60),
                     st.lists(st.sampled_from(PIECES), max_size=8).map("".join))
 
