@@ -162,23 +162,23 @@ class OpenAIFrontend:
 
     # ---- generation -----------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        return await self._generate(request, "completions")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        return await self._generate(request, "chat")
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         try:
-            return await self._generate(request, chat=True, responses=True)
+            return await self._generate(request, "responses")
         except OpenAIError as err:
             raise responses_api.renamed(err) from None
 
-    async def _generate(self, request: web.Request, chat: bool, responses: bool = False) -> web.StreamResponse:
-        """`responses`: the body is a Responses API request, served as the chat request it
-        maps to and answered in its shape."""
+    async def _generate(self, request: web.Request, api: str) -> web.StreamResponse:
+        """A request to `api`: "completions", "chat", or "responses" (a Responses API body,
+        served as the chat request it maps to and answered in its shape)."""
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        observer = StreamObserver(self.role, request_id, api="responses" if responses else "chat" if chat
-                                  else "completions")
+        observer = StreamObserver(self.role, request_id, api=api)
+        chat, responses = api != "completions", api == "responses"
         try:
             body = original = await self._body(request)
             if responses:
