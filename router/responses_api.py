@@ -8,8 +8,9 @@ stream events (`ResponseStream`).
   the system role. Only text parts are taken.
 - Mapped: `max_output_tokens`, `text.format` (json_object, json_schema), function `tools`
   and `tool_choice`, `parallel_tool_calls`, `temperature`, `top_p`, `user`,
-  `safety_identifier`, `metadata` (given back), `stream`; vLLM's sampling extras
-  (`top_k`, `min_p`, ...) pass as they do on chat.
+  `safety_identifier`, `metadata` (given back), `stream`, and `top_logprobs` or `include:
+  ["message.output_text.logprobs"]` (the text's logprobs, as chat's); vLLM's sampling
+  extras (`top_k`, `min_p`, ...) pass as they do on chat.
 - Nothing is stored, as in vLLM's default: `store` changes nothing, and what needs a stored
   response or conversation (`previous_response_id`, `conversation`, `prompt`, `background`)
   is a 400 naming it. So are hosted tools (web search, files), images, and the chat
@@ -31,13 +32,15 @@ import uuid
 
 from .openai_protocol import OpenAIError, now
 
+LOGPROBS = "message.output_text.logprobs"  # the one `include` served
 MAPPED = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "metadata", "store",
+          "top_logprobs",
           "safety_identifier", "stream_options", "prompt_cache_key", "include", "truncation", "reasoning",
           "max_tool_calls"}
 STORED = ("previous_response_id", "conversation", "prompt", "background")
 CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
               "response_format": "text.format", "n": "one request per answer",
-              "logprobs": "/v1/chat/completions for logprobs", "top_logprobs": "/v1/chat/completions for logprobs",
+              "logprobs": f"top_logprobs or include: [{LOGPROBS!r}]",
               "prompt_logprobs": "/v1/chat/completions for prompt_logprobs"}
 # A chat check's message names the chat field; the client sent the Responses one.
 RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -66,7 +69,7 @@ def chat_body(body: dict) -> dict:
     reasoning = body.get("reasoning")
     if isinstance(reasoning, dict) and not any(reasoning.values()):
         reasoning = None  # {"effort": null}: nothing asked
-    for name, value, allowed in (("include", body.get("include"), (None, [])),
+    for name, value, allowed in (("include", body.get("include"), (None, [], [LOGPROBS])),
                                  ("truncation", body.get("truncation"), (None, "disabled")),
                                  ("reasoning", reasoning, (None,)),
                                  ("max_tool_calls", body.get("max_tool_calls"), (None,))):
@@ -77,6 +80,8 @@ def chat_body(body: dict) -> dict:
         chat["user"] = body["safety_identifier"]
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
+    if body.get("include") or body.get("top_logprobs") is not None:  # the text's logprobs
+        chat.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else body.get("text")
     if fmt is not None:
         chat["response_format"] = _format(fmt)
@@ -194,7 +199,7 @@ class ResponseStream:
             if delta.get("reasoning_content"):
                 events += self._text("reasoning", delta["reasoning_content"])
             if delta.get("content"):
-                events += self._text("message", delta["content"])
+                events += self._text("message", delta["content"], (choice.get("logprobs") or {}).get("content"))
             for call in delta.get("tool_calls") or ():
                 events += self._call(call)
             self.finish = choice["finish_reason"] or self.finish
@@ -216,7 +221,9 @@ class ResponseStream:
         fields = {k: error[k] for k in ("code", "message", "param")}  # its `type` is the event's
         return [self._event("error", **fields), self._event("response.failed", response=self.response)]
 
-    def _text(self, kind: str, text: str) -> list[dict]:
+    def _text(self, kind: str, text: str, logprobs: list | None = None) -> list[dict]:
+        """Events for more of the reasoning or the message (`logprobs`: its tokens', when
+        asked), in the item of that kind open last or a new one."""
         events, output = [], self.response["output"]
         if not (self.open and output[self.open[-1]]["type"] == kind):
             events = self._close("completed")
@@ -224,14 +231,18 @@ class ResponseStream:
                     "status": "in_progress", "content": []}
             item.update({"role": "assistant"} if kind == "message" else {"summary": []})
             events += self._add(item)
-            part = {"type": "output_text", "text": "", "annotations": []} if kind == "message" else \
+            part = {"type": "output_text", "text": "", "annotations": [],
+                    **({"logprobs": []} if logprobs is not None else {})} if kind == "message" else \
                 {"type": "reasoning_text", "text": ""}
             item["content"].append(part)
             events.append(self._event("response.content_part.added", **self._at(item), part=part))
         item = output[self.open[-1]]
         item["content"][0]["text"] += text
         name = "output_text" if kind == "message" else "reasoning_text"
-        return [*events, self._event(f"response.{name}.delta", **self._at(item), delta=text)]
+        if logprobs is None:
+            return [*events, self._event(f"response.{name}.delta", **self._at(item), delta=text)]
+        item["content"][0].setdefault("logprobs", []).extend(logprobs)
+        return [*events, self._event(f"response.{name}.delta", **self._at(item), delta=text, logprobs=logprobs)]
 
     def _call(self, delta: dict) -> list[dict]:
         if "id" in delta:

@@ -55,6 +55,19 @@ def test_a_response_is_what_transformers_writes_streamed_or_whole(api, cluster, 
     assert events[-1].response.output_text == text and events[-1].response.usage.output_tokens == 6
 
 
+def test_the_texts_logprobs_are_chats(api, cluster):
+    asked = api.responses.create(model=cluster.model, input="name a fox", include=["message.output_text.logprobs"],
+                                 top_logprobs=2, **GREEDY)
+    chat = api.chat.completions.create(model=cluster.model, messages=[{"role": "user", "content": "name a fox"}],
+                                       logprobs=True, top_logprobs=2, max_tokens=6, temperature=0.0,
+                                       extra_body={"ignore_eos": True})
+    got = asked.output[0].content[0].logprobs
+    want = chat.choices[0].logprobs.content
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in got] == \
+        [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in want]
+    assert "".join(e.token for e in got) == asked.output_text and len(got) == 6
+
+
 def test_a_forced_function_is_the_call_chat_makes_and_its_output_goes_back_in(api, cluster):
     named = api.responses.create(model=cluster.model, input="the light, please", tools=[MODE], temperature=0.0,
                                  tool_choice={"type": "function", "name": "set_mode"}, max_output_tokens=24)

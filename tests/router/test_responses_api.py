@@ -53,6 +53,7 @@ def test_a_request_is_the_chat_request_it_means():
     ({"max_tokens": 5}, "max_tokens", "max_output_tokens"),
     ({"n": 2}, "n", "one request"),
     ({"include": ["file_search_call.results"]}, "include", "file_search_call.results"),
+    ({"logprobs": True}, "logprobs", "top_logprobs or include"),
     ({"truncation": "auto"}, "truncation", "'auto'"),
     ({"tools": [{"type": "file_search"}]}, "tools", "'file_search'"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "input[0]"),
@@ -119,6 +120,18 @@ def test_reasoning_text_and_calls_become_items_whose_events_give_the_whole():
     assert whole["usage"]["input_tokens_details"] == {"cached_tokens": 2} and whole["usage"]["output_tokens"] == 7
     assert replay(events) == {"output": whole["output"], "status": "completed"}
     assert events[-1] == {"type": "response.completed", "sequence_number": len(events) - 1, "response": whole}
+
+
+def test_the_texts_logprobs_go_with_its_deltas_and_part_when_asked():
+    assert chat_body({"model": "m", "input": "hi", "include": ["message.output_text.logprobs"]})["top_logprobs"] == 0
+    assert chat_body({"model": "m", "input": "hi", "top_logprobs": 3})["logprobs"] is True
+    stream = ResponseStream("r4", "m", {"input": "hi"})
+    entry = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
+    events = stream.start() + stream.feed({"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": "stop",
+                                                        "logprobs": {"content": [entry]}}], "usage": None})
+    assert events[-1]["type"] == "response.output_text.delta" and events[-1]["logprobs"] == [entry]
+    stream.end()
+    assert stream.response["output"][0]["content"][0]["logprobs"] == [entry]
 
 
 def test_an_answer_cut_short_is_incomplete_and_a_failure_ends_the_stream():
