@@ -8,7 +8,6 @@ the random-weight demo model is generated (`engine.checkpoint.ensure_demo_model`
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
 import os
 import sys
@@ -53,7 +52,8 @@ def chat_template_of(value: str | None) -> str | None:
     if os.path.isfile(value):
         text = Path(value).read_text()
     elif "{{" in value or "{%" in value:
-        text = codecs.decode(value, "unicode_escape")
+        # Escapes decoded, every other character kept (unicode_escape alone reads latin-1)
+        text = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
     else:
         raise ValueError(f"--chat-template {value!r:.80} is no file, nor a Jinja template (no {{{{ or {{%)")
     from jinja2 import TemplateSyntaxError

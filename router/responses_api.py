@@ -235,14 +235,15 @@ class ResponseStream:
                     **({"logprobs": []} if logprobs is not None else {})} if kind == "message" else \
                 {"type": "reasoning_text", "text": ""}
             item["content"].append(part)
-            events.append(self._event("response.content_part.added", **self._at(item), part=part))
-        item = output[self.open[-1]]
-        item["content"][0]["text"] += text
+            events.append(self._event("response.content_part.added", **self._at(item, self.open[-1]), part=part))
+        index = self.open[-1]
+        part = output[index]["content"][0]
+        part["text"] += text
+        if logprobs is not None:
+            part.setdefault("logprobs", []).extend(logprobs)
         name = "output_text" if kind == "message" else "reasoning_text"
-        if logprobs is None:
-            return [*events, self._event(f"response.{name}.delta", **self._at(item), delta=text)]
-        item["content"][0].setdefault("logprobs", []).extend(logprobs)
-        return [*events, self._event(f"response.{name}.delta", **self._at(item), delta=text, logprobs=logprobs)]
+        return [*events, self._event(f"response.{name}.delta", **self._at(output[index], index), delta=text,
+                                     **({} if logprobs is None else {"logprobs": logprobs}))]
 
     def _call(self, delta: dict) -> list[dict]:
         if "id" in delta:
@@ -251,11 +252,13 @@ class ResponseStream:
             events = [*self._close("completed"), *self._add(item)]
             self.calls[delta["index"]] = self.open[-1]
         else:
-            events, item = [], self.response["output"][self.calls[delta["index"]]]
+            events = []
+        index = self.calls[delta["index"]]
+        item = self.response["output"][index]
         arguments = delta["function"]["arguments"]
         item["arguments"] += arguments
         return [*events, self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                     output_index=self.response["output"].index(item), delta=arguments)]
+                                     output_index=index, delta=arguments)]
 
     def _add(self, item: dict) -> list[dict]:
         self.response["output"].append(item)
@@ -274,14 +277,16 @@ class ResponseStream:
             else:
                 part = item["content"][0]
                 name = "output_text" if item["type"] == "message" else "reasoning_text"
-                events += [self._event(f"response.{name}.done", **self._at(item), text=part["text"]),
-                           self._event("response.content_part.done", **self._at(item), part=part)]
+                events += [self._event(f"response.{name}.done", **self._at(item, index), text=part["text"]),
+                           self._event("response.content_part.done", **self._at(item, index), part=part)]
             events.append(self._event("response.output_item.done", output_index=index, item=item))
         self.open = []
         return events
 
-    def _at(self, item: dict) -> dict:
-        return {"item_id": item["id"], "output_index": self.response["output"].index(item), "content_index": 0}
+    @staticmethod
+    def _at(item: dict, index: int) -> dict:
+        """Where an event's text goes: the item, its place in the output, its one part."""
+        return {"item_id": item["id"], "output_index": index, "content_index": 0}
 
     def _event(self, kind: str, **fields) -> dict:
         """An event as things are now: the items and the response in it are copies."""

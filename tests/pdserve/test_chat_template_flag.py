@@ -20,6 +20,7 @@ def test_a_file_or_the_template_itself_is_the_template(tmp_path):
     path.write_text(BRACKETS)
     assert chat_template_of(str(path)) == BRACKETS
     assert chat_template_of(BRACKETS.replace("\n", "\\n")) == BRACKETS  # one line, as vLLM takes it
+    assert chat_template_of("{{ 'é → ' }}\\n") == "{{ 'é → ' }}\n"  # other characters as given
     assert chat_template_of(None) is None
 
 
