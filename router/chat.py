@@ -86,12 +86,13 @@ TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents"
                                 "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
-def template_options(body: dict) -> dict:
+def template_options(body: dict, template: str | None = None) -> dict:
     """vLLM's chat extras as `apply_chat_template` arguments: `add_generation_prompt`
     (default true: open the assistant's turn), `continue_final_message` (default false: go
-    on with the last, assistant's, message instead, its turn left open) and
+    on with the last, assistant's, message instead, its turn left open),
     `chat_template_kwargs` (more variables for the template, such as Qwen3's
-    `enable_thinking`). ValueError naming the field."""
+    `enable_thinking`) and OpenAI's `reasoning_effort`, as the chat `template` takes it
+    (`effort_variables`). ValueError naming the field."""
     options = {"add_generation_prompt": True, "continue_final_message": False}
     for name in options:
         value = body.get(name)
@@ -110,7 +111,33 @@ def template_options(body: dict) -> dict:
     if taken:
         raise ValueError(f"chat_template_kwargs may not set {taken[0]!r}: it is the request's own "
                          "field or the template's argument")
-    return {**options, **extra}
+    effort = effort_variables(body.get("reasoning_effort"), template)
+    clash = next((name for name, value in effort.items() if extra.get(name, value) != value), None)
+    if clash:
+        raise ValueError(f"reasoning_effort {body['reasoning_effort']!r} and chat_template_kwargs.{clash} "
+                         f"{extra[clash]!r} disagree: send one of them")
+    return {**options, **effort, **extra}
+
+
+# OpenAI's levels, "none" (no reasoning) to "xhigh".
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def effort_variables(effort, template: str | None) -> dict:
+    """The template variables that ask for `effort`: the template's own `reasoning_effort`
+    (gpt-oss's, as vLLM passes it), or else the on/off switch `enable_thinking` of Qwen3
+    and SmolLM3, which have no levels (none: off, any other: on). A model whose template
+    takes neither cannot be asked, and a request that asks is refused, not ignored."""
+    if effort is None:
+        return {}
+    if effort not in EFFORTS:
+        raise ValueError(f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {effort!r:.80}")
+    if template and "reasoning_effort" in template:
+        return {"reasoning_effort": effort}
+    if template and "enable_thinking" in template:
+        return {"enable_thinking": effort != "none"}
+    raise ValueError(f"reasoning_effort {effort!r}: this model's chat template takes no reasoning effort "
+                     "(neither a reasoning_effort nor an enable_thinking variable): leave it out")
 
 
 def render(tokenizer, messages: list[dict], model: str, tools: list[dict] | None = None,

@@ -51,13 +51,14 @@ IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
                     True: {"messages", "max_completion_tokens", "top_logprobs", "tools",
                            "tool_choice", "parallel_tool_calls",
                            # vLLM's, for the chat template (router/chat.py)
-                           "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}}
+                           "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                           "reasoning_effort"}}
 # Accepted only at a value that asks for nothing pdserve lacks (OpenAI's old `functions`,
 # audio, storage); any other value is a 400 naming the field.
 NEUTRAL = {"suffix": ("",), "functions": ([],), "function_call": ("none",),
            "store": (False,), "metadata": ({},),
            "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
-           "prediction": (), "reasoning_effort": (), "web_search_options": ()}
+           "prediction": (), "web_search_options": ()}
 # "top_p must be ...", "prompt token id 9999 is outside ...", "prompt of 900 tokens is
 # longer ...", at the start of the message or after a "...: " prefix; "prompt[1]..." (one
 # prompt of a batch); "structured_output.regex ..." (a part of a field); "(900 in the prompt, 16 in the completion)" (the context's error).
@@ -272,7 +273,7 @@ def chat_prompt(body: dict, tokenizer, tools: Tools | None = None) -> list[int]:
     renders them: the very function (and checks) a gRPC request's messages go through
     (`PromptTokenizer.chat_ids`), with the template options the body asks for."""
     try:
-        options = template_options(body)
+        options = template_options(body, tokenizer.tokenizer.chat_template)
     except ValueError as err:
         raise invalid(str(err), str(err).split(" ", 1)[0]) from None
     try:

@@ -6,8 +6,8 @@ stream events (`ResponseStream`).
 - Input: `input` (a text, or a list of message, `function_call`, `function_call_output`
   and `reasoning` items) and `instructions` (a system message before it). `developer` is
   the system role. Only text parts are taken.
-- Mapped: `max_output_tokens`, `text.format` (json_object, json_schema), function `tools`
-  and `tool_choice`, `parallel_tool_calls`, `temperature`, `top_p`, `user`,
+- Mapped: `max_output_tokens`, `text.format` (json_object, json_schema), `reasoning.effort`
+  (chat's `reasoning_effort`), function `tools` and `tool_choice`, `parallel_tool_calls`, `temperature`, `top_p`, `user`,
   `safety_identifier`, `metadata` (given back), `stream`, and `top_logprobs` or `include:
   ["message.output_text.logprobs"]` (the text's logprobs, as chat's); vLLM's sampling
   extras (`top_k`, `min_p`, ...) pass as they do on chat.
@@ -41,10 +41,11 @@ STORED = ("previous_response_id", "conversation", "prompt", "background")
 CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
               "response_format": "text.format", "n": "one request per answer",
               "logprobs": f"top_logprobs or include: [{LOGPROBS!r}]",
-              "prompt_logprobs": "/v1/chat/completions for prompt_logprobs"}
+              "prompt_logprobs": "/v1/chat/completions for prompt_logprobs",
+              "reasoning_effort": "reasoning.effort"}
 # A chat check's message names the chat field; the client sent the Responses one.
 RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "response_format": "text.format", "messages": "input"}
+           "response_format": "text.format", "messages": "input", "reasoning_effort": "reasoning.effort"}
 
 
 class Refused(OpenAIError):
@@ -66,16 +67,14 @@ def chat_body(body: dict) -> dict:
     for name, instead in CHAT_NAMES.items():
         if body.get(name) is not None:
             raise refused(f"{name} is a chat completions field; on /v1/responses use {instead}", name)
-    reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict) and not any(reasoning.values()):
-        reasoning = None  # {"effort": null}: nothing asked
     for name, value, allowed in (("include", body.get("include"), (None, [], [LOGPROBS])),
                                  ("truncation", body.get("truncation"), (None, "disabled")),
-                                 ("reasoning", reasoning, (None,)),
                                  ("max_tool_calls", body.get("max_tool_calls"), (None,))):
         if value not in allowed:
             raise refused(f"{name} {body[name]!r:.80} is not served: leave it out", name)
     chat = {k: v for k, v in body.items() if k not in MAPPED and k not in STORED and k not in CHAT_NAMES}
+    if _effort(body.get("reasoning")) is not None:
+        chat["reasoning_effort"] = body["reasoning"]["effort"]
     if body.get("safety_identifier") is not None:
         chat["user"] = body["safety_identifier"]
     if body.get("max_output_tokens") is not None:
@@ -94,6 +93,20 @@ def chat_body(body: dict) -> dict:
             if isinstance(choice, dict) and choice.get("type") == "function" else choice
     chat["messages"] = _messages(body.get("input"), body.get("instructions"))
     return chat
+
+
+def _effort(reasoning):
+    """`reasoning.effort`, chat's `reasoning_effort`. A summary of the reasoning is not
+    written: a thinking model's reasoning item carries the reasoning itself."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
+        raise refused(f'reasoning must be {{"effort": ...}}, got {reasoning!r:.80}', "reasoning")
+    for name in ("summary", "generate_summary"):
+        if reasoning.get(name) is not None:
+            raise refused(f"reasoning.{name} {reasoning[name]!r:.80} is not served: pdserve writes no summary "
+                          "(a thinking model's reasoning item holds its reasoning); leave it out", "reasoning")
+    return reasoning.get("effort")
 
 
 def renamed(err: OpenAIError) -> OpenAIError:
@@ -175,7 +188,8 @@ class ResponseStream:
             "top_p": body.get("top_p"), "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "text": body.get("text") or {"format": {"type": "text"}}, "store": False, "usage": None}
+            "text": body.get("text") or {"format": {"type": "text"}}, "store": False, "usage": None,
+            "reasoning": {"effort": _effort(body.get("reasoning")), "summary": None}}
         self.sequence = 0
         self.open: list[int] = []  # output indexes of the items not done yet, oldest first
         self.calls: dict[int, int] = {}  # a chat tool call's index -> its item's output index

@@ -45,7 +45,45 @@ def test_the_prompt_is_the_template_rendered_with_the_same_arguments(tokenizers,
         assert want.endswith("[no thinking]")
 
 
+# gpt-oss's levels, much shortened: the template writes the effort it is given.
+LEVELS = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}"
+          "<|system|>Reasoning: {{ reasoning_effort | default('medium') }}<|assistant|>")
+
+
+@pytest.fixture(scope="module")
+def leveled(tmp_path_factory):
+    return PromptTokenizer(str(write_tokenizer_only(tmp_path_factory.mktemp("levels"), LEVELS)))
+
+
+@pytest.mark.parametrize("effort,ends", [("none", "[no thinking]"), ("high", "<|assistant|>")])
+def test_reasoning_effort_turns_a_switch_template_off_or_on(tokenizers, effort, ends):
+    ours, hf = tokenizers
+    want = hf.apply_chat_template(ASKED, tokenize=False, add_generation_prompt=True,
+                                  enable_thinking=effort != "none")
+    assert want.endswith(ends)
+    assert chat_prompt({"messages": ASKED, "reasoning_effort": effort}, ours) == hf.encode(
+        want, add_special_tokens=False)
+
+
+def test_reasoning_effort_reaches_a_template_with_levels(leveled):
+    text = leveled.tokenizer.decode(chat_prompt({"messages": ASKED, "reasoning_effort": "low"}, leveled))
+    assert text.endswith("Reasoning: low<|assistant|>")
+    plain = leveled.tokenizer.decode(chat_prompt({"messages": ASKED}, leveled))
+    assert plain.endswith("Reasoning: medium<|assistant|>")
+
+
+def test_reasoning_effort_is_refused_by_a_template_without_reasoning(tmp_path):
+    plain = PromptTokenizer(str(write_tokenizer_only(tmp_path, TEMPLATE.replace("enable_thinking", "other"))))
+    with pytest.raises(OpenAIError) as err:
+        chat_prompt({"messages": ASKED, "reasoning_effort": "low"}, plain)
+    assert err.value.param == "reasoning_effort" and "takes no reasoning effort" in err.value.message
+
+
 @pytest.mark.parametrize("extra,messages,param,says", [
+    ({"reasoning_effort": "max"}, ASKED, "reasoning_effort", "one of none, minimal, low, medium, high, xhigh, "
+                                                             "got 'max'"),
+    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, ASKED, "reasoning_effort",
+     "chat_template_kwargs.enable_thinking True disagree"),
     ({"add_generation_prompt": "yes"}, ASKED, "add_generation_prompt", "must be a boolean, got 'yes'"),
     ({"continue_final_message": True, "add_generation_prompt": True}, STARTED, "continue_final_message",
      "send add_generation_prompt: false"),

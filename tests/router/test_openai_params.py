@@ -17,15 +17,17 @@ def sampling(body: dict, chat: bool = False):
 
 @pytest.mark.parametrize("chat,name,value", [
     (False, "tools", [{"type": "function", "function": {"name": "f"}}]), (False, "tool_choice", "auto"),
+    (False, "reasoning_effort", "low"),
     *((chat, name, value) for chat in (False, True) for name, value in [
         ("function_call", "auto"), ("store", True),
         ("metadata", {"k": "v"}), ("service_tier", "flex"), ("modalities", ["audio"]),
-        ("audio", {"voice": "x"}), ("prediction", {"type": "content"}), ("reasoning_effort", "low"),
+        ("audio", {"voice": "x"}), ("prediction", {"type": "content"}),
         ("web_search_options", {}), ("suffix", "end"),
         ("foo", 1)]),
 ])
 def test_a_parameter_pdserve_lacks_is_a_400_naming_it(chat, name, value):
-    """(Tools are chat's: router/tools.py, tests/router/test_tools.py.)"""
+    """(Tools and reasoning_effort are chat's: tests/router/test_tools.py,
+    tests/router/test_chat_template_options.py.)"""
     with pytest.raises(OpenAIError) as err:
         sampling({name: value}, chat)
     assert err.value.status == 400 and err.value.param == name and name in err.value.message

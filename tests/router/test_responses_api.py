@@ -47,8 +47,19 @@ def test_a_request_is_the_chat_request_it_means():
     assert quiet == {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
+def test_reasoning_effort_is_chats_and_no_summary_is_written():
+    body = {"model": "m", "input": "hi", "reasoning": {"effort": "low", "summary": None}}
+    assert chat_body(body)["reasoning_effort"] == "low"
+    assert ResponseStream("r", "m", body).response["reasoning"] == {"effort": "low", "summary": None}
+    chat_check = renamed(OpenAIError(400, "reasoning_effort 'max' must be ...", "reasoning_effort"))
+    assert (chat_check.param, chat_check.message) == ("reasoning.effort", "reasoning.effort 'max' must be ...")
+
+
 @pytest.mark.parametrize("body,param,named", [
     ({"conversation": "c1"}, "conversation", "stores none"),
+    ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning", "writes no summary"),
+    ({"reasoning": "low"}, "reasoning", '{"effort": ...}'),
+    ({"reasoning_effort": "low"}, "reasoning_effort", "reasoning.effort"),
     ({"background": True}, "background", "stores none"),
     ({"max_tokens": 5}, "max_tokens", "max_output_tokens"),
     ({"n": 2}, "n", "one request"),
