@@ -3,8 +3,9 @@ first served, instead of being refused.
 
 Invariants:
 - Order: a reservation that finds others waiting joins behind them even if it would fit
-  now, so a large request is never overtaken for ever by smaller ones; only the head
-  tries again, whenever pages may have come back (`freed()`, called wherever the decode
+  now, so a large request is never overtaken for ever by smaller ones; it goes ahead only
+  of those of a higher priority number (the request's priority, lower first), never of
+  the head. Only the head tries again, whenever pages may have come back (`freed()`, called wherever the decode
   node frees a request) and at least every `poll_s`.
 - Bounded: at most `max_waiting` wait (the next is RESOURCE_EXHAUSTED at once), and each
   waits no longer than `max_wait_s` or what its caller's deadline leaves (then
@@ -43,6 +44,7 @@ class PageLine:
         self.max_wait_s = max_wait_s
         self.poll_s = poll_s
         self._line: deque[asyncio.Future] = deque()  # each waiter's turn, head first
+        self._priority: dict[asyncio.Future, int] = {}  # each turn's request's priority
         self._freed = asyncio.Event()
         self._joined = asyncio.Event()  # a waiter joined the line
         self.waited_total = 0  # reservations that waited (served or not)
@@ -60,10 +62,10 @@ class PageLine:
         """Pages may have come back: the head tries again now."""
         self._freed.set()
 
-    async def wait(self, attempt: Callable[[], Awaitable[T]], bound_s: float | None
+    async def wait(self, attempt: Callable[[], Awaitable[T]], bound_s: float | None, priority: int = 0
                    ) -> tuple[T, float]:
         """`attempt()`'s result (it raises OutOfPages while pages are short) and the
-        seconds spent in line."""
+        seconds spent in line, which it joins behind every turn of its `priority` or lower."""
         if not self._line:
             try:
                 return await attempt(), 0.0
@@ -76,7 +78,11 @@ class PageLine:
         limit = self.max_wait_s if bound_s is None else min(self.max_wait_s, bound_s)
         deadline = started + max(0.0, limit)
         turn = asyncio.get_running_loop().create_future()
-        self._line.append(turn)
+        place = len(self._line)
+        while place > 1 and self._priority[self._line[place - 1]] > priority:
+            place -= 1
+        self._line.insert(place, turn)
+        self._priority[turn] = priority
         self._joined.set()
         self.waited_total += 1
         if self._line[0] is turn:
@@ -101,6 +107,7 @@ class PageLine:
                     pass
         finally:
             self._line.remove(turn)
+            del self._priority[turn]
             if self._line and not self._line[0].done():
                 self._line[0].set_result(None)
 

@@ -19,6 +19,7 @@ class PrepareReceive:
     caller: str = ""  # who asks (runtime/auth.py caller_of): its parked pages are bounded
     timeout_s: float | None = None  # what the caller's deadline leaves: bounds its wait in line
     cache_salt: str = ""  # whose cached pages it may match and join (engine/prefix_cache.py)
+    priority: int = 0  # lower waits less in the line for pages (decode/page_line.py)
 
 
 @dataclass
@@ -30,6 +31,7 @@ class LocalPrefill:
     params: SamplingParams
     lease_ms: int = 0
     cache_salt: str = ""  # as in PrepareReceive
+    priority: int = 0  # lower waits less in the engine's line
 
 
 @dataclass

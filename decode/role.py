@@ -108,7 +108,7 @@ class DecodeRole:
                                                  req.cache_salt))
         try:
             await self._within_quota(req, ceil_div(end, self.page_size))
-            reservation, waited_s = await self.line.wait(attempt, _line_bound(req.timeout_s))
+            reservation, waited_s = await self.line.wait(attempt, _line_bound(req.timeout_s), req.priority)
             metrics.QUEUE_TIME.labels(role="decode").observe(waited_s)
         finally:
             aborted = self.preparing.pop(req.request_id)
@@ -150,7 +150,7 @@ class DecodeRole:
             req.request_id, lease_ms / 1000, lease_id=lease_id,
             engine_key=engine_key_for(req.request_id, lease_id), prompt_len=len(req.prompt_token_ids),
             prefix_matched_length=0, kv_window_end=0, local_prompt=list(req.prompt_token_ids),
-            local_params=req.params, local_cache_salt=req.cache_salt)
+            local_params=req.params, local_cache_salt=req.cache_salt, local_priority=req.priority)
         self.requests_total += 1
         return Prepared(lease, encode_append_metadata([]))
 
@@ -176,8 +176,8 @@ class DecodeRole:
             streaming = True
             # From here the engine's stream owns the request: it aborts it if we stop early.
             if lease.local_prompt is not None:
-                stream = self.engine.generate(lease.engine_key, lease.local_prompt,
-                                              lease.local_params, cache_salt=lease.local_cache_salt)
+                stream = self.engine.generate(lease.engine_key, lease.local_prompt, lease.local_params,
+                                              cache_salt=lease.local_cache_salt, priority=lease.local_priority)
             else:
                 stream = self.engine.start_generation(lease.engine_key)
             first = True

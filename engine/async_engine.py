@@ -97,12 +97,13 @@ class AsyncEngine:
         self._submit(_logged(fn), args, None, None)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       prefill_only: bool = False, cache_salt: str = ""):
+                       prefill_only: bool = False, cache_salt: str = "", priority: int = 0):
         """Deltas of a new request, ending with its finished output; `cache_salt`: whose
-        cached pages it may share (engine/prefix_cache.py)."""
+        cached pages it may share (engine/prefix_cache.py); `priority`: lower is served
+        first among the waiting."""
         def add(engine):
             engine.add_request(request_id, prompt_ids, params, prefill_only=prefill_only,
-                               cache_salt=cache_salt)
+                               cache_salt=cache_salt, priority=priority)
 
         async for out in self._stream(request_id, add):
             yield out

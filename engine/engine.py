@@ -132,9 +132,9 @@ class Engine(SingleThreaded):
     # ---- entering requests -------------------------------------------------------------
     @entry_point
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prefill_only: bool = False, cache_salt: str = "") -> None:
+                    prefill_only: bool = False, cache_salt: str = "", priority: int = 0) -> None:
         request = self._new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt)
-        self.requests[request_id] = request
+        request.priority, self.requests[request_id] = priority, request
         # Samples after the first wait for its prefill, then find the prompt's full pages
         # in the prefix cache instead of computing them again.
         self.scheduler.add(request.seqs[0])

@@ -10,8 +10,10 @@ Policy, in the order `schedule()` applies it:
    newest running sequence is preempted (its pages freed, its KV recomputed later) until
    it does. The oldest sequence is never preempted for a newer one, so some sequence
    always progresses: no deadlock.
-2. Then waiting sequences, first come first served, while budget, sequence slots and pages
-   last. A newly admitted sequence first takes what the prefix cache has of its prompt.
+2. Then waiting sequences, in order of their request's priority (lower first, as vLLM's),
+   then first come first served, while budget, sequence slots and pages last. A newly
+   admitted sequence first takes what the prefix cache has of its prompt. Priority orders
+   the line only: no running sequence is preempted for a waiting one.
 A sequence that cannot fit in the whole pool even alone finishes with "length".
 Invariants: every scheduled sequence holds pages for all positions it computes this step;
 the tokens scheduled in one step never exceed `max_num_batched_tokens`.
@@ -62,8 +64,12 @@ class Scheduler:
         self.load = StepLoad()  # replaced whole by each schedule(): any thread may read it
 
     def add(self, seq: Sequence) -> None:
+        """Queue seq behind every waiting sequence of its priority or a lower one."""
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        place, priority = len(self.waiting), seq.request.priority
+        while place and self.waiting[place - 1].request.priority > priority:
+            place -= 1
+        self.waiting.insert(place, seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that already holds pages with computed KV (start_generation)."""

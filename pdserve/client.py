@@ -83,15 +83,16 @@ def sampling_params(**kwargs) -> pdserve_pb2.SamplingParams:
 
 def generate_request(prompt: str | list[int] | None = None, *,
                      messages: list[dict] | None = None, request_id: str = "",
-                     kv_window_end: int | None = None, cache_salt: str = "",
+                     kv_window_end: int | None = None, cache_salt: str = "", priority: int = 0,
                      **sampling) -> pdserve_pb2.GenerateRequest:
     """A GenerateRequest of exactly one of `prompt` (text or token ids) or `messages`.
     A message's missing role or content stays unset: the server names it. `cache_salt`:
-    only requests with the same salt (and tenant) share cached prompt prefixes."""
+    only requests with the same salt (and tenant) share cached prompt prefixes; `priority`:
+    lower waits less (as vLLM's)."""
     if (prompt is None) == (messages is None):
         raise TypeError("give exactly one of prompt or messages")
     msg = pdserve_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling),
-                                      cache_salt=cache_salt)
+                                      cache_salt=cache_salt, priority=priority)
     if messages is not None:
         msg.messages.extend(chat_message(m) for m in messages)
     elif isinstance(prompt, str):

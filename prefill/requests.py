@@ -33,6 +33,7 @@ class RemoteSend:
     window: Window
     timeout_s: float | None = None  # the caller's deadline
     cache_salt: str = ""  # whose cached pages its prefill may use (engine/prefix_cache.py)
+    priority: int = 0  # lower waits less in the engine's line
 
 
 @dataclass
@@ -42,6 +43,7 @@ class OverlappedSend:
     kv_window_end: int  # Python-style; the rest of the window comes by deliver_window
     timeout_s: float | None = None
     cache_salt: str = ""
+    priority: int = 0
 
 
 @dataclass

@@ -97,14 +97,14 @@ class PrefillRole:
         _, end = resolve_kv_window(req.window.begin, req.kv_window_end, n)
         peer = await self.peers.get(req.window.decode)
         dst_slots = self._check_window(req.request_id, n, end, req.window, peer)
-        sending = self._admit(req.request_id, req.cache_salt)
+        sending = self._admit(req)
         sending.delivered = (req.window, peer)
         return await self._send(req.request_id, req.prompt_token_ids, end, sending,
                                 self._deadline(req.timeout_s), dst_slots)
 
     async def remote_send_overlapped(self, req: OverlappedSend) -> SendResult:
         _, end = resolve_kv_window(0, req.kv_window_end, len(req.prompt_token_ids))
-        sending = self._admit(req.request_id, req.cache_salt)
+        sending = self._admit(req)
         sending.window = asyncio.get_running_loop().create_future()
         early = self._early_windows.pop(req.request_id, None)
         if early is not None:
@@ -148,15 +148,15 @@ class PrefillRole:
         return True
 
     # ---- one send ----------------------------------------------------------------------
-    def _admit(self, request_id: str, cache_salt: str) -> Sending:
-        if request_id in self.in_flight:
+    def _admit(self, req: RemoteSend | OverlappedSend) -> Sending:
+        if (request_id := req.request_id) in self.in_flight:
             raise ValueError(f"duplicate request_id {request_id!r}")
         if self.draining:
             raise NodeDraining("prefill node is draining: no new RemoteSend")
         if len(self.in_flight) >= self.config.max_in_flight:
             raise NodeOverloaded(f"prefill node is at its limit of {self.config.max_in_flight} "
                                  "RemoteSends")
-        sending = self.in_flight[request_id] = Sending(cache_salt=cache_salt)
+        sending = self.in_flight[request_id] = Sending(cache_salt=req.cache_salt, priority=req.priority)
         self._ended.pop(request_id, None)
         return sending
 
@@ -291,9 +291,9 @@ class PrefillRole:
             await self.gates.passage("prefill", request_id)
         if sending.aborted:
             raise RequestAborted(f"RemoteSend of {request_id!r} aborted before prefill")
-        last = None
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        async for out in self.engine.generate(request_id, prompt, params, prefill_only=True, cache_salt=sending.cache_salt):
+        last, params = None, SamplingParams(max_tokens=1, temperature=0.0)
+        async for out in self.engine.generate(request_id, prompt, params, prefill_only=True,
+                                              cache_salt=sending.cache_salt, priority=sending.priority):
             last = out
         if last is None or last.finish_reason != "prefilled":
             if sending.aborted:

@@ -31,6 +31,7 @@ class Sending:
     write: asyncio.Future | None = None  # the write, once it began
     stream: object = None  # its prefill/layer_stream.LayerStream, once aimed at the window
     cache_salt: str = ""  # the request's: its prefill matches and publishes pages under it
+    priority: int = 0  # the request's: its place in the engine's line
 
 
 def writer_threads(device: str) -> ThreadPoolExecutor:

@@ -101,7 +101,8 @@ class Admission:
         left = None if state.deadline is None else max(0.0, state.deadline - time.monotonic())
         started = time.monotonic()
         try:
-            await self.turns.acquire(state.tenant, bound if left is None else min(left, bound))
+            await self.turns.acquire(state.tenant, bound if left is None else min(left, bound),
+                                     state.priority)
         except TimeoutError:
             if left is not None and left <= bound:
                 raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -80,7 +80,7 @@ class NodeCalls:
             request_id=state.request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             kv_window_end=kv_window_end, lease_ms=self.config.lease_ms, local_prefill=local,
             writer_address=writer.address if writer is not None else "",
-            cache_salt=state.cache_salt)
+            cache_salt=state.cache_salt, priority=state.priority)
         state.local = local
         state.holders.add(decode)
         try:
@@ -111,7 +111,7 @@ class NodeCalls:
             kv_window_begin=prep.prefix_matched_length, kv_window_end=prep.kv_window_end,
             kv_append_metadata=prep.kv_append_metadata, lease_id=prep.lease_id,
             decode_agent_name=prep.decode_agent_name, decode_address=decode.address,
-            cache_salt=state.cache_salt, **_lease_fields(reserved))
+            cache_salt=state.cache_salt, priority=state.priority, **_lease_fields(reserved))
         # Never past the lease: D no longer waits for the KV after it ends.
         timeout = min(state.timeout(self.config.remote_send_timeout_s),
                       reserved.lease_ends - time.monotonic())
@@ -154,7 +154,7 @@ class NodeCalls:
         prefill.in_flight += 1
         request = pdserve_pb2.RemoteSendRequest(
             request_id=state.request_id, prompt_token_ids=prompt_token_ids, kv_window_end=end,
-            window_follows=True, cache_salt=state.cache_salt)
+            window_follows=True, cache_salt=state.cache_salt, priority=state.priority)
         call = prefill.stub.RemoteSend(
             request, timeout=state.timeout(self.config.remote_send_timeout_s))
         return EarlySend(prefill, asyncio.ensure_future(call), prefill.send_started())
@@ -231,7 +231,7 @@ class NodeCalls:
         prepare = pdserve_pb2.PrepareReceiveRequest(
             request_id=state.request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             kv_window_end=0, lease_ms=self.config.lease_ms, local_prefill=True,
-            cache_salt=state.cache_salt)
+            cache_salt=state.cache_salt, priority=state.priority)
         return pdserve_pb2.StartGenerationRequest(request_id=state.request_id, prepare=prepare)
 
     async def start(self, decode: Endpoint, state: RequestState,

@@ -58,12 +58,14 @@ class Dispatcher:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: pdserve_pb2.SamplingParams, kv_window_end: int | None,
                        timeout_s: float | None = None, *, cache_salt: str = "",
-                       tenant: str = "default"
+                       tenant: str = "default", priority: int = 0
                        ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """`tenant`'s request (runtime/tenants.py): its id is scoped to the tenant, and it
-        waits for the tenant's turn (router/admission.py)."""
+        waits for the tenant's turn (router/admission.py), ahead of the tenant's requests
+        of a higher `priority`."""
         state = self.admission.admit(request_id, timeout_s, tenant,
                                      admission_tokens(prompt_token_ids, sampling))
+        state.priority = priority
         try:
             state.cache_salt = effective_salt(state.tenant, cache_salt,
                                               self.config.shared_prefix_cache)

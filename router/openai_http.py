@@ -37,8 +37,8 @@ from pdserve.proto import pdserve_pb2
 from pdserve.router import prompt_batch, responses_api, tokenize_api, validation
 from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
-    ChoiceLogprobs, OpenAIError, cache_salt_from_body, chat_prompt, completion_prompts, invalid,
-    now, sampling_from_body, tools_of)
+    ChoiceLogprobs, OpenAIError, chat_prompt, completion_prompts, invalid, now, placement_of,
+    sampling_from_body, tools_of)
 from pdserve.router.openai_shape import Shape, stream_options_of
 from pdserve.runtime import auth, metrics, tenants
 from pdserve.runtime.errors import NodeError, retry_after_of
@@ -190,7 +190,7 @@ class OpenAIFrontend:
             default_max = max(1, self.tokenizer.card.max_model_len - len(prompts[0])) if chat \
                 else COMPLETIONS_DEFAULT_MAX_TOKENS
             sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max, tools=tools)
-            cache_salt, stream_usage = cache_salt_from_body(body), stream_options_of(body)
+            placement, stream_usage = placement_of(body), stream_options_of(body)
             if body.get("user"):  # OpenAI's end-user id: on the request's log line
                 observer.fields["user"] = body["user"]
             if chat:  # stops at the template's end of turn, as a gRPC conversation does
@@ -209,7 +209,7 @@ class OpenAIFrontend:
             observer.finish("not_found" if err.status == 404 else err.code or "invalid_argument",
                             error=err.message)
             raise
-        messages = self._dispatch(request, ids_of, sampling, cache_salt, observer)
+        messages = self._dispatch(request, ids_of, sampling, placement, observer)
         async with contextlib.aclosing(messages):
             try:
                 first = await anext(messages, None)
@@ -236,13 +236,14 @@ class OpenAIFrontend:
                 raise _as_openai_error(err, chat) from None
             return web.json_response(shape.whole(), headers=headers)
 
-    def _dispatch(self, request, ids_of: dict[str, list[int]], sampling, cache_salt: str,
+    def _dispatch(self, request, ids_of: dict[str, list[int]], sampling, placement: dict,
                   observer: StreamObserver):
         """The response stream of each prompt, by its request id; a batch's merged in one
-        (router/prompt_batch.py), each prompt logged and counted as a request of its own."""
+        (router/prompt_batch.py), each prompt logged and counted as a request of its own.
+        `placement`: its cache salt and priority (`placement_of`)."""
         def one(one_id: str, ids: list[int], watcher: StreamObserver):
             return watcher.watch(self.dispatcher.generate(
-                one_id, ids, sampling, None, tenant=request[TENANT], cache_salt=cache_salt))
+                one_id, ids, sampling, None, tenant=request[TENANT], **placement))
 
         if len(ids_of) == 1:
             [(one_id, ids)] = ids_of.items()

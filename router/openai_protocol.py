@@ -44,7 +44,7 @@ IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop
                "stream_options", "logprobs", "user", "presence_penalty", "frequency_penalty",
                "logit_bias", "response_format",
                # pdserve's extras, as vLLM names them
-               "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "repetition_penalty",
+               "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "priority", "repetition_penalty",
                "structured_outputs", "min_tokens", "bad_words", "include_stop_str_in_output",
                "truncate_prompt_tokens", "skip_special_tokens", "prompt_logprobs"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
@@ -121,14 +121,18 @@ def check_fields(body: dict, chat: bool) -> None:
         raise invalid(f"user must be a string, got {user!r:.80}", "user")
 
 
-def cache_salt_from_body(body: dict) -> str:
-    """The request's `cache_salt` (vLLM's extra; router/cache_salt.py): absent or null is
-    "", any value given must be a non-empty string."""
-    salt = body.get("cache_salt")
+def placement_of(body: dict) -> dict:
+    """The request's `cache_salt` (vLLM's extra; router/cache_salt.py: absent or null is "",
+    any value given a non-empty string) and `priority` (vLLM's: lower waits less; a 32-bit
+    integer, default 0), as the dispatcher's `generate` takes them."""
+    salt, priority = body.get("cache_salt"), body.get("priority")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise invalid(f"cache_salt must be a non-empty string if given, got {salt!r:.80}",
                       "cache_salt")
-    return salt or ""
+    if priority is not None and (type(priority) is not int or not -2**31 <= priority < 2**31):
+        raise invalid(f"priority must be an integer in [-2147483648, 2147483647] (lower is served "
+                      f"first), got {priority!r:.80}", "priority")
+    return {"cache_salt": salt or "", "priority": priority or 0}
 
 
 def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int,

@@ -36,7 +36,7 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
         window_end = request.kv_window_end if request.HasField("kv_window_end") else None
         stream = self.dispatcher.generate(request_id, ids, sampling, window_end,
                                           timeout_s=context.time_remaining(),
-                                          cache_salt=request.cache_salt,
+                                          cache_salt=request.cache_salt, priority=request.priority,
                                           tenant=auth.tenant_of(context.invocation_metadata()))
         try:
             async for msg in observer.watch(stream):

@@ -55,6 +55,7 @@ class RequestState:
     tenant: str = DEFAULT
     client_id: str = ""  # the client's own id ("": request_id)
     cache_salt: str = ""  # the nodes' prefix-cache salt for it (router/cache_salt.py)
+    priority: int = 0  # lower waits less, here and on the nodes (GenerateRequest.priority)
     arrived: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # the client's, on the monotonic clock
     holders: set = field(default_factory=set)  # router.registry.Endpoint that may hold it

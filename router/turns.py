@@ -1,7 +1,8 @@
 """Dispatch slots, handed out in turns that are fair between tenants.
 
 At most `slots` requests hold a slot at once. Past that, each tenant's requests wait in the
-tenant's own first-come-first-served line, and a freed slot goes to the next tenant in a
+tenant's own line, in order of their priority (lower first, as vLLM's), then first come
+first served, and a freed slot goes to the next tenant in a
 round robin over the tenants with a request waiting (a tenant of weight w takes w turns in
 a row). A tenant that starts waiting joins the ring at its end. So however many requests
 one tenant queues, another's first request waits for at most one turn of each tenant
@@ -15,7 +16,8 @@ cancelled) takes no turn; a slot handed to one just as it went away is passed on
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import heapq
+import itertools
 from collections.abc import Mapping
 
 
@@ -24,8 +26,10 @@ class TenantTurns:
         self.slots = slots
         self.running = 0  # slots held
         self.weights = dict(weights or {})
-        # Each tenant's waiters; the dict's order is the ring, its first tenant's turn next.
-        self._lines: dict[str, deque[asyncio.Future]] = {}
+        # Each tenant's waiters, a heap of (priority, arrival, waiter); the dict's order is
+        # the ring, its first tenant's turn next.
+        self._lines: dict[str, list[tuple[int, int, asyncio.Future]]] = {}
+        self._arrivals = itertools.count()
         self._head: str | None = None  # the tenant whose turns `_streak` counts
         self._streak = 0
 
@@ -35,15 +39,16 @@ class TenantTurns:
             return len(self._lines.get(tenant, ()))
         return sum(len(line) for line in self._lines.values())
 
-    async def acquire(self, tenant: str, timeout_s: float | None) -> None:
-        """Take a slot, after waiting for `tenant`'s turn if all are held; TimeoutError
-        after `timeout_s` (None: no bound) without one."""
+    async def acquire(self, tenant: str, timeout_s: float | None, priority: int = 0) -> None:
+        """Take a slot, after waiting for `tenant`'s turn if all are held (ahead of the
+        tenant's waiters of a higher `priority`); TimeoutError after `timeout_s` (None: no
+        bound) without one."""
         if self.running < self.slots and not self._lines:
             self.running += 1
             return
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
-        self._lines.setdefault(tenant, deque()).append(waiter)
+        heapq.heappush(self._lines.setdefault(tenant, []), (priority, next(self._arrivals), waiter))
         timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
         self._grant()  # (a slot may be free while only gone waiters were in line)
         try:
@@ -66,7 +71,7 @@ class TenantTurns:
         while self.running < self.slots and self._lines:
             tenant = next(iter(self._lines))
             line = self._lines[tenant]
-            waiter = line.popleft()
+            waiter = heapq.heappop(line)[2]
             if not line:
                 del self._lines[tenant]
             if waiter.done():  # timed out or cancelled, not yet dropped: no turn
@@ -82,8 +87,10 @@ class TenantTurns:
 
     def _drop(self, tenant: str, waiter: asyncio.Future) -> None:
         line = self._lines.get(tenant)
-        if line is not None and waiter in line:
-            line.remove(waiter)
+        entry = next((e for e in line or () if e[2] is waiter), None)
+        if entry is not None:
+            line.remove(entry)
+            heapq.heapify(line)
             if not line:
                 del self._lines[tenant]
 

@@ -53,7 +53,7 @@ class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
             tenant = auth.tenant_of(context.invocation_metadata())
             salt = effective_salt(tenant, request.cache_salt)
             local = LocalPrefill(node_request_id(tenant, request_id), ids,
-                                 sampling_from_pb(sampling), cache_salt=salt)
+                                 sampling_from_pb(sampling), cache_salt=salt, priority=request.priority)
             outputs = self.role.generate_local(local, context.time_remaining())
             async for msg in observer.watch(stream_responses(request_id, outputs, arrived)):
                 yield name_logprob_tokens(msg, self.tokenizer)
@@ -66,7 +66,7 @@ class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling,
                        kv_window_end: int | None = None, timeout_s: float | None = None,
-                       tenant: str = "default", cache_salt: str = ""):
+                       tenant: str = "default", cache_salt: str = "", priority: int = 0):
         """The router Dispatcher's `generate` (router/dispatch.py), for the OpenAI front:
         ids and sampling (pdserve_pb2.SamplingParams) come checked; this node serves the
         request whole (`kv_window_end` means nothing here). A ValueError the role finds is
@@ -79,7 +79,7 @@ class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
             check_request_id(request_id)
             local = LocalPrefill(node_request_id(tenant, request_id), prompt_token_ids,
                                  sampling_from_pb(sampling),
-                                 cache_salt=effective_salt(tenant, cache_salt))
+                                 cache_salt=effective_salt(tenant, cache_salt), priority=priority)
             outputs = self.role.generate_local(local, timeout_s)
             async for msg in stream_responses(request_id, outputs, arrived):
                 if msg.HasField("usage"):

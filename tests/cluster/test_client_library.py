@@ -111,7 +111,8 @@ def pdserve_generate(cluster, *args: str, stdin: str | None = None) -> str:
 def test_pdserve_generate_prints_every_choice_logprobs_and_reads_stdin(cluster):
     sampling = ["--n", "3", "--seed", "2", "--temperature", "1", "--max-tokens", "5",
                 "--ignore-eos"]
-    as_json = json.loads(pdserve_generate(cluster, "--prompt-file", "-", "--json", *sampling,
+    # A priority orders waiting only: through real nodes, the same answer.
+    as_json = json.loads(pdserve_generate(cluster, "--prompt-file", "-", "--json", "--priority", "-2", *sampling,
                                           stdin="a prompt from stdin"))
     with Client(cluster.address("router")) as client:
         expected = client.generate("a prompt from stdin", n=3, seed=2, temperature=1.0,

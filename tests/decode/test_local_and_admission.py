@@ -184,6 +184,27 @@ def test_reservations_short_of_pages_wait_in_line_and_are_served_in_order(node):
     asyncio.run(go())
 
 
+def test_a_lower_priority_number_goes_ahead_in_line_but_never_ahead_of_the_head(node):
+    async def go():
+        role = node.role(max_parked_fraction_per_caller=1)
+        await role.prepare_receive(prepare("a", prompt_of(300, seed=9), end=LONG))
+        served, waiting = [], []
+        for name, priority, prompt in [("b", 5, prompt_of(300, seed=10)), ("c", 0, PROMPT), ("d", -1, PROMPT),
+                                       ("e", 0, prompt_of(30, seed=12))]:
+            asked = dataclasses.replace(prepare(name, prompt, end=LONG if name == "b" else END), priority=priority)
+            waiting.append(asyncio.ensure_future(role.prepare_receive(asked)))
+            waiting[-1].add_done_callback(lambda _, name=name: served.append(name))
+            await _in_line(role, len(waiting))
+        assert await role.abort("a", settled=True)  # frees 38 pages: all four fit, one at a time
+        await within(asyncio.gather(*waiting))
+        assert served == ["b", "d", "c", "e"]  # b was the head; then by priority, ties as they came
+        for request_id in served:
+            assert await role.abort(request_id, settled=True)
+        assert await free_pages(node.decode) == PAGES
+
+    asyncio.run(go())
+
+
 def test_the_line_is_bounded_by_its_wait_its_length_and_aborts_and_holds_nothing(node):
     async def go():
         role = node.role(max_parked_fraction_per_caller=1, max_queue_wait_s=0.3,

@@ -125,3 +125,14 @@ def test_each_delta_holds_the_output_as_it_was_then(engine):
         assert d.token_ids == final.token_ids[:seen] and list(d.token_ids[-1:]) == final.token_ids[seen - 1:seen]
         assert [s.token_id for s in d.logprobs] == final.token_ids[:seen]
     assert seen == 6 and len(deltas) > 2
+
+
+def test_waiting_requests_run_in_order_of_priority_then_arrival(make_engine, prompts_of_lengths):
+    engine = make_engine("llama", page_size=4, num_pages=64, max_num_batched_tokens=16, max_num_seqs=1)
+    for (name, priority), prompt in zip([("a", 0), ("b", 5), ("c", -1), ("d", 0)],
+                                        prompts_of_lengths([6, 6, 6, 6], seed=33)):
+        engine.add_request(name, prompt, SamplingParams(max_tokens=2, temperature=0.0), priority=priority)
+    finished = []
+    while engine.has_unfinished():
+        finished += [out.request_id for out in engine.step() if out.finished]
+    assert finished == ["c", "a", "d", "b"]  # one at a time: lower priority first, ties as they came

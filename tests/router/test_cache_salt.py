@@ -1,6 +1,7 @@
 """The prefix-cache salt on the router's side: which salt a request runs under, the prefix
 index and routing seeing only same-salt prefixes, the salt reaching every node's message,
-and the OpenAI body's `cache_salt` checked as vLLM checks it."""
+and the OpenAI body's `cache_salt` checked as vLLM checks it. The request's priority, which
+travels the same way, likewise."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import pytest
 from pdserve.client import AsyncClient
 from pdserve.router import selective
 from pdserve.router.cache_salt import effective_salt
-from pdserve.router.openai_protocol import OpenAIError, cache_salt_from_body
+from pdserve.router.openai_protocol import OpenAIError, placement_of
 from pdserve.router.policies import PrefixAware
 from pdserve.router.prefix_index import PrefixIndex
-from tests.router.fake_worker import FakeWorker, run, start_router
+from tests.router.fake_worker import FakeWorker, openai_router, run, start_router
 
 PROMPT = list(range(100, 148))  # three blocks of 16
 
@@ -71,23 +72,24 @@ def test_selective_plan_counts_only_the_salts_hit():
 
 
 def test_openai_cache_salt_is_a_non_empty_string_if_given():
-    assert cache_salt_from_body({}) == "" and cache_salt_from_body({"cache_salt": None}) == ""
-    assert cache_salt_from_body({"cache_salt": "s1"}) == "s1"
+    salt = lambda body: placement_of(body)["cache_salt"]  # noqa: E731
+    assert salt({}) == "" and salt({"cache_salt": None}) == ""
+    assert salt({"cache_salt": "s1"}) == "s1"
     for bad in ("", 7, ["s"]):
         with pytest.raises(OpenAIError, match="cache_salt must be a non-empty string") as err:
-            cache_salt_from_body({"cache_salt": bad})
+            salt({"cache_salt": bad})
         assert err.value.param == "cache_salt" and err.value.status == 400
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_the_effective_salt_reaches_every_node_message(overlap):
+def test_the_effective_salt_and_the_priority_reach_every_node_message(overlap):
     async def go():
         p, d = FakeWorker("p"), FakeWorker("d")
         addr, _, stop = await start_router([p], [d], overlap_prefill=overlap)
         try:
             async with AsyncClient(addr) as client:
-                await client.generate("hello", request_id="s1", cache_salt="c1")
-                await client.generate("hello", request_id="s2", kv_window_end=0)
+                await client.generate("hello", request_id="s1", cache_salt="c1", priority=-3)
+                await client.generate("hello", request_id="s2", kv_window_end=0, priority=7)
         finally:
             await stop()
         by_request = {}
@@ -95,11 +97,32 @@ def test_the_effective_salt_reaches_every_node_message(overlap):
             for rpc, msg in worker.calls:
                 inner = msg.prepare if rpc == "StartGeneration" and msg.HasField("prepare") else msg
                 if hasattr(inner, "cache_salt"):
-                    by_request.setdefault(msg.request_id, set()).add((rpc, inner.cache_salt))
-        assert by_request["s1"] == {("PrepareReceive", "default\x00c1"),
-                                    ("RemoteSend", "default\x00c1")}
+                    by_request.setdefault(msg.request_id, set()).add((rpc, inner.cache_salt, inner.priority))
+        assert by_request["s1"] == {("PrepareReceive", "default\x00c1", -3),
+                                    ("RemoteSend", "default\x00c1", -3)}
         # D prefills it all (kv_window_end 0); the open tenant without a salt: unsalted.
-        assert ("StartGeneration", "") in by_request["s2"]
-        assert {salt for _, salt in by_request["s2"]} == {""}
+        assert ("StartGeneration", "", 7) in by_request["s2"]
+        assert {(salt, priority) for _, salt, priority in by_request["s2"]} == {("", 7)}
 
     run(go())
+
+
+def test_openai_priority_is_a_32_bit_integer_and_reaches_the_decode_node():
+    async def go():
+        import aiohttp
+
+        worker = FakeWorker("d")
+        async with openai_router([worker]) as url, aiohttp.ClientSession() as session:
+            replies = []
+            for priority in (4, 1.5, True, 2**31):
+                async with session.post(f"{url}/v1/completions", json={
+                        "model": "fake", "prompt": "hi", "max_tokens": 2, "priority": priority}) as reply:
+                    replies.append((reply.status, (await reply.json()).get("error")))
+        return worker, replies
+
+    worker, replies = run(go())
+    assert replies[0] == (200, None)
+    for status, error in replies[1:]:
+        assert status == 400 and error["param"] == "priority" and "lower is served first" in error["message"]
+    [sent] = [msg for rpc, msg in worker.calls if rpc == "StartGeneration"]
+    assert sent.prepare.priority == 4  # one decode node and no prefill node: D prefills it

@@ -93,13 +93,13 @@ async def settled(condition, max_yields: int = 10_000) -> None:
     raise AssertionError(f"condition never held in {max_yields} turns of the loop")
 
 
-async def _order(turns: TenantTurns, arrivals: list[str]) -> list[str]:
+async def _order(turns: TenantTurns, arrivals: list[str], priority: dict | None = None) -> list[str]:
     """Who got each turn, with `arrivals` all waiting behind one running request."""
     order: list[str] = []
     await turns.acquire("first", None)
 
     async def one(name: str) -> None:
-        await turns.acquire(name.split("-")[0], None)
+        await turns.acquire(name.split("-")[0], None, (priority or {}).get(name, 0))
         order.append(name)
 
     tasks = []
@@ -119,6 +119,12 @@ def test_turns_go_round_the_tenants_not_first_come_first_served():
     assert order == ["a-0", "b-0", "c-0", "a-1", "b-1", "a-2", "a-3", "a-4", "a-5"]
     weighted = run(_order(TenantTurns(1, parse_weights("a=2")), [*flood, "b-0", "b-1"]))
     assert weighted == ["a-0", "a-1", "b-0", "a-2", "a-3", "b-1", "a-4", "a-5"]
+
+
+def test_priority_orders_a_tenants_own_line_and_never_another_tenants_turn():
+    order = run(_order(TenantTurns(1), ["a-0", "a-1", "a-2", "a-3", "b-0"],
+                       {"a-1": 5, "a-2": -1, "b-0": 9}))
+    assert order == ["a-2", "b-0", "a-0", "a-3", "a-1"]
 
 
 def test_a_waiter_that_times_out_or_is_cancelled_takes_no_turn_and_loses_no_slot():
