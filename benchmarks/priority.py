@@ -1,0 +1,155 @@
+"""``pdserve bench priority``: what a request's `priority` buys its requests under load.
+
+Router + prefill + decode run on this host (the real model by default), the router
+dispatching `--max-concurrent` requests at once, so the rest wait in its line. A burst of
+`--background` requests (priority 1) is sent, and right behind it `--foreground` ones
+(priority 0: the interactive kind). The same burst with every request at priority 0, first
+come first served, is the baseline, measured in the same run: the modes alternate, round
+after round, so drift hits both. Every request is greedy with `ignore_eos` and the same
+`--max-tokens`, and its prompt is new (no prefix cached), so both modes do the same work.
+
+Printed (as JSON with `--json`): each class's median time to first token (TTFT) and to its last token, per
+mode; `foreground_ttft_ratio`, the foreground's TTFT with priority over without (below 1 is
+what priority buys it); `background_ttft_ratio` (what the background pays); and
+`makespan_ratio`, the whole burst's time with over without (about 1: priority reorders the
+line, it adds no work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.benchmarks.model_choice import add_model_flag, resolve_or_exit
+from pdserve.client import AsyncClient, PdserveError
+from pdserve.results import Completion
+
+MODES = ("fifo", "priority")
+WORDS = ("river", "stone", "light", "garden", "winter", "paper", "signal", "orbit", "copper", "meadow")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="pdserve bench priority", description=__doc__.split("\n\n")[0])
+    add_model_flag(p)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="the nodes' dtype (default %(default)s)")
+    p.add_argument("--max-concurrent", type=int, default=2,
+                   help="the router's --max-concurrent-requests (default %(default)s)")
+    p.add_argument("--background", type=int, default=8, help="priority 1 requests per burst (default %(default)s)")
+    p.add_argument("--foreground", type=int, default=2,
+                   help="priority 0 requests per burst, sent after the background (default %(default)s)")
+    p.add_argument("--prompt-words", type=int, default=64, help="words per prompt (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens each request generates (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="bursts per mode (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (else a summary)")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    return p.parse_args(argv)
+
+
+async def _one(client: AsyncClient, prompt: str, priority: int, max_tokens: int) -> dict:
+    sent = time.perf_counter()
+    first = None
+    async for _ in client.stream(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                 priority=priority):
+        first = first or time.perf_counter() - sent
+    return {"ttft_s": first, "done_s": time.perf_counter() - sent}
+
+
+async def _burst(client: AsyncClient, args, rng: random.Random, mode: str) -> dict:
+    """One burst: the background requests, then the foreground ones once the router holds
+    them all (a gap of a few milliseconds puts them in line in that order)."""
+    def prompt() -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) + f" {rng.random()}"
+
+    started = time.perf_counter()
+    background = [asyncio.ensure_future(_one(client, prompt(), 1 if mode == "priority" else 0, args.max_tokens))
+                  for _ in range(args.background)]
+    await asyncio.sleep(0.05)
+    foreground = [asyncio.ensure_future(_one(client, prompt(), 0, args.max_tokens))
+                  for _ in range(args.foreground)]
+    results = await asyncio.gather(*background, *foreground)
+    return {"makespan_s": time.perf_counter() - started, "background": results[:args.background],
+            "foreground": results[args.background:]}
+
+
+async def _ready(client: AsyncClient, timeout_s: float) -> Completion:
+    """The first answer once the router sees its nodes (it serves before they load)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await client.generate("warm up", max_tokens=2, temperature=0.0)
+        except PdserveError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.3)
+
+
+def _median(bursts: list[dict], kind: str, key: str) -> float:
+    return statistics.median(r[key] for b in bursts for r in b[kind])
+
+
+def summary(bursts: dict[str, list[dict]]) -> dict:
+    """Each class's medians per mode and the ratios the docstring names."""
+    out = {}
+    for mode in MODES:
+        for kind in ("foreground", "background"):
+            out[f"{mode}_{kind}_ttft_s"] = _median(bursts[mode], kind, "ttft_s")
+            out[f"{mode}_{kind}_done_s"] = _median(bursts[mode], kind, "done_s")
+        out[f"{mode}_makespan_s"] = statistics.median(b["makespan_s"] for b in bursts[mode])
+    for kind in ("foreground", "background"):
+        out[f"{kind}_ttft_ratio"] = out[f"priority_{kind}_ttft_s"] / out[f"fifo_{kind}_ttft_s"]
+    out["makespan_ratio"] = out["priority_makespan_s"] / out["fifo_makespan_s"]
+    return out
+
+
+async def _measure(address: str, args) -> dict[str, list[dict]]:
+    rng = random.Random(0)
+    bursts: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    async with AsyncClient(address, timeout=600) as client:
+        await _ready(client, 300)
+        for _ in range(args.rounds):
+            for mode in MODES:
+                bursts[mode].append(await _burst(client, args, rng, mode))
+    return bursts
+
+
+def main(argv=None) -> int:
+    from pdserve.benchmarks.local_cluster import Cluster, stop
+
+    args = _parse(argv)
+    model = resolve_or_exit(args.model, "pdserve bench priority")
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-priority-") as logs:
+        cluster = Cluster("priority", model.dir, ["--dtype", args.dtype, "--num-threads", "1"], Path(logs),
+                          router_flags=["--max-concurrent-requests", str(args.max_concurrent)])
+        try:
+            cluster.start().wait(time.monotonic() + 300)
+            bursts = asyncio.run(_measure(cluster.address("router"), args))
+        finally:
+            stop([cluster])
+    report = {"bench": "priority", "model": model.record(args.dtype), "max_concurrent": args.max_concurrent,
+              "background": args.background, "foreground": args.foreground, "prompt_words": args.prompt_words,
+              "max_tokens": args.max_tokens, "rounds": args.rounds, **summary(bursts)}
+    text = json.dumps(report, indent=2)
+    print(text if args.json else _readable(report))
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+def _readable(r: dict) -> str:
+    rows = [("foreground (priority 0) TTFT", "foreground_ttft_s", "foreground_ttft_ratio"),
+            ("background (priority 1) TTFT", "background_ttft_s", "background_ttft_ratio"),
+            ("whole burst", "makespan_s", "makespan_ratio")]
+    return "\n".join(f"{name}: {r['fifo_' + key]:.2f} s first come first served, {r['priority_' + key]:.2f} s "
+                     f"with priority ({r[ratio]:.2f}x)" for name, key, ratio in rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
