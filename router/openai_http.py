@@ -27,7 +27,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import json
 import uuid
 
 import grpc
@@ -39,7 +38,7 @@ from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
     ChoiceLogprobs, OpenAIError, chat_prompt, completion_prompts, invalid, now, placement_of,
     sampling_from_body, tools_of)
-from pdserve.router.openai_shape import Shape, stream_options_of
+from pdserve.router.openai_shape import Shape, encoded, stream_options_of
 from pdserve.runtime import auth, metrics, tenants
 from pdserve.runtime.errors import NodeError, retry_after_of
 from pdserve.runtime.observe import StreamObserver
@@ -258,7 +257,7 @@ class OpenAIFrontend:
         await response.prepare(request)
 
         async def send(obj: dict) -> None:
-            await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            await response.write(f"data: {encoded(obj, shape.obfuscate)}\n\n".encode())
 
         msg = first
         try:
@@ -282,7 +281,8 @@ class OpenAIFrontend:
 
         async def send(events: list[dict]) -> None:
             for event in events if response is not None else ():
-                await response.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+                padded = answer.obfuscate and event["type"].endswith(".delta")  # OpenAI pads the deltas
+                await response.write(f"event: {event['type']}\ndata: {encoded(event, padded)}\n\n".encode())
 
         await send(answer.start())
         try:

@@ -5,6 +5,9 @@ streamed or whole."""
 
 from __future__ import annotations
 
+import json
+import secrets
+
 from pdserve.router.echo import Echo
 from pdserve.router.openai_protocol import ChoiceLogprobs, chunk, invalid, now, usage_body
 from pdserve.router.reasoning import ReasoningStream
@@ -29,14 +32,14 @@ class Shape:
         self.entries: dict[int, list] = {}
         self.finish: dict[int, str | None] = {}
         self.usage = None
-        self.include_usage = False  # a stream's `stream_options` (stream_usage)
+        self.include_usage = self.obfuscate = False  # a stream's `stream_options` (stream_usage)
         self.continuous: list[int] | None = None  # [prompt tokens, completion tokens so far]
         self.scored: dict[int, list] | None = None  # vLLM's prompt_logprobs, by choice, when asked
 
-    def stream_usage(self, include_usage: bool, continuous: bool, prompt_tokens: int) -> None:
-        """`stream_options_of`'s choices: the usage chunk at the end, and (vLLM's
-        continuous_usage_stats) the usage so far on every chunk."""
-        self.include_usage = include_usage
+    def stream_usage(self, include_usage: bool, continuous: bool, obfuscate: bool, prompt_tokens: int) -> None:
+        """`stream_options_of`'s choices: the usage chunk at the end, (vLLM's
+        continuous_usage_stats) the usage so far on every chunk, and padded chunks."""
+        self.include_usage, self.obfuscate = include_usage, obfuscate
         self.continuous = [prompt_tokens, 0] if continuous else None
 
     def add(self, msg) -> None:
@@ -154,13 +157,13 @@ class Shape:
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 
 
-def stream_options_of(body: dict) -> tuple[bool, bool]:
-    """(include_usage, continuous_usage_stats) of the request's `stream_options`: given only
-    with `stream: true`, booleans each; vLLM's continuous stats need include_usage too.
-    OpenAI's include_obfuscation pads chunks against length side channels: not done."""
+def stream_options_of(body: dict) -> tuple[bool, bool, bool]:
+    """(include_usage, continuous_usage_stats, include_obfuscation) of the request's
+    `stream_options`: given only with `stream: true`, booleans each; vLLM's continuous
+    stats need include_usage too."""
     options = body.get("stream_options")
     if options is None:
-        return False, False
+        return False, False, False
     if body.get("stream") is not True:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     if not isinstance(options, dict) or not all(k in STREAM_OPTIONS and isinstance(v, bool)
@@ -169,4 +172,21 @@ def stream_options_of(body: dict) -> tuple[bool, bool]:
                       f"got {options!r:.80}", "stream_options")
     if options.get("continuous_usage_stats") and not options.get("include_usage"):
         raise invalid("stream_options.continuous_usage_stats needs include_usage: true", "stream_options")
-    return bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
+    return (bool(options.get("include_usage")), bool(options.get("continuous_usage_stats")),
+            bool(options.get("include_obfuscation")))
+
+
+# OpenAI's stream obfuscation: an `obfuscation` field of random characters pads each event
+# to a whole number of blocks, so an eavesdropper who sees only encrypted sizes cannot read
+# each token's length from them. At least MIN_PAD characters, so a token whose text is up
+# to that much longer still lands in the same block.
+BLOCK, MIN_PAD = 128, 32
+
+
+def encoded(event: dict, obfuscate: bool = False) -> str:
+    """`event` as JSON; with `obfuscate`, padded as above."""
+    if not obfuscate:
+        return json.dumps(event)
+    bare = len(json.dumps({**event, "obfuscation": ""}))
+    pad = MIN_PAD + (-(bare + MIN_PAD)) % BLOCK
+    return json.dumps({**event, "obfuscation": secrets.token_urlsafe(pad)[:pad]})

@@ -6,7 +6,8 @@ stream events (`ResponseStream`).
 - Input: `input` (a text, or a list of message, `function_call`, `function_call_output`
   and `reasoning` items) and `instructions` (a system message before it). `developer` is
   the system role. Only text parts are taken.
-- Mapped: `max_output_tokens`, `text.format` (json_object, json_schema), `reasoning.effort`
+- Mapped: `stream_options.include_obfuscation` (padded delta events, as chat's chunks),
+  `max_output_tokens`, `text.format` (json_object, json_schema), `reasoning.effort`
   (chat's `reasoning_effort`), function `tools` and `tool_choice`, `parallel_tool_calls`, `temperature`, `top_p`, `user`,
   `safety_identifier`, `metadata` (given back), `stream`, and `top_logprobs` or `include:
   ["message.output_text.logprobs"]` (the text's logprobs, as chat's); vLLM's sampling
@@ -72,6 +73,11 @@ def chat_body(body: dict) -> dict:
                                  ("max_tool_calls", body.get("max_tool_calls"), (None,))):
         if value not in allowed:
             raise refused(f"{name} {body[name]!r:.80} is not served: leave it out", name)
+    options = body.get("stream_options")
+    if options is not None and (body.get("stream") is not True or not isinstance(options, dict) or set(options) - {
+            "include_obfuscation"} or not all(isinstance(v, bool) for v in options.values())):
+        raise refused(f'stream_options must be {{"include_obfuscation": true | false}}, with stream: true; got '
+                      f'{options!r:.80}', "stream_options")
     chat = {k: v for k, v in body.items() if k not in MAPPED and k not in STORED and k not in CHAT_NAMES}
     if _effort(body.get("reasoning")) is not None:
         chat["reasoning_effort"] = body["reasoning"]["effort"]
@@ -191,6 +197,7 @@ class ResponseStream:
             "text": body.get("text") or {"format": {"type": "text"}}, "store": False, "usage": None,
             "reasoning": {"effort": _effort(body.get("reasoning")), "summary": None}}
         self.sequence = 0
+        self.obfuscate = bool((body.get("stream_options") or {}).get("include_obfuscation"))  # padded deltas
         self.open: list[int] = []  # output indexes of the items not done yet, oldest first
         self.calls: dict[int, int] = {}  # a chat tool call's index -> its item's output index
         self.finish: str | None = None

@@ -103,6 +103,27 @@ def test_a_streamed_batch_sends_every_choice_and_one_usage_at_the_end():
     assert so_far == [(4, 1), (4, 2)] and chunks[-1]["usage"]["completion_tokens"] == 2
 
 
+def test_include_obfuscation_pads_every_chunk_to_whole_blocks_of_random_characters():
+    from pdserve.router.openai_shape import BLOCK, MIN_PAD
+
+    body = {"prompt": [[104, 105], "yo"], "stream": True, "stream_options": {"include_usage": True}}
+    plain = run(_post(EchoesPrompt("d"), body))[1]
+    status, text = run(_post(EchoesPrompt("d"), {**body, "stream_options": {"include_usage": True,
+                                                                              "include_obfuscation": True}}))
+    assert status == 200, text
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: {")]
+    assert len(events) == len([line for line in plain.splitlines() if line.startswith("data: {")])
+    for event in events:
+        pad = json.loads(event).pop("obfuscation")
+        assert len(event) % BLOCK == 0 and len(pad) >= MIN_PAD and pad.replace("-", "").replace("_", "").isalnum()
+    # the same answer underneath: only the padding differs
+    unpadded = [json.loads(e) for e in events]
+    for chunk in unpadded:
+        chunk.pop("obfuscation")
+    choices = sorted((c["choices"][0]["index"], c["choices"][0]["text"]) for c in unpadded if c["choices"])
+    assert choices == [(0, "h0"), (1, "y0")]
+
+
 @pytest.mark.parametrize("options,stream,named", [
     ({"include_usage": True}, False, "only allowed when stream is true"),
     ({"include_usage": "yes"}, True, "object of booleans"),

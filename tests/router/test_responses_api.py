@@ -57,6 +57,8 @@ def test_reasoning_effort_is_chats_and_no_summary_is_written():
 
 @pytest.mark.parametrize("body,param,named", [
     ({"conversation": "c1"}, "conversation", "stores none"),
+    ({"stream_options": {"include_usage": True}, "stream": True}, "stream_options", "include_obfuscation"),
+    ({"stream_options": {"include_obfuscation": True}}, "stream_options", "with stream: true"),
     ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning", "writes no summary"),
     ({"reasoning": "low"}, "reasoning", '{"effort": ...}'),
     ({"reasoning_effort": "low"}, "reasoning_effort", "reasoning.effort"),
@@ -161,7 +163,8 @@ def test_an_answer_cut_short_is_incomplete_and_a_failure_ends_the_stream():
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_node_lost_mid_answer_fails_the_response_with_its_error(tmp_path, stream):
-    """Over a fake decode node that dies after its first token (in-process router)."""
+    """Over a fake decode node that dies after its first token (in-process router); the
+    stream asks for obfuscation, which pads its delta events alone."""
     import asyncio
     import json
 
@@ -178,7 +181,8 @@ def test_a_node_lost_mid_answer_fails_the_response_with_its_error(tmp_path, stre
     async def post():
         async with openai_router([FailsMidStream("d")], tokenizer) as url, aiohttp.ClientSession() as session:
             async with session.post(f"{url}/v1/responses",
-                                    json={"model": "fake", "input": "hi", "stream": stream}) as reply:
+                                    json={"model": "fake", "input": "hi", "stream": stream, **(
+                                        {"stream_options": {"include_obfuscation": True}} if stream else {})}) as reply:
                 return reply.status, await reply.text()
 
     status, text = asyncio.run(asyncio.wait_for(post(), 30))
@@ -190,6 +194,9 @@ def test_a_node_lost_mid_answer_fails_the_response_with_its_error(tmp_path, stre
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "error", "response.failed"]
     assert events[4]["delta"] == "<5>" and events[5]["code"] == "internal"
+    padded = [block.split("\ndata: ", 1)[1] for block in text.strip().split("\n\n") if '"obfuscation"' in block]
+    assert len(padded) == 1 and json.loads(padded[0])["type"] == "response.output_text.delta"
+    assert len(padded[0]) % 128 == 0
     assert events[-1]["response"]["status"] == "failed"
     assert events[-1]["response"]["error"]["message"].endswith("decode node crashed")
 
