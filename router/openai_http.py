@@ -33,7 +33,7 @@ import grpc
 from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router import prompt_batch, responses_api, tokenize_api, validation
+from pdserve.router import fill_in_middle, prompt_batch, responses_api, tokenize_api, validation
 from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
     ChoiceLogprobs, OpenAIError, chat_prompt, completion_prompts, invalid, now, placement_of,
@@ -186,6 +186,8 @@ class OpenAIFrontend:
             given = [chat_prompt(body, self.tokenizer, tools)] if chat else completion_prompts(
                 body, self.tokenizer.encode, validation.max_prompt_chars(self.tokenizer.card))
             prompts = prompt_batch.truncated(body, given, self.tokenizer.card.max_model_len)
+            if not chat:  # a suffix, after truncation: truncate_prompt_tokens counts the prompt sent
+                prompts = fill_in_middle.with_suffix(body, prompts, self.tokenizer, self.model_id)
             default_max = max(1, self.tokenizer.card.max_model_len - len(prompts[0])) if chat \
                 else COMPLETIONS_DEFAULT_MAX_TOKENS
             sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max, tools=tools)

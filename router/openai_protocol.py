@@ -47,7 +47,7 @@ IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop
                "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "priority", "repetition_penalty",
                "structured_outputs", "min_tokens", "bad_words", "include_stop_str_in_output",
                "truncate_prompt_tokens", "skip_special_tokens", "prompt_logprobs"}
-IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
+IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo", "suffix"},
                     True: {"messages", "max_completion_tokens", "top_logprobs", "tools",
                            "tool_choice", "parallel_tool_calls",
                            # vLLM's, for the chat template (router/chat.py)
@@ -55,7 +55,7 @@ IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo"},
                            "reasoning_effort"}}
 # Accepted only at a value that asks for nothing pdserve lacks (OpenAI's old `functions`,
 # audio, storage); any other value is a 400 naming the field.
-NEUTRAL = {"suffix": ("",), "functions": ([],), "function_call": ("none",),
+NEUTRAL = {"functions": ([],), "function_call": ("none",),
            "store": (False,), "metadata": ({},),
            "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
            "prediction": (), "web_search_options": ()}

@@ -17,12 +17,12 @@ def sampling(body: dict, chat: bool = False):
 
 @pytest.mark.parametrize("chat,name,value", [
     (False, "tools", [{"type": "function", "function": {"name": "f"}}]), (False, "tool_choice", "auto"),
-    (False, "reasoning_effort", "low"),
+    (False, "reasoning_effort", "low"), (True, "suffix", "end"),
     *((chat, name, value) for chat in (False, True) for name, value in [
         ("function_call", "auto"), ("store", True),
         ("metadata", {"k": "v"}), ("service_tier", "flex"), ("modalities", ["audio"]),
         ("audio", {"voice": "x"}), ("prediction", {"type": "content"}),
-        ("web_search_options", {}), ("suffix", "end"),
+        ("web_search_options", {}),
         ("foo", 1)]),
 ])
 def test_a_parameter_pdserve_lacks_is_a_400_naming_it(chat, name, value):
