@@ -38,7 +38,7 @@ from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
     ChoiceLogprobs, OpenAIError, chat_prompt, completion_prompts, invalid, now, placement_of,
     sampling_from_body, tools_of)
-from pdserve.router.openai_shape import Shape, encoded, stream_options_of
+from pdserve.router.openai_shape import Shape, encoded, stream_options_of, token_ids_asked
 from pdserve.runtime import auth, metrics, tenants
 from pdserve.runtime.errors import NodeError, retry_after_of
 from pdserve.runtime.observe import StreamObserver
@@ -191,7 +191,7 @@ class OpenAIFrontend:
             default_max = max(1, self.tokenizer.card.max_model_len - len(prompts[0])) if chat \
                 else COMPLETIONS_DEFAULT_MAX_TOKENS
             sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max, tools=tools)
-            placement, stream_usage = placement_of(body), stream_options_of(body)
+            placement, stream_usage, want_ids = placement_of(body), stream_options_of(body), token_ids_asked(body)
             if body.get("user"):  # OpenAI's end-user id: on the request's log line
                 observer.fields["user"] = body["user"]
             if chat:  # stops at the template's end of turn, as a gRPC conversation does
@@ -223,6 +223,8 @@ class OpenAIFrontend:
                           self.tokenizer.opens_thinking(prompts[0]) if chat and self.tokenizer.thinks else None)
             headers = {"X-Request-Id": request_id}
             shape.scored = {} if body.get("prompt_logprobs") is not None else None
+            if want_ids:
+                shape.return_token_ids(prompts, sampling.n or 1)
             if responses:
                 answer = responses_api.ResponseStream(request_id, self.model_id, original)
                 return await self._respond(request, headers, first, messages, shape, answer, body.get("stream"))

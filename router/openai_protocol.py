@@ -46,7 +46,7 @@ IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop
                # pdserve's extras, as vLLM names them
                "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "priority", "repetition_penalty",
                "structured_outputs", "min_tokens", "bad_words", "include_stop_str_in_output",
-               "truncate_prompt_tokens", "skip_special_tokens", "prompt_logprobs"}
+               "truncate_prompt_tokens", "skip_special_tokens", "prompt_logprobs", "return_token_ids"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo", "suffix"},
                     True: {"messages", "max_completion_tokens", "top_logprobs", "tools",
                            "tool_choice", "parallel_tool_calls",

@@ -35,6 +35,17 @@ class Shape:
         self.include_usage = self.obfuscate = False  # a stream's `stream_options` (stream_usage)
         self.continuous: list[int] | None = None  # [prompt tokens, completion tokens so far]
         self.scored: dict[int, list] | None = None  # vLLM's prompt_logprobs, by choice, when asked
+        # vLLM's return_token_ids: each choice's output ids so far, and its prompt's ids (of
+        # choice i: prompts[i // n], as a batch numbers them); None when not asked
+        self.ids: dict[int, list[int]] | None = None
+        self.prompt_ids: tuple[list[list[int]], int] | None = None
+
+    def return_token_ids(self, prompts: list[list[int]], n: int) -> None:
+        self.ids, self.prompt_ids = {}, (prompts, n)
+
+    def _prompt_of(self, index: int) -> list[int]:
+        prompts, n = self.prompt_ids
+        return prompts[index // n]
 
     def stream_usage(self, include_usage: bool, continuous: bool, obfuscate: bool, prompt_tokens: int) -> None:
         """`stream_options_of`'s choices: the usage chunk at the end, (vLLM's
@@ -48,6 +59,8 @@ class Shape:
             return
         i = msg.index
         text, reasoning, deltas, entries, finish = self._parts(msg)
+        if self.ids is not None:
+            self.ids.setdefault(i, []).extend(msg.token_ids)
         self.text[i] = self.text.get(i, "") + text
         self.reasoning[i] = self.reasoning.get(i, "") + reasoning
         merge_calls(self.calls.setdefault(i, []), deltas)
@@ -98,22 +111,30 @@ class Shape:
         text, reasoning, deltas, entries, finish = self._parts(msg)
         logprobs = self.logprobs.render(entries, msg.index)
         finish = finish or None
+        first = msg.index not in self.started
+        self.started.add(msg.index)
+        ids = {} if self.ids is None else {"token_ids": list(msg.token_ids)}
         if self.chat:
-            if msg.index not in self.started:
-                self.started.add(msg.index)
-                out.append({**chunk(kind, self.id, self.created, self.model, [{
+            if first:
+                head = chunk(kind, self.id, self.created, self.model, [{
                     "index": msg.index, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}]), **extra})
+                    "logprobs": None, "finish_reason": None}])
+                if self.ids is not None and msg.index == 0:  # vLLM's: on the stream's first chunk
+                    head["prompt_token_ids"] = self._prompt_of(0)
+                out.append({**head, **extra})
             delta = {"reasoning_content": reasoning} if reasoning else {}
             if text:
                 delta["content"] = text
             if deltas:
                 delta["tool_calls"] = deltas
-            if (self.tools or self.thinking is not None) and not delta and logprobs is None and finish is None:
+            if (self.tools or self.thinking is not None) and not delta and logprobs is None and finish is None \
+                    and not ids.get("token_ids"):
                 return out  # text held back (a tag, the calls): nothing to say yet
-            choice = {"index": msg.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": msg.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **ids}
         else:
-            choice = {"index": msg.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": msg.index, "text": text, "logprobs": logprobs, "finish_reason": finish, **ids}
+            if ids and first:
+                choice["prompt_token_ids"] = self._prompt_of(msg.index)
         out.append({**chunk(kind, self.id, self.created, self.model, [choice]), **extra})
         return out
 
@@ -134,7 +155,13 @@ class Shape:
                                 "finish_reason": self.finish.get(i)})
                 if self.scored is not None:
                     choices[-1]["prompt_logprobs"] = self.scored.get(i)
+                if self.ids is not None:
+                    choices[-1]["prompt_token_ids"] = self._prompt_of(i)
+            if self.ids is not None:
+                choices[-1]["token_ids"] = self.ids.get(i, [])
         whole = chunk(self.kind, self.id, self.created, self.model, choices, usage_body(self.usage))
+        if self.chat and self.ids is not None:  # vLLM's place for a conversation's
+            whole["prompt_token_ids"] = self._prompt_of(0)
         if self.chat and self.scored is not None:  # vLLM's place for a conversation's
             whole["prompt_logprobs"] = self.scored.get(0)
         return whole
@@ -152,6 +179,14 @@ class Shape:
                                                     "decoded_token": text(t.token_id)})
             scored.append(ranked)
         return scored
+
+
+def token_ids_asked(body: dict) -> bool:
+    """vLLM's `return_token_ids`: a boolean, default false."""
+    asked = body.get("return_token_ids")
+    if asked is not None and not isinstance(asked, bool):
+        raise invalid(f"return_token_ids must be a boolean, got {asked!r:.80}", "return_token_ids")
+    return bool(asked)
 
 
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")

@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.openai_protocol import OpenAIError, completion_prompts
-from tests.router.fake_worker import FakeWorker, openai_router, reached, run
+from tests.router.fake_worker import CharTokenizer, FakeWorker, openai_router, reached, run
 
 
 class EchoesPrompt(FakeWorker):
@@ -50,7 +50,7 @@ class EchoesPrompt(FakeWorker):
         first, n = chr(prepare.prompt_token_ids[0]), prepare.sampling.n or 1
         for j in range(n):
             yield pdserve_pb2.GenerateResponse(request_id=request.request_id, index=j,
-                                               text=f"{first}{j}", token_ids=[5],
+                                               text=f"{first}{j}", token_ids=[ord(first) * 10 + j],
                                                finish_reason="length")
         size = len(prepare.prompt_token_ids)
         yield pdserve_pb2.GenerateResponse(request_id=request.request_id, usage=pdserve_pb2.Usage(
@@ -101,6 +101,29 @@ def test_a_streamed_batch_sends_every_choice_and_one_usage_at_the_end():
     chunks = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
     so_far = [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) for c in chunks if c["choices"]]
     assert so_far == [(4, 1), (4, 2)] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_gives_each_choice_its_prompts_ids_and_its_own(stream):
+    status, text = run(_post(EchoesPrompt("d"), {"prompt": [[104, 105], "yo"], "n": 2, "stream": stream,
+                                                 "return_token_ids": True}))
+    assert status == 200, text
+    chunks = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")] \
+        if stream else [json.loads(text)]
+    got: dict[int, dict] = {}
+    for c in chunks:
+        for choice in c["choices"]:
+            mine = got.setdefault(choice["index"], {"token_ids": []})
+            mine["token_ids"] += choice["token_ids"]
+            if "prompt_token_ids" in choice:
+                assert "prompt_token_ids" not in mine  # once per choice
+                mine["prompt_token_ids"] = choice["prompt_token_ids"]
+    yo = list(CharTokenizer().encode("yo"))
+    assert got == {0: {"prompt_token_ids": [104, 105], "token_ids": [1040]},
+                   1: {"prompt_token_ids": [104, 105], "token_ids": [1041]},
+                   2: {"prompt_token_ids": yo, "token_ids": [1210]}, 3: {"prompt_token_ids": yo, "token_ids": [1211]}}
+    status, text = run(_post(EchoesPrompt("d"), {"prompt": "hi", "return_token_ids": 1}))
+    assert status == 400 and json.loads(text)["error"]["param"] == "return_token_ids"
 
 
 def test_include_obfuscation_pads_every_chunk_to_whole_blocks_of_random_characters():

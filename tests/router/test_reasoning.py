@@ -58,6 +58,8 @@ PIECES = ["<thi", "nk>\nthe user", " wants a city</th", "ink>\n\n", "Par", "is."
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_openai_front_answers_reasoning_and_content_apart(tmp_path, stream):
+    """With vLLM's return_token_ids: every token's id, held-back text (a tag) or not, and the
+    prompt's ids once."""
     tokenizer = PromptTokenizer(str(write_tokenizer_only(tmp_path, THINKING_TEMPLATE)))
 
     async def go():
@@ -65,7 +67,7 @@ def test_the_openai_front_answers_reasoning_and_content_apart(tmp_path, stream):
             async with aiohttp.ClientSession() as session:
                 async with session.post(f"{url}/v1/chat/completions", json={
                         "model": "fake", "messages": [{"role": "user", "content": "capital?"}],
-                        "max_tokens": 8, "stream": stream}) as reply:
+                        "max_tokens": 8, "stream": stream, "return_token_ids": True}) as reply:
                     assert reply.status == 200
                     if not stream:
                         return await reply.json()
@@ -73,12 +75,16 @@ def test_the_openai_front_answers_reasoning_and_content_apart(tmp_path, stream):
                             if line.startswith("data: {")]
 
     answer = run(go())
+    prompt = tokenizer.chat_ids([{"role": "user", "content": "capital?"}])
     if stream:
+        assert answer[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in answer[1:])
+        assert [t for c in answer for t in c["choices"][0].get("token_ids", [])] == list(range(10, 16))
         deltas = [c["choices"][0]["delta"] for c in answer]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nthe user wants a city"
         assert "".join(d.get("content") or "" for d in deltas) == "Paris."
         assert not any("<" in (d.get("content") or "") + d.get("reasoning_content", "") for d in deltas)
         assert answer[-1]["choices"][0]["finish_reason"] == "length"
     else:
+        assert answer["prompt_token_ids"] == prompt and answer["choices"][0]["token_ids"] == list(range(10, 16))
         message = answer["choices"][0]["message"]
         assert (message["reasoning_content"], message["content"]) == ("\nthe user wants a city", "Paris.")
