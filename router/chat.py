@@ -91,8 +91,9 @@ def template_options(body: dict, template: str | None = None) -> dict:
     (default true: open the assistant's turn), `continue_final_message` (default false: go
     on with the last, assistant's, message instead, its turn left open),
     `chat_template_kwargs` (more variables for the template, such as Qwen3's
-    `enable_thinking`) and OpenAI's `reasoning_effort`, as the chat `template` takes it
-    (`effort_variables`). ValueError naming the field."""
+    `enable_thinking`), `documents` (for a retrieval template: Command R's, Granite's) and
+    OpenAI's `reasoning_effort`, as the chat `template` takes them (`effort_variables`).
+    ValueError naming the field."""
     options = {"add_generation_prompt": True, "continue_final_message": False}
     for name in options:
         value = body.get(name)
@@ -111,6 +112,16 @@ def template_options(body: dict, template: str | None = None) -> dict:
     if taken:
         raise ValueError(f"chat_template_kwargs may not set {taken[0]!r}: it is the request's own "
                          "field or the template's argument")
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list) or not all(isinstance(d, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in d.items()) for d in documents):
+            raise ValueError(f'documents must be a list of objects of strings (such as {{"title", "text"}}), '
+                             f"got {documents!r:.80}")
+        if not template or "documents" not in template:
+            raise ValueError("documents are not taken by this model's chat template (it has no documents "
+                             "variable): put them in a message instead")
+        options["documents"] = documents
     effort = effort_variables(body.get("reasoning_effort"), template)
     clash = next((name for name, value in effort.items() if extra.get(name, value) != value), None)
     if clash:

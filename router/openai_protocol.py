@@ -52,7 +52,7 @@ IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo", "suffix"},
                            "tool_choice", "parallel_tool_calls",
                            # vLLM's, for the chat template (router/chat.py)
                            "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-                           "reasoning_effort"}}
+                           "reasoning_effort", "documents"}}
 # Accepted only at a value that asks for nothing pdserve lacks (OpenAI's old `functions`,
 # audio, storage); any other value is a 400 naming the field.
 NEUTRAL = {"functions": ([],), "function_call": ("none",),

@@ -4,7 +4,7 @@ counts tokens, or checks a prompt against the context, without generating; no no
 
 Bodies and answers are vLLM's: `{"prompt"}` (with `add_special_tokens`, default true) or
 `{"messages"}` (with the chat request's `tools`, `add_generation_prompt`,
-`continue_final_message`, `chat_template_kwargs`, `reasoning_effort`), and `return_token_strs`, answered with
+`continue_final_message`, `chat_template_kwargs`, `reasoning_effort`, `documents`), and `return_token_strs`, answered with
 `{"count", "max_model_len", "tokens", "token_strs"}`; `{"tokens"}` answered with `{"prompt"}`.
 """
 
@@ -15,7 +15,7 @@ from pdserve.router.openai_protocol import chat_prompt, invalid, tools_of
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
                              "tools", "tool_choice", "add_generation_prompt", "continue_final_message",
-                             "chat_template_kwargs", "reasoning_effort"})
+                             "chat_template_kwargs", "reasoning_effort", "documents"})
 
 
 def tokenize(body: dict, tokenizer) -> dict:

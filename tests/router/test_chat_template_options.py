@@ -72,11 +72,35 @@ def test_reasoning_effort_reaches_a_template_with_levels(leveled):
     assert plain.endswith("Reasoning: medium<|assistant|>")
 
 
+# Command R's retrieval shape, much shortened: the documents before the turns.
+RETRIEVAL = ("{% if documents %}<|system|>{% for d in documents %}[{{ d['title'] }}: {{ d['text'] }}]{% endfor %}"
+             "<|eos|>{% endif %}" + LEVELS)
+
+
+def test_documents_reach_a_retrieval_template_as_transformers_renders_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    path = write_tokenizer_only(tmp_path, RETRIEVAL)
+    documents = [{"title": "foxes", "text": "they are quick"}, {"title": "dogs", "text": "lazy"}]
+    want = AutoTokenizer.from_pretrained(str(path)).apply_chat_template(
+        ASKED, tokenize=False, add_generation_prompt=True, documents=documents)
+    assert "[foxes: they are quick][dogs: lazy]" in want
+    ours = PromptTokenizer(str(path))
+    assert ours.tokenizer.decode(chat_prompt({"messages": ASKED, "documents": documents}, ours)) == want
+    for bad in ([{"title": 1}], "doc"):
+        with pytest.raises(OpenAIError, match="documents must be a list of objects of strings") as err:
+            chat_prompt({"messages": ASKED, "documents": bad}, ours)
+        assert err.value.param == "documents"
+
+
 def test_reasoning_effort_is_refused_by_a_template_without_reasoning(tmp_path):
     plain = PromptTokenizer(str(write_tokenizer_only(tmp_path, TEMPLATE.replace("enable_thinking", "other"))))
     with pytest.raises(OpenAIError) as err:
         chat_prompt({"messages": ASKED, "reasoning_effort": "low"}, plain)
     assert err.value.param == "reasoning_effort" and "takes no reasoning effort" in err.value.message
+    with pytest.raises(OpenAIError) as err:  # nor documents, which it would leave out
+        chat_prompt({"messages": ASKED, "documents": [{"text": "x"}]}, plain)
+    assert err.value.param == "documents" and "put them in a message instead" in err.value.message
 
 
 @pytest.mark.parametrize("extra,messages,param,says", [
