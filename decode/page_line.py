@@ -5,8 +5,8 @@ Invariants:
 - Order: a reservation that finds others waiting joins behind them even if it would fit
   now, so a large request is never overtaken for ever by smaller ones; it goes ahead only
   of those of a higher priority number (the request's priority, lower first), never of
-  the head. Only the head tries again, whenever pages may have come back (`freed()`, called wherever the decode
-  node frees a request) and at least every `poll_s`.
+  the head. Only the head tries again, whenever pages may have come back (`freed()`,
+  called wherever the decode node frees a request) and at least every `poll_s`.
 - Bounded: at most `max_waiting` wait (the next is RESOURCE_EXHAUSTED at once), and each
   waits no longer than `max_wait_s` or what its caller's deadline leaves (then
   RESOURCE_EXHAUSTED, before the caller gives up, so the caller hears why and when to come

@@ -8,8 +8,8 @@ stream events (`ResponseStream`).
   the system role. Only text parts are taken.
 - Mapped: `stream_options.include_obfuscation` (padded delta events, as chat's chunks),
   `max_output_tokens`, `text.format` (json_object, json_schema), `reasoning.effort`
-  (chat's `reasoning_effort`), function `tools` and `tool_choice`, `parallel_tool_calls`, `temperature`, `top_p`, `user`,
-  `safety_identifier`, `metadata` (given back), `stream`, and `top_logprobs` or `include:
+  (chat's `reasoning_effort`), function `tools` and `tool_choice`, `parallel_tool_calls`,
+  `temperature`, `top_p`, `user`, `safety_identifier`, `metadata` (given back), `stream`, and `top_logprobs` or `include:
   ["message.output_text.logprobs"]` (the text's logprobs, as chat's); vLLM's sampling
   extras (`top_k`, `min_p`, ...) pass as they do on chat.
 - Nothing is stored, as in vLLM's default: `store` changes nothing, and what needs a stored

@@ -4,8 +4,9 @@ counts tokens, or checks a prompt against the context, without generating; no no
 
 Bodies and answers are vLLM's: `{"prompt"}` (with `add_special_tokens`, default true) or
 `{"messages"}` (with the chat request's `tools`, `add_generation_prompt`,
-`continue_final_message`, `chat_template_kwargs`, `reasoning_effort`, `documents`), and `return_token_strs`, answered with
-`{"count", "max_model_len", "tokens", "token_strs"}`; `{"tokens"}` answered with `{"prompt"}`.
+`continue_final_message`, `chat_template_kwargs`, `reasoning_effort`, `documents`), and
+`return_token_strs`, answered with `{"count", "max_model_len", "tokens", "token_strs"}`;
+`{"tokens"}` answered with `{"prompt"}`.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 At most `slots` requests hold a slot at once. Past that, each tenant's requests wait in the
 tenant's own line, in order of their priority (lower first, as vLLM's), then first come
-first served, and a freed slot goes to the next tenant in a
-round robin over the tenants with a request waiting (a tenant of weight w takes w turns in
-a row). A tenant that starts waiting joins the ring at its end. So however many requests
-one tenant queues, another's first request waits for at most one turn of each tenant
-ahead of it in the ring, not for the whole flood.
+first served, and a freed slot goes to the next tenant in a round robin over the tenants
+with a request waiting (a tenant of weight w takes w turns in a row). A tenant that starts
+waiting joins the ring at its end. So however many requests one tenant queues, another's
+first request waits for at most one turn of each tenant ahead of it in the ring, not for
+the whole flood.
 
 Invariants: a request waits only while every slot is taken: a freed slot is handed to the
 next waiter in `release` itself, with no await between. A waiter that went away (timed out,
