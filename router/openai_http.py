@@ -34,11 +34,12 @@ from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router import fill_in_middle, prompt_batch, responses_api, tokenize_api, validation
+from pdserve.router.choice_logprobs import ChoiceLogprobs
 from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
-    ChoiceLogprobs, OpenAIError, chat_prompt, completion_prompts, invalid, now, placement_of,
+    OpenAIError, chat_prompt, completion_prompts, invalid, now, placement_of,
     sampling_from_body, tools_of)
-from pdserve.router.openai_shape import Shape, encoded, stream_options_of, token_ids_asked
+from pdserve.router.openai_shape import Shape, encoded, flag_of, stream_options_of
 from pdserve.runtime import auth, metrics, tenants
 from pdserve.runtime.errors import NodeError, retry_after_of
 from pdserve.runtime.observe import StreamObserver
@@ -191,7 +192,8 @@ class OpenAIFrontend:
             default_max = max(1, self.tokenizer.card.max_model_len - len(prompts[0])) if chat \
                 else COMPLETIONS_DEFAULT_MAX_TOKENS
             sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max, tools=tools)
-            placement, stream_usage, want_ids = placement_of(body), stream_options_of(body), token_ids_asked(body)
+            placement, stream_usage = placement_of(body), stream_options_of(body)
+            want_ids, as_ids = flag_of(body, "return_token_ids"), flag_of(body, "return_tokens_as_token_ids")
             if body.get("user"):  # OpenAI's end-user id: on the request's log line
                 observer.fields["user"] = body["user"]
             if chat:  # stops at the template's end of turn, as a gRPC conversation does
@@ -217,7 +219,7 @@ class OpenAIFrontend:
             except NodeError as err:
                 raise _as_openai_error(err, chat) from None
             shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", self.model_id,
-                          ChoiceLogprobs(self._token_text, chat),
+                          ChoiceLogprobs(self._token_text, chat, as_ids),
                           None if chat else echo_of(body, prompts, self.tokenizer,
                                                     sampling.HasField("logprobs")), tools,
                           self.tokenizer.opens_thinking(prompts[0]) if chat and self.tokenizer.thinks else None)

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import itertools
 import re
 import time
 
@@ -46,7 +45,8 @@ IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop
                # pdserve's extras, as vLLM names them
                "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "priority", "repetition_penalty",
                "structured_outputs", "min_tokens", "bad_words", "include_stop_str_in_output",
-               "truncate_prompt_tokens", "skip_special_tokens", "prompt_logprobs", "return_token_ids"}
+               "truncate_prompt_tokens", "skip_special_tokens", "prompt_logprobs", "return_token_ids",
+               "return_tokens_as_token_ids"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo", "suffix"},
                     True: {"messages", "max_completion_tokens", "top_logprobs", "tools",
                            "tool_choice", "parallel_tool_calls",
@@ -298,42 +298,6 @@ def usage_body(usage: pdserve_pb2.Usage | None) -> dict | None:
 # pdserve's extra usage field `timings` (seconds), the same as gRPC's Usage.
 TIMINGS = ("time_to_first_token_s", "time_per_output_token_s", "time_per_output_token_p90_s",
            "queue_time_s", "prefill_time_s", "kv_transfer_time_s")
-
-
-class ChoiceLogprobs:
-    """Logprobs of one request's choices in OpenAI's completions or chat shape. A
-    completions token's `text_offset` is where its text starts in the choice's text: the
-    lengths of the texts of the choice's tokens before it, in this chunk and the earlier
-    ones (as vLLM counts it)."""
-
-    def __init__(self, token_text, chat: bool) -> None:
-        self.token_text, self.chat = token_text, chat
-        self._offset: dict[int, int] = {}  # choice index -> its text's length so far
-
-    def render(self, entries, index: int = 0) -> dict | None:
-        if not entries:
-            return None
-        if self.chat:
-            def one(token_id, logprob):
-                text = self.token_text(token_id)
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-            return {"content": [{**one(e.token_id, e.logprob),
-                                 "top_logprobs": [one(t.token_id, t.logprob) for t in e.top]}
-                                for e in entries]}
-        tokens = [self.token_text(e.token_id) for e in entries]
-        offsets = list(itertools.accumulate(map(len, tokens), initial=self._offset.get(index, 0)))
-        self._offset[index] = offsets.pop()
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [None if e.top is None else self._by_text(e.top) for e in entries],
-                "text_offset": offsets}
-
-    def _by_text(self, top) -> dict[str, float]:
-        """OpenAI's completions shape keys alternatives by text: of two ids that decode to
-        the same text, the likelier (listed first) keeps the entry."""
-        out: dict[str, float] = {}
-        for t in top:
-            out.setdefault(self.token_text(t.token_id), t.logprob)
-        return out
 
 
 def chunk(kind: str, response_id: str, created: int, model: str, choices: list, usage=None) -> dict:

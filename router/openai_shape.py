@@ -9,7 +9,8 @@ import json
 import secrets
 
 from pdserve.router.echo import Echo
-from pdserve.router.openai_protocol import ChoiceLogprobs, chunk, invalid, now, usage_body
+from pdserve.router.choice_logprobs import ChoiceLogprobs
+from pdserve.router.openai_protocol import chunk, invalid, now, usage_body
 from pdserve.router.reasoning import ReasoningStream
 from pdserve.router.tools import CallStream, Tools, merge_calls
 
@@ -181,11 +182,11 @@ class Shape:
         return scored
 
 
-def token_ids_asked(body: dict) -> bool:
-    """vLLM's `return_token_ids`: a boolean, default false."""
-    asked = body.get("return_token_ids")
+def flag_of(body: dict, name: str) -> bool:
+    """A boolean field of the body (vLLM's `return_token_ids`, ...), default false."""
+    asked = body.get(name)
     if asked is not None and not isinstance(asked, bool):
-        raise invalid(f"return_token_ids must be a boolean, got {asked!r:.80}", "return_token_ids")
+        raise invalid(f"{name} must be a boolean, got {asked!r:.80}", name)
     return bool(asked)
 
 

@@ -44,7 +44,8 @@ CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_compl
               "logprobs": f"top_logprobs or include: [{LOGPROBS!r}]",
               "prompt_logprobs": "/v1/chat/completions for prompt_logprobs",
               "reasoning_effort": "reasoning.effort",
-              "return_token_ids": "/v1/chat/completions for return_token_ids"}
+              "return_token_ids": "/v1/chat/completions for return_token_ids",
+              "return_tokens_as_token_ids": "/v1/chat/completions for return_tokens_as_token_ids"}
 # A chat check's message names the chat field; the client sent the Responses one.
 RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
            "response_format": "text.format", "messages": "input", "reasoning_effort": "reasoning.effort"}

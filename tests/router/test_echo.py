@@ -66,6 +66,17 @@ def test_max_tokens_0_gives_each_prompt_scored_and_nothing_else():
     assert [(s.max_tokens, s.prompt_logprobs, s.logprobs) for s in sent] == [(1, 1, 1)] * 2
 
 
+def test_return_tokens_as_token_ids_labels_each_token_by_its_id_and_keeps_the_texts_offsets():
+    status, text = run(_post(Scores("d"), {"prompt": "abc", "echo": True, "logprobs": 1, "max_tokens": 0,
+                                           "return_tokens_as_token_ids": True}))
+    assert status == 200, text
+    assert json.loads(text)["choices"][0]["logprobs"] == {
+        "tokens": ["token_id:97", "token_id:98", "token_id:99"], "token_logprobs": [None, -1.0, -2.0],
+        "top_logprobs": [None, {"token_id:98": -1.0}, {"token_id:99": -2.0}], "text_offset": [0, 1, 2]}
+    status, text = run(_post(Scores("d"), {"prompt": "abc", "return_tokens_as_token_ids": "yes"}))
+    assert status == 400 and json.loads(text)["error"]["param"] == "return_tokens_as_token_ids"
+
+
 @pytest.mark.parametrize("node_says,answer_says", [("stop", "length"), ("length", "length"),
                                                    ("abort", "abort"), ("", "")])
 def test_the_prompt_alone_ends_as_length_unless_aborted(node_says, answer_says):
