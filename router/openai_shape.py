@@ -48,6 +48,10 @@ class Shape:
         prompts, n = self.prompt_ids
         return prompts[index // n]
 
+    def _new_ids(self, msg) -> list[int]:
+        """The ids `msg` adds to its choice: none of the token a scoring echo drops."""
+        return list(msg.token_ids) if self.echo is None or self.echo.generate else []
+
     def stream_usage(self, include_usage: bool, continuous: bool, obfuscate: bool, prompt_tokens: int) -> None:
         """`stream_options_of`'s choices: the usage chunk at the end, (vLLM's
         continuous_usage_stats) the usage so far on every chunk, and padded chunks."""
@@ -61,7 +65,7 @@ class Shape:
         i = msg.index
         text, reasoning, deltas, entries, finish = self._parts(msg)
         if self.ids is not None:
-            self.ids.setdefault(i, []).extend(msg.token_ids)
+            self.ids.setdefault(i, []).extend(self._new_ids(msg))
         self.text[i] = self.text.get(i, "") + text
         self.reasoning[i] = self.reasoning.get(i, "") + reasoning
         merge_calls(self.calls.setdefault(i, []), deltas)
@@ -114,7 +118,7 @@ class Shape:
         finish = finish or None
         first = msg.index not in self.started
         self.started.add(msg.index)
-        ids = {} if self.ids is None else {"token_ids": list(msg.token_ids)}
+        ids = {} if self.ids is None else {"token_ids": self._new_ids(msg)}
         if self.chat:
             if first:
                 head = chunk(kind, self.id, self.created, self.model, [{

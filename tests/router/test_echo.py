@@ -66,6 +66,13 @@ def test_max_tokens_0_gives_each_prompt_scored_and_nothing_else():
     assert [(s.max_tokens, s.prompt_logprobs, s.logprobs) for s in sent] == [(1, 1, 1)] * 2
 
 
+def test_a_scored_prompt_returns_its_ids_and_no_token_ids():
+    status, text = run(_post(Scores("d"), {"prompt": "abc", "echo": True, "logprobs": 1, "max_tokens": 0,
+                                           "return_token_ids": True}))
+    choice = json.loads(text)["choices"][0]
+    assert status == 200 and (choice["prompt_token_ids"], choice["token_ids"]) == ([97, 98, 99], [])
+
+
 def test_return_tokens_as_token_ids_labels_each_token_by_its_id_and_keeps_the_texts_offsets():
     status, text = run(_post(Scores("d"), {"prompt": "abc", "echo": True, "logprobs": 1, "max_tokens": 0,
                                            "return_tokens_as_token_ids": True}))
