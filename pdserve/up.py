@@ -96,6 +96,8 @@ class UpConfig:
         help="browser pages from this origin (https://host[:port]; * for any) may call the "
              "router's HTTP port (CORS; repeat for several; default: none)",
         metavar="ORIGIN", default_factory=list)
+    responses_store_mb: float = option(64.0, "MiB of /v1/responses answers the router keeps for "
+                                             "previous_response_id (0: none)")
     extra: list[str] = field(default_factory=list)  # more flags for both workers
     served_model_name: str | None = None  # --served-model-name, to every node
     chat_template: str | None = None  # --chat-template as given, to the router
@@ -202,6 +204,7 @@ def node_args(config: UpConfig, prefill_port: int, decode_port: int, http_port: 
                    *([] if config.chat_template is None else ["--chat-template", config.chat_template]),
                    "--tool-call-parser", config.tool_call_parser,
                    *(a for origin in config.allowed_origins for a in ("--allowed-origins", origin)),
+                   "--responses-store-mb", f"{config.responses_store_mb:g}",
                    "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}"],
     }
 

@@ -33,14 +33,15 @@ import grpc
 from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router import fill_in_middle, prompt_batch, responses_api, tokenize_api, validation
+from pdserve.router import fill_in_middle, prompt_batch, responses_api, responses_http, tokenize_api, validation
 from pdserve.router.choice_logprobs import ChoiceLogprobs
 from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
     OpenAIError, chat_prompt, completion_prompts, invalid, now, placement_of,
     sampling_from_body, tools_of)
 from pdserve.router.openai_shape import Shape, encoded, flag_of, stream_options_of
-from pdserve.runtime import auth, metrics, tenants
+from pdserve.router.response_store import ResponseStore
+from pdserve.runtime import auth, http_limits, metrics, tenants
 from pdserve.runtime.errors import NodeError, retry_after_of
 from pdserve.runtime.observe import StreamObserver
 
@@ -75,6 +76,7 @@ class OpenAIFrontend:
         self.model_id = model_id
         self.registry = registry
         self.created = now()
+        self.store = ResponseStore(http_limits.current().responses_store_mb)  # /v1/responses' own
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors_and_counts])
@@ -82,6 +84,8 @@ class OpenAIFrontend:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/responses", self.responses),
+            web.get("/v1/responses/{id}", self.stored),
+            web.delete("/v1/responses/{id}", self.forget),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model:.+}", self.model),  # a directory's name has slashes
             web.post("/tokenize", self.tokenize),
@@ -181,7 +185,8 @@ class OpenAIFrontend:
         chat, responses = api != "completions", api == "responses"
         try:
             body = original = await self._body(request)
-            if responses:
+            if responses:  # served as the chat request it means, after its stored conversation
+                original = self._continued(original, request[TENANT])
                 body = responses_api.chat_body(original)
             tools = tools_of(body, self.tokenizer.tool_dialect) if chat else None
             given = [chat_prompt(body, self.tokenizer, tools)] if chat else completion_prompts(
@@ -228,8 +233,13 @@ class OpenAIFrontend:
             if want_ids:
                 shape.return_token_ids(prompts, sampling.n or 1)
             if responses:
-                answer = responses_api.ResponseStream(request_id, self.model_id, original)
-                return await self._respond(request, headers, first, messages, shape, answer, body.get("stream"))
+                keep = original.get("store") is not False and self.store.max_chars > 0
+                answer = responses_api.ResponseStream(request_id, self.model_id, original, keep)
+                return await responses_http.respond(
+                    request, headers, first, messages, shape, answer, body.get("stream"),
+                    lambda err: _as_openai_error(err, chat=True),
+                    (lambda done: self.store.put(request[TENANT], done, [
+                        *responses_api.input_items(original), *done["output"]])) if keep else None)
             if body.get("stream"):
                 shape.stream_usage(*stream_usage, sum(map(len, prompts)))
                 return await self._stream(request, headers, first, messages, shape)
@@ -277,37 +287,21 @@ class OpenAIFrontend:
         await response.write_eof()
         return response
 
-    async def _respond(self, request, headers, msg, messages, shape, answer, stream: bool):
-        """A Responses API answer: its events as server-sent events, or its last state whole."""
-        response = None
-        if stream:
-            response = web.StreamResponse(headers={
-                **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await response.prepare(request)
+    def _continued(self, body: dict, tenant: str) -> dict:
+        """A Responses body with its previous response's conversation before its input."""
+        previous = body.get("previous_response_id")
+        if previous is None:
+            return body
+        return responses_api.continued(body, self.store.get(tenant, previous, "previous_response_id")[1])
 
-        async def send(events: list[dict]) -> None:
-            for event in events if response is not None else ():
-                padded = answer.obfuscate and event["type"].endswith(".delta")  # OpenAI pads the deltas
-                await response.write(f"event: {event['type']}\ndata: {encoded(event, padded)}\n\n".encode())
+    async def stored(self, request: web.Request) -> web.Response:
+        return web.json_response(self.store.get(request[TENANT], request.match_info["id"])[0])
 
-        await send(answer.start())
-        try:
-            while msg is not None:
-                for part in shape.chunks(msg, include_usage=True):
-                    await send(answer.feed(part))
-                msg = await anext(messages, None)
-        except NodeError as err:
-            error = responses_api.renamed(_as_openai_error(err, chat=True))
-            if response is None:
-                raise error from None
-            await send(answer.failed(error.body()["error"]))
-            await response.write_eof()
-            return response
-        await send(answer.end())
-        if response is None:
-            return web.json_response(answer.response, headers=headers)
-        await response.write_eof()
-        return response
+    async def forget(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["id"]
+        self.store.get(request[TENANT], response_id)  # 404 when it is not there
+        self.store.delete(request[TENANT], response_id)
+        return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def _body(self, request: web.Request) -> dict:
         try:

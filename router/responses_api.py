@@ -12,11 +12,12 @@ stream events (`ResponseStream`).
   `temperature`, `top_p`, `user`, `safety_identifier`, `metadata` (given back), `stream`, and `top_logprobs` or `include:
   ["message.output_text.logprobs"]` (the text's logprobs, as chat's); vLLM's sampling
   extras (`top_k`, `min_p`, ...) pass as they do on chat.
-- Nothing is stored, as in vLLM's default: `store` changes nothing, and what needs a stored
-  response or conversation (`previous_response_id`, `conversation`, `prompt`, `background`)
-  is a 400 naming it. So are hosted tools (web search, files), images, and the chat
-  completions' own names (`messages`, `max_tokens`, `response_format`, `n`, `logprobs`),
-  each with the field to send instead.
+- Stored: a response is kept (`store`, default true, as OpenAI's) by the router that
+  answered it (router/response_store.py), for `previous_response_id` (`continued`: its
+  conversation goes before the input) and GET / DELETE. What needs more (`conversation`,
+  `prompt`, `background`) is a 400 naming it. So are hosted tools (web search, files),
+  images, and the chat completions' own names (`messages`, `max_tokens`,
+  `response_format`, `n`, `logprobs`), each with the field to send instead.
 - Output: the reasoning (a `reasoning` item, for thinking models), the text (a `message`
   item with one `output_text` part), then one `function_call` item per call. `status` is
   "completed", or "incomplete" with `incomplete_details.reason` "max_output_tokens" when
@@ -35,10 +36,11 @@ from .openai_protocol import OpenAIError, now
 
 LOGPROBS = "message.output_text.logprobs"  # the one `include` served
 MAPPED = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "metadata", "store",
+          "previous_response_id",
           "top_logprobs",
           "safety_identifier", "stream_options", "prompt_cache_key", "include", "truncation", "reasoning",
           "max_tool_calls"}
-STORED = ("previous_response_id", "conversation", "prompt", "background")
+STORED = ("conversation", "prompt", "background")  # what pdserve's store (router/response_store.py) lacks
 CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
               "response_format": "text.format", "n": "one request per answer",
               "logprobs": f"top_logprobs or include: [{LOGPROBS!r}]",
@@ -65,8 +67,11 @@ def chat_body(body: dict) -> dict:
     the field for anything it cannot be."""
     for name in STORED:
         if body.get(name):
-            raise refused(f"{name} needs a stored response, and pdserve stores none: send the whole "
-                          "conversation in input", name)
+            raise refused(f"{name} is not served (pdserve stores responses, not conversations or prompts): "
+                          "send the conversation in input, or continue a response with previous_response_id",
+                          name)
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise refused(f"store must be a boolean, got {body['store']!r:.80}", "store")
     for name, instead in CHAT_NAMES.items():
         if body.get(name) is not None:
             raise refused(f"{name} is a chat completions field; on /v1/responses use {instead}", name)
@@ -115,6 +120,20 @@ def _effort(reasoning):
             raise refused(f"reasoning.{name} {reasoning[name]!r:.80} is not served: pdserve writes no summary "
                           "(a thinking model's reasoning item holds its reasoning); leave it out", "reasoning")
     return reasoning.get("effort")
+
+
+def input_items(body: dict) -> list:
+    """The request's `input` as a list of items (a text is one user message)."""
+    given = body.get("input")
+    return [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else given
+
+
+def continued(body: dict, conversation: list[dict]) -> dict:
+    """`body` with the stored `conversation` of its previous response before its input."""
+    given = input_items(body)
+    if not isinstance(given, list) or not given:
+        raise refused(f"input must be a text or a non-empty list of items, got {body.get('input')!r:.80}", "input")
+    return {**body, "input": [*conversation, *given]}
 
 
 def renamed(err: OpenAIError) -> OpenAIError:
@@ -187,7 +206,7 @@ class ResponseStream:
     """One response, built from its chat answer's chunks: `start`, `feed` each chunk (with
     usage), `end`; each gives the stream events to send. `response` is the whole."""
 
-    def __init__(self, request_id: str, model: str, body: dict) -> None:
+    def __init__(self, request_id: str, model: str, body: dict, store: bool = False) -> None:
         self.response = {
             "id": f"resp_{request_id}", "object": "response", "created_at": now(), "status": "in_progress",
             "model": model, "output": [], "error": None, "incomplete_details": None,
@@ -196,8 +215,9 @@ class ResponseStream:
             "top_p": body.get("top_p"), "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "text": body.get("text") or {"format": {"type": "text"}}, "store": False, "usage": None,
-            "reasoning": {"effort": _effort(body.get("reasoning")), "summary": None}}
+            "text": body.get("text") or {"format": {"type": "text"}}, "store": store, "usage": None,
+            "reasoning": {"effort": _effort(body.get("reasoning")), "summary": None},
+            "previous_response_id": body.get("previous_response_id")}
         self.sequence = 0
         self.obfuscate = bool((body.get("stream_options") or {}).get("include_obfuscation"))  # padded deltas
         self.open: list[int] = []  # output indexes of the items not done yet, oldest first

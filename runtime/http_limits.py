@@ -28,6 +28,10 @@ class HTTPConfig:
         False, "serve the HTTP port (OpenAI API, /metrics) as plain HTTP even with --tls-cert "
                "(default: HTTPS whenever --tls-cert is set, so the API key never crosses in "
                "clear)")
+    responses_store_mb: float = option(
+        64.0, "/v1/responses: MiB of answered responses this server keeps in memory for "
+              "previous_response_id and GET/DELETE /v1/responses/ID, least recently used first out "
+              "(0: none kept)")
     allowed_origins: list[str] = option(
         help="browser pages from this origin (https://host[:port]; * for any) may call the HTTP "
              "port (CORS; repeat or comma-separate for several; default: none)",
@@ -47,6 +51,8 @@ class HTTPConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got "
                                  f"{getattr(self, name)}")
+        if self.responses_store_mb < 0:
+            raise ValueError(f"--responses-store-mb must be >= 0, got {self.responses_store_mb}")
         if self.http_max_connections < 1:
             raise ValueError(f"--http-max-connections must be >= 1, got "
                              f"{self.http_max_connections}")

@@ -93,16 +93,18 @@ def test_up_leaves_a_kv_size_the_user_gave_to_both_workers():
     assert build_parser().parse_args(node_args(config, 1001, 1002, 1003, [], [])["decode"]).dtype == "float32"
 
 
-def test_up_gives_its_router_the_origins_chat_template_and_tool_parser_and_the_workers_none():
+def test_up_gives_its_router_the_origins_chat_template_tool_parser_and_store_and_the_workers_none():
     given = build_parser().parse_args(["up", "--allowed-origins", "http://localhost:3000", "--allowed-origins",
-                                       "*", "--chat-template", "{{ x }}", "--tool-call-parser", "mistral"])
+                                       "*", "--chat-template", "{{ x }}", "--tool-call-parser", "mistral",
+                                       "--responses-store-mb", "0.5"])
     config = UpConfig(model="m", allowed_origins=given.allowed_origins, chat_template=given.chat_template,
-                      tool_call_parser=given.tool_call_parser)
+                      tool_call_parser=given.tool_call_parser, responses_store_mb=given.responses_store_mb)
     args = node_args(config, 1001, 1002, 1003, [], [])
     router = build_parser().parse_args(args["router"])
-    assert (router.allowed_origins, router.chat_template, router.tool_call_parser) == \
-        (["http://localhost:3000", "*"], "{{ x }}", "mistral")
-    assert not {"--allowed-origins", "--chat-template", "--tool-call-parser"} & {*args["prefill"], *args["decode"]}
+    assert (router.allowed_origins, router.chat_template, router.tool_call_parser, router.responses_store_mb) == \
+        (["http://localhost:3000", "*"], "{{ x }}", "mistral", 0.5)
+    assert not {"--allowed-origins", "--chat-template", "--tool-call-parser", "--responses-store-mb"} & {
+        *args["prefill"], *args["decode"]}
 
 
 def _device_args(monkeypatch, found: str, **config) -> dict[str, list[str]]:
