@@ -36,7 +36,8 @@ class ChoiceLogprobs:
         texts = [self.token_text(e.token_id) for e in entries]
         offsets = list(itertools.accumulate(map(len, texts), initial=self._offset.get(index, 0)))
         self._offset[index] = offsets.pop()
-        return {"tokens": [self.label(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
+        return {"tokens": [self.label(e.token_id) for e in entries],
+                "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [None if e.top is None else self._by_label(e.top) for e in entries],
                 "text_offset": offsets}
 

@@ -61,7 +61,8 @@ NEUTRAL = {"functions": ([],), "function_call": ("none",),
            "prediction": (), "web_search_options": ()}
 # "top_p must be ...", "prompt token id 9999 is outside ...", "prompt of 900 tokens is
 # longer ...", at the start of the message or after a "...: " prefix; "prompt[1]..." (one
-# prompt of a batch); "structured_output.regex ..." (a part of a field); "(900 in the prompt, 16 in the completion)" (the context's error).
+# prompt of a batch); "structured_output.regex ..." (a part of a field); "(900 in the
+# prompt, 16 in the completion)" (the context's error).
 _FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+)(?:\[\d+\]|\.[a-z_]+ )|(?:^|: )([a-z_]+)(?: token ids?)?(?: -?\d+)? "
                                r"(?:must|of \d+|is)|\d+ in the ([a-z_]+), \d+ in the completion")
 

@@ -116,7 +116,7 @@ class Shape:
         text, reasoning, deltas, entries, finish = self._parts(msg)
         logprobs = self.logprobs.render(entries, msg.index)
         finish = finish or None
-        first = msg.index not in self.started
+        first, opening = msg.index not in self.started, not self.started  # its choice's, the stream's
         self.started.add(msg.index)
         ids = {} if self.ids is None else {"token_ids": self._new_ids(msg)}
         if self.chat:
@@ -124,7 +124,7 @@ class Shape:
                 head = chunk(kind, self.id, self.created, self.model, [{
                     "index": msg.index, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}])
-                if self.ids is not None and msg.index == 0:  # vLLM's: on the stream's first chunk
+                if self.ids is not None and opening:  # vLLM's: on the stream's first chunk
                     head["prompt_token_ids"] = self._prompt_of(0)
                 out.append({**head, **extra})
             delta = {"reasoning_content": reasoning} if reasoning else {}

@@ -9,9 +9,9 @@ stream events (`ResponseStream`).
 - Mapped: `stream_options.include_obfuscation` (padded delta events, as chat's chunks),
   `max_output_tokens`, `text.format` (json_object, json_schema), `reasoning.effort`
   (chat's `reasoning_effort`), function `tools` and `tool_choice`, `parallel_tool_calls`,
-  `temperature`, `top_p`, `user`, `safety_identifier`, `metadata` (given back), `stream`, and `top_logprobs` or `include:
-  ["message.output_text.logprobs"]` (the text's logprobs, as chat's); vLLM's sampling
-  extras (`top_k`, `min_p`, ...) pass as they do on chat.
+  `temperature`, `top_p`, `user`, `safety_identifier`, `metadata` (given back), `stream`,
+  and `top_logprobs` or `include: ["message.output_text.logprobs"]` (the text's logprobs,
+  as chat's); vLLM's sampling extras (`top_k`, `min_p`, ...) pass as they do on chat.
 - Stored: a response is kept (`store`, default true, as OpenAI's) by the router that
   answered it (router/response_store.py), for `previous_response_id` (`continued`: its
   conversation goes before the input) and GET / DELETE. What needs more (`conversation`,
