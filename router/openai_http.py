@@ -33,7 +33,8 @@ import grpc
 from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router import fill_in_middle, prompt_batch, responses_api, responses_http, tokenize_api, validation
+from pdserve.router import (fill_in_middle, prompt_batch, response_history, responses_api, responses_http,
+                            tokenize_api, validation)
 from pdserve.router.choice_logprobs import ChoiceLogprobs
 from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
@@ -189,8 +190,13 @@ class OpenAIFrontend:
                 original = self._continued(original, request[TENANT])
                 body = responses_api.chat_body(original)
             tools = tools_of(body, self.tokenizer.tool_dialect) if chat else None
-            given = [chat_prompt(body, self.tokenizer, tools)] if chat else completion_prompts(
-                body, self.tokenizer.encode, validation.max_prompt_chars(self.tokenizer.card))
+            card = self.tokenizer.card
+            if responses and original.get("truncation") == "auto":  # the oldest turns left out to fit
+                given = [response_history.fitted(body, lambda b: chat_prompt(b, self.tokenizer, tools),
+                                              card.max_model_len, validation.max_prompt_chars(card))]
+            else:
+                given = [chat_prompt(body, self.tokenizer, tools)] if chat else completion_prompts(
+                    body, self.tokenizer.encode, validation.max_prompt_chars(card))
             prompts = prompt_batch.truncated(body, given, self.tokenizer.card.max_model_len)
             if not chat:  # a suffix, after truncation: truncate_prompt_tokens counts the prompt sent
                 prompts = fill_in_middle.with_suffix(body, prompts, self.tokenizer, self.model_id)
@@ -239,7 +245,7 @@ class OpenAIFrontend:
                     request, headers, first, messages, shape, answer, body.get("stream"),
                     lambda err: _as_openai_error(err, chat=True),
                     (lambda done: self.store.put(request[TENANT], done, [
-                        *responses_api.input_items(original), *done["output"]])) if keep else None)
+                        *response_history.input_items(original), *done["output"]])) if keep else None)
             if body.get("stream"):
                 shape.stream_usage(*stream_usage, sum(map(len, prompts)))
                 return await self._stream(request, headers, first, messages, shape)
@@ -292,7 +298,7 @@ class OpenAIFrontend:
         previous = body.get("previous_response_id")
         if previous is None:
             return body
-        return responses_api.continued(body, self.store.get(tenant, previous, "previous_response_id")[1])
+        return response_history.continued(body, self.store.get(tenant, previous, "previous_response_id")[1])
 
     async def stored(self, request: web.Request) -> web.Response:
         return web.json_response(self.store.get(request[TENANT], request.match_info["id"])[0])

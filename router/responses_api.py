@@ -13,9 +13,9 @@ stream events (`ResponseStream`).
   and `top_logprobs` or `include: ["message.output_text.logprobs"]` (the text's logprobs,
   as chat's); vLLM's sampling extras (`top_k`, `min_p`, ...) pass as they do on chat.
 - Stored: a response is kept (`store`, default true, as OpenAI's) by the router that
-  answered it (router/response_store.py), for `previous_response_id` (`continued`: its
-  conversation goes before the input) and GET / DELETE. What needs more (`conversation`,
-  `prompt`, `background`) is a 400 naming it. So are hosted tools (web search, files),
+  answered it (router/response_store.py), for `previous_response_id` (its conversation
+  goes before the input, router/response_history.py) and GET / DELETE. What needs more
+  (`conversation`, `prompt`, `background`) is a 400 naming it. So are hosted tools (web search, files),
   images, and the chat completions' own names (`messages`, `max_tokens`,
   `response_format`, `n`, `logprobs`), each with the field to send instead.
 - Output: the reasoning (a `reasoning` item, for thinking models), the text (a `message`
@@ -76,7 +76,7 @@ def chat_body(body: dict) -> dict:
         if body.get(name) is not None:
             raise refused(f"{name} is a chat completions field; on /v1/responses use {instead}", name)
     for name, value, allowed in (("include", body.get("include"), (None, [], [LOGPROBS])),
-                                 ("truncation", body.get("truncation"), (None, "disabled")),
+                                 ("truncation", body.get("truncation"), (None, "disabled", "auto")),
                                  ("max_tool_calls", body.get("max_tool_calls"), (None,))):
         if value not in allowed:
             raise refused(f"{name} {body[name]!r:.80} is not served: leave it out", name)
@@ -120,20 +120,6 @@ def _effort(reasoning):
             raise refused(f"reasoning.{name} {reasoning[name]!r:.80} is not served: pdserve writes no summary "
                           "(a thinking model's reasoning item holds its reasoning); leave it out", "reasoning")
     return reasoning.get("effort")
-
-
-def input_items(body: dict) -> list:
-    """The request's `input` as a list of items (a text is one user message)."""
-    given = body.get("input")
-    return [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else given
-
-
-def continued(body: dict, conversation: list[dict]) -> dict:
-    """`body` with the stored `conversation` of its previous response before its input."""
-    given = input_items(body)
-    if not isinstance(given, list) or not given:
-        raise refused(f"input must be a text or a non-empty list of items, got {body.get('input')!r:.80}", "input")
-    return {**body, "input": [*conversation, *given]}
 
 
 def renamed(err: OpenAIError) -> OpenAIError:

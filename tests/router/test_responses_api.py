@@ -68,7 +68,7 @@ def test_reasoning_effort_is_chats_and_no_summary_is_written():
     ({"n": 2}, "n", "one request"),
     ({"include": ["file_search_call.results"]}, "include", "file_search_call.results"),
     ({"logprobs": True}, "logprobs", "top_logprobs or include"),
-    ({"truncation": "auto"}, "truncation", "'auto'"),
+    ({"truncation": "middle"}, "truncation", "'middle'"),
     ({"tools": [{"type": "file_search"}]}, "tools", "'file_search'"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "input[0]"),
     ({"input": 5}, "input", "5"),
