@@ -94,7 +94,11 @@ def chat_body(body: dict) -> dict:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     if body.get("include") or body.get("top_logprobs") is not None:  # the text's logprobs
         chat.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else body.get("text")
+    text = body.get("text")
+    if isinstance(text, dict) and (set(text) - {"format", "verbosity"} or text.get("verbosity") not in (None, "medium")):
+        raise refused(f"text {text!r:.80} asks for what is not served: text.format alone (text.verbosity only "
+                      "at its default, medium)", "text")
+    fmt = text.get("format") if isinstance(text, dict) else text
     if fmt is not None:
         chat["response_format"] = _format(fmt)
     if body.get("tools"):

@@ -69,6 +69,8 @@ def test_reasoning_effort_is_chats_and_no_summary_is_written():
     ({"include": ["file_search_call.results"]}, "include", "file_search_call.results"),
     ({"logprobs": True}, "logprobs", "top_logprobs or include"),
     ({"truncation": "middle"}, "truncation", "'middle'"),
+    ({"text": {"verbosity": "low"}}, "text", "text.verbosity only at its default"),
+    ({"text": {"format": {"type": "text"}, "style": 1}}, "text", "text.format alone"),
     ({"tools": [{"type": "file_search"}]}, "tools", "'file_search'"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "input[0]"),
     ({"input": 5}, "input", "5"),
