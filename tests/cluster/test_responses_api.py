@@ -92,7 +92,7 @@ def test_a_forced_function_is_the_call_chat_makes_and_its_output_goes_back_in(ap
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "previous_response_id": 5}, "previous_response_id"),  # (an unknown id: 404)
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),
