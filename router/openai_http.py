@@ -38,9 +38,9 @@ from pdserve.router import (fill_in_middle, prompt_batch, response_history, resp
 from pdserve.router.choice_logprobs import ChoiceLogprobs
 from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
-    OpenAIError, chat_prompt, completion_prompts, invalid, now, placement_of,
+    OpenAIError, chat_prompt, completion_prompts, flag_of, invalid, now, placement_of,
     sampling_from_body, tools_of)
-from pdserve.router.openai_shape import Shape, encoded, flag_of, stream_options_of
+from pdserve.router.openai_shape import Shape, encoded, stream_options_of
 from pdserve.router.response_store import ResponseStore
 from pdserve.runtime import auth, http_limits, metrics, tenants
 from pdserve.runtime.errors import NodeError, retry_after_of

@@ -99,6 +99,11 @@ def _typed(body: dict, name: str, kinds: tuple, what: str):
     return value
 
 
+def flag_of(body: dict, name: str) -> bool:
+    """A boolean field of the body (vLLM's `return_token_ids`, ...), default false."""
+    return bool(_typed(body, name, (bool,), "a boolean"))
+
+
 def check_fields(body: dict, chat: bool) -> None:
     """Every field is one pdserve implements, or one at its neutral value: none is ignored."""
     known = IMPLEMENTED | IMPLEMENTED_ONLY[chat]

@@ -186,14 +186,6 @@ class Shape:
         return scored
 
 
-def flag_of(body: dict, name: str) -> bool:
-    """A boolean field of the body (vLLM's `return_token_ids`, ...), default false."""
-    asked = body.get(name)
-    if asked is not None and not isinstance(asked, bool):
-        raise invalid(f"{name} must be a boolean, got {asked!r:.80}", name)
-    return bool(asked)
-
-
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 
 
