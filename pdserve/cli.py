@@ -223,24 +223,15 @@ def cmd_bench(args) -> int:
     return subprocess.call([sys.executable, "-m", BENCHMARKS[args.target], *args.bench_args])
 
 
-def _version() -> str:
-    """The installed `pdserve` distribution's version (pyproject.toml's, as pip installed it)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("pdserve")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.chat import add_chat_parser
     from pdserve.generate_cli import add_generate_parser
     from pdserve.health_cli import add_health_parser
+    from pdserve.runtime.identity import pdserve_version
 
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
+    parser.add_argument("--version", action="version", version=f"pdserve {pdserve_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_server_commands(sub)
     add_generate_parser(sub)

@@ -3,11 +3,12 @@ the same event loop as the gRPC server.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events
 with `"stream": true`, ending with `data: [DONE]`), POST /v1/responses (served as a chat
-request, router/responses_api.py; its events are named), GET /v1/models (and
-/v1/models/<id>), GET /metrics,
-GET /health; and vLLM's POST /tokenize and /detokenize (router/tokenize_api.py).
-With API keys (`--api-key`, the same as the gRPC API's), every route but /health and
-/metrics needs `Authorization: Bearer <key>`, compared in constant time; without it the
+request, router/responses_api.py; its events are named; GET and DELETE
+/v1/responses/<id> and GET /v1/responses/<id>/input_items read the stored ones), GET
+/v1/models (and /v1/models/<id>), GET /metrics, GET /health; and vLLM's POST /tokenize and
+/detokenize (router/tokenize_api.py) and GET /version.
+With API keys (`--api-key`, the same as the gRPC API's), every route but /health, /metrics
+and /version needs `Authorization: Bearer <key>`, compared in constant time; without it the
 answer is 401 with OpenAI's error body and `WWW-Authenticate: Bearer`, never the key. The
 key names the caller's tenant (runtime/tenants.py): its request ids and turns are its own.
 
@@ -44,10 +45,11 @@ from pdserve.router.openai_shape import Shape, encoded, stream_options_of
 from pdserve.router.response_store import ResponseStore
 from pdserve.runtime import auth, http_limits, metrics, tenants
 from pdserve.runtime.errors import NodeError, retry_after_of
+from pdserve.runtime.identity import pdserve_version
 from pdserve.runtime.observe import StreamObserver
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers hold no key
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # probes and scrapers hold no key
 TENANT = web.RequestKey("tenant", str)  # the caller's, from its API key
 
 
@@ -86,6 +88,7 @@ class OpenAIFrontend:
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/responses", self.responses),
             web.get("/v1/responses/{id}", self.stored),
+            web.get("/v1/responses/{id}/input_items", self.input_items),
             web.delete("/v1/responses/{id}", self.forget),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model:.+}", self.model),  # a directory's name has slashes
@@ -93,6 +96,7 @@ class OpenAIFrontend:
             web.post("/detokenize", self.detokenize),
             web.get("/metrics", self.metrics),
             web.get("/health", self.health),
+            web.get("/version", self.version),
         ])
         return app
 
@@ -151,6 +155,9 @@ class OpenAIFrontend:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": pdserve_version()})
 
     async def metrics(self, request: web.Request) -> web.Response:
         if self.refresh is not None:
@@ -244,8 +251,8 @@ class OpenAIFrontend:
                 return await responses_http.respond(
                     request, headers, first, messages, shape, answer, body.get("stream"),
                     lambda err: _as_openai_error(err, chat=True),
-                    (lambda done: self.store.put(request[TENANT], done, [
-                        *response_history.input_items(original), *done["output"]])) if keep else None)
+                    (lambda done: self.store.put(request[TENANT], done, response_history.input_items(original)))
+                    if keep else None)
             if body.get("stream"):
                 shape.stream_usage(*stream_usage, sum(map(len, prompts)))
                 return await self._stream(request, headers, first, messages, shape)
@@ -302,6 +309,9 @@ class OpenAIFrontend:
 
     async def stored(self, request: web.Request) -> web.Response:
         return web.json_response(self.store.get(request[TENANT], request.match_info["id"])[0])
+
+    async def input_items(self, request: web.Request) -> web.Response:
+        return web.json_response(self.store.input_page(request[TENANT], request.match_info["id"], request.query))
 
     async def forget(self, request: web.Request) -> web.Response:
         response_id = request.match_info["id"]

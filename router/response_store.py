@@ -1,5 +1,6 @@
 """Stored responses of /v1/responses: what `previous_response_id` continues, and what
-`GET` and `DELETE /v1/responses/{id}` read and remove.
+`GET` and `DELETE /v1/responses/{id}` read and remove, and `GET
+/v1/responses/{id}/input_items` lists (`input_page`).
 
 - Kept by the router process that answered, in memory, so a restart forgets them and
   another router of the same cluster does not have them (a client that spreads one
@@ -7,16 +8,21 @@
 - Bounded by `--responses-store-mb` of their JSON text: the least recently used go first.
   0 keeps none, and a request that needs one is told so.
 - Each is its tenant's: another tenant's id is not found, as an id never stored is not.
-- An entry holds the response as answered and the conversation that led to it, as input
-  items (the earlier turns, the request's input, then its output items), so a chain of
-  continuations never needs an older entry that may be gone. The instructions are not part
-  of it: as OpenAI's, a continuation gives its own.
+- An entry holds the response as answered and its input items: the earlier turns its
+  `previous_response_id` continued, then the request's own input. So a chain of
+  continuations never needs an older entry that may be gone, and its input items list the
+  whole conversation the model was given. The instructions are not part of it: as OpenAI's,
+  a continuation gives its own.
+- An input item without an `id` gets one when stored (`msg_…` for a message, `item_…` for
+  another kind), which it keeps in the continuations: the list's pages are cut at ids.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 
 from .openai_protocol import OpenAIError
 
@@ -27,14 +33,17 @@ class ResponseStore:
         self._entries: OrderedDict[tuple[str, str], tuple[dict, list[dict], int]] = OrderedDict()
         self.chars = 0  # the JSON text the entries hold
 
-    def put(self, tenant: str, response: dict, conversation: list[dict]) -> bool:
-        """Keep `response` (whole, as answered) and the `conversation` items that led to it
-        and it gave; False when it alone is over the bound (then nothing is kept)."""
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
+    def put(self, tenant: str, response: dict, inputs: list[dict]) -> bool:
+        """Keep `response` (whole, as answered) and the `inputs` items that led to it; False
+        when it alone is over the bound (then nothing is kept)."""
+        inputs = [item if "id" in item else
+                  {"id": f"{'msg' if item.get('type', 'message') == 'message' else 'item'}_{uuid.uuid4().hex}",
+                   **item} for item in inputs]
+        size = len(json.dumps(response)) + len(json.dumps(inputs))
         if size > self.max_chars:
             return False
         self.delete(tenant, response["id"])
-        self._entries[(tenant, response["id"])] = (response, conversation, size)
+        self._entries[(tenant, response["id"])] = (response, inputs, size)
         self.chars += size
         while self.chars > self.max_chars:
             _, (_, _, gone) = self._entries.popitem(last=False)
@@ -42,7 +51,42 @@ class ResponseStore:
         return True
 
     def get(self, tenant: str, response_id, param: str = "response_id") -> tuple[dict, list[dict]]:
-        """(response, conversation) of `tenant`'s stored response; 404 naming `param` otherwise."""
+        """(response, conversation) of `tenant`'s stored response, the conversation being its
+        input items then its output items; 404 naming `param` otherwise."""
+        response, inputs = self._entry(tenant, response_id, param)
+        return response, [*inputs, *response["output"]]
+
+    def input_page(self, tenant: str, response_id: str, query: Mapping[str, str]) -> dict:
+        """A page of the stored response's input items, as OpenAI lists them: `order` "desc"
+        (newest first, the default) or "asc", at most `limit` (1 to 100, 20 by default),
+        after or before the item whose id `after` or `before` gives. `include` is accepted:
+        pdserve's items are text, with nothing more to include."""
+        unknown = sorted(set(query) - {"limit", "order", "after", "before", "include", "include[]"})
+        if unknown:
+            raise OpenAIError(400, f"unknown query parameter {unknown[0]!r:.80}: the input items list "
+                                   "takes limit, order, after, before and include", unknown[0])
+        items = self._entry(tenant, response_id)[1]
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise OpenAIError(400, f"order must be 'asc' or 'desc', got {order!r:.80}", "order")
+        limit = query.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise OpenAIError(400, f"limit must be an integer from 1 to 100, got {limit!r:.80}", "limit")
+        items = items if order == "asc" else items[::-1]
+        ids = [item["id"] for item in items]
+        for param in ("after", "before"):
+            if param in query and query[param] not in ids:
+                raise OpenAIError(400, f"{param} must be the id of one of this response's input items, "
+                                       f"got {query[param]!r:.80}", param)
+        start = ids.index(query["after"]) + 1 if "after" in query else 0
+        stop = ids.index(query["before"]) if "before" in query else len(ids)
+        window = items[start:stop]
+        # `before` alone pages backwards: the items just before it, as a previous page
+        page = window[-int(limit):] if "before" in query and "after" not in query else window[:int(limit)]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(page) < len(window)}
+
+    def _entry(self, tenant: str, response_id, param: str = "response_id") -> tuple[dict, list[dict]]:
         if not isinstance(response_id, str):
             raise OpenAIError(400, f"{param} must be a response's id, got {response_id!r:.80}", param,
                               "invalid_argument")
@@ -53,8 +97,8 @@ class ResponseStore:
             raise OpenAIError(404, f"Response with id {response_id!r:.80} not found: {why}. Send the whole "
                                    "conversation in input instead.", param, "not_found")
         self._entries.move_to_end(key)
-        response, conversation, _ = self._entries[key]
-        return response, conversation
+        response, inputs, _ = self._entries[key]
+        return response, inputs
 
     def delete(self, tenant: str, response_id: str) -> bool:
         entry = self._entries.pop((tenant, response_id), None)

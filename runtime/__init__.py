@@ -11,7 +11,8 @@ alike, with no knowledge of any role.
   explicit calls services make to record what they saw.
 - `errors`: errors that mean one gRPC status, and the one mapping to statuses.
 - `checks`: wire-value checks every edge makes (request ids).
-- `identity`, `membership`: a node's model identity, and etcd registration.
+- `identity`, `membership`: a node's model identity (and pdserve's version), and etcd
+  registration.
 - `options`: command-line flags written once, on configuration dataclass fields.
 - `gates`: test-only pause points.
 Imports `proto` only, below it; the roles import it.

@@ -27,6 +27,16 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 COMPATIBILITY_FIELDS = ("model_hash", "dtype", "num_layers", "num_kv_heads", "head_dim")
 
 
+def pdserve_version() -> str:
+    """The installed `pdserve` distribution's version (pyproject.toml's, as pip installed it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def host_id() -> str:
     """Which KV "host" this process is on: two nodes with equal ids move KV through shared
     memory, different ids over a network link (`--kv-send auto` sends layer by layer then).

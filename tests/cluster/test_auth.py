@@ -108,7 +108,7 @@ def test_grpc_clients_need_the_api_key(keyed, monkeypatch):
     assert from_env.token_ids == good.token_ids
 
 
-def test_http_clients_need_the_api_key_and_health_and_metrics_stay_open(keyed):
+def test_http_clients_need_the_api_key_and_health_metrics_and_version_stay_open(keyed):
     body = json.dumps({"model": keyed.model, "prompt": "keys", "max_tokens": 3}).encode()
     for header in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": API_KEY}):
         request = urllib.request.Request(keyed.http + "/v1/completions", data=body,
@@ -118,7 +118,7 @@ def test_http_clients_need_the_api_key_and_health_and_metrics_stay_open(keyed):
         assert err.value.code == 401 and err.value.headers["WWW-Authenticate"] == "Bearer"
         error = json.loads(err.value.read())["error"]
         assert error["type"] == "authentication_error" and API_KEY not in error["message"]
-    for path in ("/health", "/metrics"):
+    for path in ("/health", "/metrics", "/version"):
         with urllib.request.urlopen(keyed.http + path, timeout=10) as reply:
             assert reply.status == 200
     api = openai.OpenAI(base_url=keyed.http + "/v1", api_key=API_KEY, max_retries=0, timeout=60)

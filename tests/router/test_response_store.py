@@ -1,6 +1,7 @@
 """Stored responses (router/response_store.py): `previous_response_id` continues a stored
-conversation, GET and DELETE read and remove one, each tenant sees only its own, and the
-store keeps no more than its bound, the least recently used going first."""
+conversation, GET and DELETE read and remove one, its input items list in pages, each
+tenant sees only its own, and the store keeps no more than its bound, the least recently
+used going first."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ def response(response_id: str, text: str = "x") -> dict:
 
 def test_each_tenant_finds_only_its_own_and_a_deleted_one_is_gone():
     store = ResponseStore(1)
-    store.put("alice", response("r1"), [{"role": "user", "content": "hi"}])
-    assert store.get("alice", "r1") == (response("r1"), [{"role": "user", "content": "hi"}])
+    store.put("alice", response("r1"), [{"type": "message", "role": "user", "content": "hi"}])
+    got, conversation = store.get("alice", "r1")
+    assert got == response("r1") and conversation[1:] == response("r1")["output"]
+    assert conversation[0]["id"].startswith("msg_") and conversation[0]["content"] == "hi"
     for tenant, response_id in (("bob", "r1"), ("alice", "r2")):
         with pytest.raises(OpenAIError) as err:
             store.get(tenant, response_id, "previous_response_id")
@@ -92,3 +95,70 @@ def test_previous_response_id_continues_the_conversation_and_get_and_delete_answ
         {"role": "user", "content": "capital of France?"}, {"role": "assistant", "content": "Paris."},
         {"role": "user", "content": "and of Spain?"}])
     assert "be brief" in tokenizer.decode(prompts[0]) and "be brief" not in tokenizer.decode(prompts[1])
+
+
+def test_input_items_list_in_pages_with_their_ids_and_bad_queries_name_the_parameter():
+    store = ResponseStore(1)
+    given = [{"type": "message", "role": "user", "content": f"q{i}"} for i in range(5)]
+    given[2] = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+    given[3] = {**given[3], "id": "msg_given"}  # an item that has an id keeps it
+    store.put("t", response("r"), given)
+    ids = [item["id"] for item in store.input_page("t", "r", {"order": "asc"})["data"]]
+    assert len(set(ids)) == 5 and ids[3] == "msg_given" and ids[2].startswith("item_")
+    newest = store.input_page("t", "r", {})  # desc by default, 20 at most
+    assert [i["id"] for i in newest["data"]] == ids[::-1] and not newest["has_more"]
+    assert (newest["first_id"], newest["last_id"], newest["object"]) == (ids[4], ids[0], "list")
+    page = store.input_page("t", "r", {"order": "asc", "limit": "2", "after": ids[0]})
+    assert [i["id"] for i in page["data"]] == ids[1:3] and page["has_more"]
+    assert [i["id"] for i in store.input_page("t", "r", {"order": "asc", "before": ids[1]})["data"]] == [ids[0]]
+    back = store.input_page("t", "r", {"limit": "2", "before": ids[1]})  # the page just before, newest first
+    assert [i["id"] for i in back["data"]] == [ids[3], ids[2]] and back["has_more"]
+    assert store.input_page("t", "r", {"order": "asc", "after": ids[4]})["data"] == []
+    # the continuation's input items: the stored ones, ids kept, then its own
+    assert store.get("t", "r")[1][:5] == store.input_page("t", "r", {"order": "asc"})["data"]
+    for query, param, named in (({"limit": "0"}, "limit", "'0'"), ({"limit": "101"}, "limit", "'101'"),
+                                ({"limit": "x"}, "limit", "'x'"), ({"order": "up"}, "order", "'up'"),
+                                ({"after": "msg_nope"}, "after", "'msg_nope'"),
+                                ({"before": "msg_nope"}, "before", "'msg_nope'"), ({"page": "2"}, "page", "'page'")):
+        with pytest.raises(OpenAIError) as err:
+            store.input_page("t", "r", query)
+        assert (err.value.status, err.value.param) == (400, param) and named in err.value.message
+    with pytest.raises(OpenAIError) as err:
+        store.input_page("other", "r", {})
+    assert err.value.status == 404
+
+
+def test_the_openai_client_lists_a_continued_responses_input_items(tmp_path):
+    import aiohttp
+    import openai
+
+    from pdserve.engine.checkpoint import CHAT_TEMPLATE
+    from pdserve.router.tokenizer import PromptTokenizer
+    from tests.chat_checkpoint import write_tokenizer_only
+    from tests.router.fake_worker import FakeWorker, openai_router, run
+
+    tokenizer = PromptTokenizer(str(write_tokenizer_only(tmp_path, CHAT_TEMPLATE)), "fake")
+
+    async def go():
+        async with openai_router([FakeWorker("d", texts=["Paris", "."])], tokenizer) as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            first = await client.responses.create(model="fake", input="capital of France?")
+            second = await client.responses.create(model="fake", input="and of Spain?",
+                                                   previous_response_id=first.id)
+            oldest_first = [item async for item in client.responses.input_items.list(second.id, order="asc")]
+            paged = [item async for item in client.responses.input_items.list(second.id, limit=1)]
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{url}/v1/responses/{second.id}/input_items?limit=500") as reply:
+                    bad = reply.status, await reply.json()
+                async with session.get(f"{url}/version") as reply:
+                    version = await reply.json()
+            return first, oldest_first, paged, bad, version
+
+    first, items, paged, (status, bad), version = run(go())
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert items[1].id == first.output[0].id and items[1].content[0].text == "Paris."
+    assert items[2].content == "and of Spain?" or items[2].content[0].text == "and of Spain?"
+    assert [i.id for i in paged] == [i.id for i in items][::-1]  # one per page, newest first
+    assert status == 400 and bad["error"]["param"] == "limit" and "500" in bad["error"]["message"]
+    from importlib.metadata import version as installed
+    assert version == {"version": installed("pdserve")}
