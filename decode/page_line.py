@@ -3,10 +3,14 @@ first served, instead of being refused.
 
 Invariants:
 - Order: a reservation that finds others waiting joins behind them even if it would fit
-  now, so a large request is never overtaken for ever by smaller ones; it goes ahead only
-  of those of a higher priority number (the request's priority, lower first), never of
-  the head. Only the head tries again, whenever pages may have come back (`freed()`,
-  called wherever the decode node frees a request) and at least every `poll_s`.
+  now, so a large request is never overtaken for ever by smaller ones of its priority; it
+  goes ahead only of those of a higher priority number (the request's priority, lower
+  first), never of the head. Only the head tries again, whenever pages may have come back
+  (`freed()`, called wherever the decode node frees a request) and at least every
+  `poll_s`. One exception: a reservation of a better priority than every waiting one
+  tries once before it joins, as if none waited.
+- An attempt also takes pages from running requests of a worse priority when theirs are
+  enough (the engine preempts them, `prepare_receive`).
 - Bounded: at most `max_waiting` wait (the next is RESOURCE_EXHAUSTED at once), and each
   waits no longer than `max_wait_s` or what its caller's deadline leaves (then
   RESOURCE_EXHAUSTED, before the caller gives up, so the caller hears why and when to come
@@ -65,8 +69,10 @@ class PageLine:
     async def wait(self, attempt: Callable[[], Awaitable[T]], bound_s: float | None, priority: int = 0
                    ) -> tuple[T, float]:
         """`attempt()`'s result (it raises OutOfPages while pages are short) and the
-        seconds spent in line, which it joins behind every turn of its `priority` or lower."""
-        if not self._line:
+        seconds spent in line, which it joins behind every turn of its `priority` or lower.
+        It tries at once when none waits, or when all that wait have a worse priority (its
+        attempt may preempt running requests that they may not)."""
+        if not self._line or priority < min(self._priority.values()):
             try:
                 return await attempt(), 0.0
             except OutOfPages:

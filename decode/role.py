@@ -38,6 +38,7 @@ from pdserve.decode.fence import ask_writer
 from pdserve.decode.inbox import Interrupted, NotificationInbox
 from pdserve.decode.leases import Lease, LeaseTable, engine_key_for
 from pdserve.decode.page_line import PageLine
+from pdserve.decode.quota import CallerQuota
 from pdserve.decode.quarantine import Quarantine, tags
 from pdserve.decode.requests import (DecodeLoad, LocalPrefill, Prepared, PrepareReceive,  # noqa: F401
                              StartGeneration)  # (StartGeneration, LocalPrefill: re-exported)
@@ -81,6 +82,7 @@ class DecodeRole:
         self.inbox = NotificationInbox(agent)
         self.page_size = page_size
         self.line = PageLine(config.max_queued_reservations, config.max_queue_wait_s)
+        self.quota = CallerQuota(config.max_parked_fraction_per_caller, engine.capacity.num_pages)
         self.quarantine = Quarantine(self.inbox, self._free, config.quarantine_grace_ms / 1000,
                                      ask_writer)
         self.preparing: dict[str, bool] = {}  # request id -> aborted while preparing
@@ -105,13 +107,18 @@ class DecodeRole:
                                      "for KV pages")
             return await self._reserve(
                 key, lambda e: e.prepare_receive(key, req.prompt_token_ids, req.params, end,
-                                                 req.cache_salt))
+                                                 req.cache_salt, req.priority))
+        pages, passed = ceil_div(end, self.page_size), False
         try:
-            await self._within_quota(req, ceil_div(end, self.page_size))
+            await self._within_quota(req, pages)
+            self.quota.passing(req.caller, pages)  # counted until its lease is
+            passed = True
             reservation, waited_s = await self.line.wait(attempt, _line_bound(req.timeout_s), req.priority)
             metrics.QUEUE_TIME.labels(role="decode").observe(waited_s)
         finally:
             aborted = self.preparing.pop(req.request_id)
+            if passed:  # no await from here to the lease's grant
+                self.quota.passed(req.caller, pages)
         if aborted:
             await self._free(key)
             raise RequestAborted(f"request {req.request_id!r} was aborted while reserving")
@@ -250,31 +257,32 @@ class DecodeRole:
             raise
 
     async def _within_quota(self, req: PrepareReceive, pages: int) -> None:
-        """Wait until the caller's parked pages leave room for `pages` more: outside the
-        line, so nobody waits behind a caller over its bound; NodeOverloaded past the
-        line's bounds. A router's burst waits for its own reservations to start."""
+        """Wait until the caller's parked pages leave room for `pages` more, in its order
+        (decode/quota.py): outside the line, so nobody waits behind a caller over its bound;
+        NodeOverloaded past the line's bounds. A router's burst waits for its own
+        reservations to start."""
         bound = _line_bound(req.timeout_s)
         deadline = time.monotonic() + min(self.config.max_queue_wait_s,
                                           bound if bound is not None else float("inf"))
-        while True:
-            if self.preparing.get(req.request_id):
-                raise RequestAborted(f"request {req.request_id!r} was aborted while reserving")
-            try:
-                return self._check_quota(req.caller, pages)
-            except NodeOverloaded:
-                if time.monotonic() >= deadline:
-                    raise
-            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))  # a poll
-
-    def _check_quota(self, caller: str, pages: int) -> None:
-        fraction = self.config.max_parked_fraction_per_caller
-        limit = int(fraction * self.engine.capacity.num_pages)
-        held = self.leases.parked_pages(caller)
-        if fraction < 1 and held + pages > limit:
-            raise NodeOverloaded(
-                f"caller {caller or 'in-process'!r} holds {held} KV pages in reservations not "
-                f"yet started; {pages} more would pass its bound of {limit} "
-                f"(max_parked_fraction_per_caller {fraction})")
+        turn = None
+        try:
+            while True:
+                if self.preparing.get(req.request_id):
+                    raise RequestAborted(f"request {req.request_id!r} was aborted while reserving")
+                try:
+                    if not self.quota.may_try(req.caller, req.priority, turn):
+                        raise NodeOverloaded(f"earlier reservations of caller {req.caller or 'in-process'!r} "
+                                             "still wait for its bound of KV pages in reservations not yet "
+                                             f"started (max_parked_fraction_per_caller {self.quota.fraction})")
+                    return self.quota.check(req.caller, self.leases.parked_pages(req.caller), pages)
+                except NodeOverloaded:
+                    if time.monotonic() >= deadline:
+                        raise
+                    turn = turn or self.quota.join(req.caller, req.priority)
+                await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))  # a poll
+        finally:
+            if turn is not None:
+                self.quota.leave(req.caller, turn)
 
     def _admit(self, request_id: str, params: SamplingParams, lease_ms: int) -> int:
         """Checks every new reservation passes; the lease it gets."""

@@ -141,10 +141,10 @@ class Engine(SingleThreaded):
 
     @entry_point
     def prepare_receive(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                        kv_window_end: int, cache_salt: str = "") -> Reservation:
-        """Reserve slots for the KV of positions [matched, kv_window_end) and park the
-        request. `matched` comes from the prefix cache, using at most end-1 tokens, so at
-        least one position is always received. Raises OutOfPages when it cannot hold it."""
+                        kv_window_end: int, cache_salt: str = "", priority: int = 0) -> Reservation:
+        """Reserve slots for the KV of positions [matched, kv_window_end) and park the request
+        (`matched` from the prefix cache, at most end-1 tokens: one position always comes).
+        Running sequences of a worse `priority` give pages if theirs suffice; else OutOfPages."""
         if not isinstance(kv_window_end, int) or not 0 <= kv_window_end < len(prompt_token_ids or []):
             raise ValueError(f"kv_window_end must be in [0, {len(prompt_token_ids or [])}), got {kv_window_end!r}")
         if params.prompt_logprobs is not None and kv_window_end > 0:  # (engine/prompt_logprobs.py)
@@ -159,14 +159,14 @@ class Engine(SingleThreaded):
         extend_page_keys(seq.page_keys, seq.token_ids, ps, max_pages, cache_salt)
         seq.pages = self.prefix_cache.match(seq.page_keys[:max_pages])
         matched = len(seq.pages) * ps
+        self.scheduler.make_room(need := ceil_div(kv_window_end, ps) - len(seq.pages), priority)
         try:
-            seq.pages += self.pool.allocate(ceil_div(kv_window_end, ps) - len(seq.pages))
+            seq.pages += self.pool.allocate(need)
         except OutOfPages:
             self.pool.release_all(seq.pages)
             raise
         seq.num_computed, seq.num_published, seq.status = matched, matched // ps, Status.PARKED
-        request.kv_window_end = kv_window_end
-        request.num_cached_tokens = matched
+        request.kv_window_end, request.num_cached_tokens, request.priority = kv_window_end, matched, priority
         self.requests[request_id] = request
         return Reservation(request_id, matched, kv_window_end, seq.slots(matched, kv_window_end, ps))
 

@@ -1,19 +1,23 @@
 """The scheduler: which sequences run in the next step, and how many tokens each computes.
 
 Policy, in the order `schedule()` applies it:
-1. Running sequences first, oldest first. Each gets the rest of its uncomputed tokens (1
-   for a decode, a chunk for a prefill) within the step's token budget; the budget keeps
-   one token for every running decode, and while decodes run, prompt tokens (chunks and
-   new prompts alike) stay within the step budget's prefill cap (engine/step_budget.py),
-   so a long prompt never stalls the streams. When the pool
+1. Running sequences first, in rank order: their request's priority (lower first, as
+   vLLM's), then the order they started running. Each gets the rest of its uncomputed
+   tokens (1 for a decode, a chunk for a prefill) within the step's token budget; the
+   budget keeps one token for every running decode, and while decodes run, prompt tokens
+   (chunks and new prompts alike) stay within the step budget's prefill cap
+   (engine/step_budget.py), so a long prompt never stalls the streams. When the pool
    cannot hold its new tokens, a prefill chunk shrinks to what fits; if nothing fits, the
-   newest running sequence is preempted (its pages freed, its KV recomputed later) until
-   it does. The oldest sequence is never preempted for a newer one, so some sequence
-   always progresses: no deadlock.
-2. Then waiting sequences, in order of their request's priority (lower first, as vLLM's),
-   then first come first served, while budget, sequence slots and pages last. A newly
-   admitted sequence first takes what the prefix cache has of its prompt. Priority orders
-   the line only: no running sequence is preempted for a waiting one.
+   last-ranked running sequence is preempted (its pages freed, its KV recomputed later)
+   until it does. The first-ranked sequence is never preempted for another, so some
+   sequence always progresses: no deadlock.
+2. Then waiting sequences, in order of priority, then first come first served, while
+   budget, sequence slots and pages last. A newly admitted sequence first takes what the
+   prefix cache has of its prompt. A waiting sequence short of a slot or of pages
+   displaces running ones of a strictly worse priority (last-ranked first; pages only
+   when theirs would be enough), as vLLM's priority policy preempts; equal priorities
+   never displace each other, so with none given nothing changes. A decode node's
+   reservation for arriving KV does the same (`make_room`).
 A sequence that cannot fit in the whole pool even alone finishes with "length".
 Invariants: every scheduled sequence holds pages for all positions it computes this step;
 the tokens scheduled in one step never exceed `max_num_batched_tokens`.
@@ -74,7 +78,27 @@ class Scheduler:
     def add_running(self, seq: Sequence) -> None:
         """A sequence that already holds pages with computed KV (start_generation)."""
         seq.status = Status.RUNNING
-        self.running.append(seq)
+        self._run(seq)
+
+    def _run(self, seq: Sequence) -> None:
+        """Rank seq among the running: behind every one of its priority or a lower one."""
+        place, priority = len(self.running), seq.request.priority
+        while place and self.running[place - 1].request.priority > priority:
+            place -= 1
+        self.running.insert(place, seq)
+
+    def make_room(self, pages: int, priority: int) -> None:
+        """Free `pages` for a request of `priority` by preempting running sequences of a
+        worse one, last-ranked first, if theirs are enough; otherwise change nothing."""
+        free = self.pool.num_free_pages()
+        if pages > free and pages <= free + self._worse_pages(priority):
+            while self.pool.num_free_pages() < pages and self.running and \
+                    self.running[-1].request.priority > priority:
+                self.preempt(self.running.pop())
+
+    def _worse_pages(self, priority: int) -> int:
+        """Pages held by running sequences of a worse priority (shared ones counted too)."""
+        return sum(len(s.pages) for s in self.running if s.request.priority > priority)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -111,12 +135,23 @@ class Scheduler:
                 prefill_left -= num_new
             i += 1
 
-        while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and min(budget, prefill_left) > 0:
             seq = self.waiting[0]
+            priority = seq.request.priority
+            if len(self.running) >= self.max_num_seqs:
+                if self.running[-1].request.priority <= priority:
+                    break
+                budget, prefill_left = self._displace(batch, budget, prefill_left)
+                continue
             if not seq.pages:
                 self._match_prefix(seq)
             num_new = min(_uncomputed(seq), budget, prefill_left)
-            if self._pages_needed(seq, num_new) > self.pool.num_free_pages():
+            need, free = self._pages_needed(seq, num_new), self.pool.num_free_pages()
+            if need > free:
+                if self.running and self.running[-1].request.priority > priority and \
+                        need <= free + self._worse_pages(priority):
+                    budget, prefill_left = self._displace(batch, budget, prefill_left)
+                    continue
                 if not self.running and not batch.seqs and self._never_fits(seq, num_new):
                     self.waiting.popleft()
                     self.free(seq)
@@ -127,7 +162,7 @@ class Scheduler:
             self.waiting.popleft()
             self._grow(seq, num_new)
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             self._add(batch, seq, num_new, _decoding(seq))
             budget -= num_new
             prefill_left -= num_new
@@ -137,6 +172,23 @@ class Scheduler:
         """Prompt tokens still to compute here, before this step."""
         return sum(s.num_tokens - s.num_computed for s in self.running if not _decoding(s)) + \
             sum(s.num_tokens - s.num_computed for s in self.waiting)
+
+    def _displace(self, batch: ScheduledBatch, budget: int, prefill_left: int) -> tuple[int, int]:
+        """Preempt the last-ranked running sequence, taking it out of this step's batch if
+        it was in it: the budget and prefill cap it took, given back."""
+        victim = self.running.pop()
+        if victim in batch.seqs:
+            i = batch.seqs.index(victim)
+            del batch.seqs[i]
+            num_new = batch.num_new_tokens.pop(i)
+            budget += num_new
+            if _decoding(victim):
+                batch.num_decodes -= 1
+            else:
+                batch.num_prefill_tokens -= num_new
+                prefill_left += num_new
+        self.preempt(victim)
+        return budget, prefill_left
 
     @staticmethod
     def _add(batch: ScheduledBatch, seq: Sequence, num_new: int, decoding: bool) -> None:
@@ -193,11 +245,15 @@ class Scheduler:
             seq.request.num_cached_tokens = seq.num_computed
 
     def preempt(self, seq: Sequence) -> None:
-        """Free seq's pages and queue it to recompute its KV first among the waiting."""
+        """Free seq's pages and queue it to recompute its KV first among the waiting of its
+        priority (behind those of a better one)."""
         self.num_preemptions += 1
         self.free(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        place, priority = 0, seq.request.priority
+        while place < len(self.waiting) and self.waiting[place].request.priority < priority:
+            place += 1
+        self.waiting.insert(place, seq)
 
     def free(self, seq: Sequence) -> None:
         """Give back seq's pages (full cached ones stay findable) and forget its KV: the one

@@ -92,6 +92,8 @@ KV_TRANSFER_BANDWIDTH = Histogram("pdserve_kv_transfer_bandwidth_bytes_per_secon
 PREFILL_SECONDS = Histogram("pdserve_prefill_seconds", "Prefill compute time of one RemoteSend",
                             buckets=TTFT_BUCKETS)
 LEASES_EXPIRED = Gauge("pdserve_decode_leases_expired", "Reservations freed by lease expiry since start")
+PREEMPTIONS = Gauge("pdserve_preemptions", "Sequences preempted since start (pages freed, KV recomputed "
+                    "later): for room, or for a request of a better priority", ["role"])
 
 ROUTER_RETRIES = Counter("pdserve_router_retries", "Calls the router retried on another node", ["call"])
 ROUTER_FALLBACKS = Counter("pdserve_router_fallbacks", "Requests served by a fallback path", ["reason"])

@@ -176,8 +176,9 @@ async def run_worker(config: WorkerConfig) -> None:
 
 async def sample_gauges(node: Node) -> None:
     """This node's gauges, sampled when /metrics is scraped (an idle node does no work)."""
-    free, total, waiting, running = await node.engine.run(_pages_and_queues)
+    free, total, waiting, running, preempted = await node.engine.run(_pages_and_queues)
     metrics.set_pages(node.role, free, total)
+    metrics.PREEMPTIONS.labels(role=node.role).set(preempted)
     depth = metrics.QUEUE_DEPTH
     depth.labels(role=node.role, queue="waiting").set(waiting)
     depth.labels(role=node.role, queue="running").set(running)
@@ -190,11 +191,11 @@ async def sample_gauges(node: Node) -> None:
         depth.labels(role=node.role, queue="remote_send").set(node.prefill.load().num_running)
 
 
-def _pages_and_queues(engine) -> tuple[int, int, int, int]:
-    """On the engine thread: free and total KV pages, sequences waiting and running.
-    The queue lengths should come from an engine accessor, not the scheduler's lists."""
-    return (engine.num_free_pages(), engine.num_total_pages(), len(engine.scheduler.waiting),
-            len(engine.scheduler.running))
+def _pages_and_queues(engine) -> tuple[int, int, int, int, int]:
+    """On the engine thread: free and total KV pages, sequences waiting and running, and
+    preemptions since start. These should come from an engine accessor, not the scheduler."""
+    s = engine.scheduler
+    return engine.num_free_pages(), engine.num_total_pages(), len(s.waiting), len(s.running), s.num_preemptions
 
 
 async def _start_metrics(node: Node, config: WorkerConfig):

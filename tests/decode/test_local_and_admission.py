@@ -184,22 +184,46 @@ def test_reservations_short_of_pages_wait_in_line_and_are_served_in_order(node):
     asyncio.run(go())
 
 
-def test_a_lower_priority_number_goes_ahead_in_line_but_never_ahead_of_the_head(node):
+def test_a_lower_priority_number_goes_ahead_in_line_and_tries_at_once_when_better_than_all(node):
     async def go():
         role = node.role(max_parked_fraction_per_caller=1)
         await role.prepare_receive(prepare("a", prompt_of(300, seed=9), end=LONG))
         served, waiting = [], []
-        for name, priority, prompt in [("b", 5, prompt_of(300, seed=10)), ("c", 0, PROMPT), ("d", -1, PROMPT),
-                                       ("e", 0, prompt_of(30, seed=12))]:
+        # b, the head, waits for 38 pages; c would fit now but its priority is no better than
+        # b's: it waits behind it, as do d and f, by priority, ties as they came
+        for name, priority, prompt in [("b", 5, prompt_of(300, seed=10)), ("c", 5, PROMPT), ("d", 7, PROMPT),
+                                       ("f", 6, prompt_of(30, seed=12))]:
             asked = dataclasses.replace(prepare(name, prompt, end=LONG if name == "b" else END), priority=priority)
             waiting.append(asyncio.ensure_future(role.prepare_receive(asked)))
             waiting[-1].add_done_callback(lambda _, name=name: served.append(name))
             await _in_line(role, len(waiting))
-        assert await role.abort("a", settled=True)  # frees 38 pages: all four fit, one at a time
+        # e's priority is better than every waiting one's: it takes the free pages at once
+        await within(role.prepare_receive(dataclasses.replace(prepare("e", prompt_of(31, seed=13)), priority=0)))
+        served.append("e")
+        assert await role.abort("a", settled=True)  # frees 38 pages: the line is served, one at a time
         await within(asyncio.gather(*waiting))
-        assert served == ["b", "d", "c", "e"]  # b was the head; then by priority, ties as they came
+        assert served == ["e", "b", "c", "f", "d"]
         for request_id in served:
             assert await role.abort(request_id, settled=True)
+        assert await free_pages(node.decode) == PAGES
+
+    asyncio.run(go())
+
+
+def test_a_reservation_of_a_better_priority_takes_the_pages_of_a_worse_running_request(node):
+    async def go():
+        role = node.role(max_parked_fraction_per_caller=1)
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        running = prompt_of(300, seed=9)
+        expected = await node.colocated(running, params)
+        stream = role.generate_local(LocalPrefill("l", running, params))  # priority 0
+        outs = [await within(anext(stream))]  # "l" runs, on 38 of the 64 pages
+        asked = dataclasses.replace(prepare("r", prompt_of(300, seed=10), end=LONG), priority=-1)
+        await within(role.prepare_receive(asked))  # no wait for "l" to end: it was preempted
+        assert await node.decode.run(lambda e: e.scheduler.num_preemptions) == 1
+        assert await role.abort("r", settled=True)
+        outs += await within(collect(stream), 60)  # recomputed once "r" left, then on
+        assert tokens_of(outs) == expected
         assert await free_pages(node.decode) == PAGES
 
     asyncio.run(go())
@@ -277,6 +301,41 @@ def test_one_caller_holds_at_most_its_share_of_pages_in_reservations_not_started
         assert await free_pages(node.decode) == PAGES
 
     asyncio.run(go())
+
+
+def test_a_callers_reservations_over_its_bound_pass_in_order_and_a_lone_one_is_never_held(node):
+    async def go():
+        role = node.role(max_parked_fraction_per_caller=0.25, max_queue_wait_s=30)  # 16 of 64 pages
+        for i in range(4):
+            await role.prepare_receive(prepare(f"hog-{i}", prompt_of(PROMPT_LEN, 100 + i)))
+        served, waiting = [], []
+        for name, priority in [("w1", 5), ("w2", 5), ("w3", 0), ("w4", 3)]:  # 4 pages each
+            asked = dataclasses.replace(prepare(name, prompt_of(PROMPT_LEN, 200 + len(waiting))), priority=priority)
+            waiting.append(asyncio.ensure_future(role.prepare_receive(asked)))
+            waiting[-1].add_done_callback(lambda _, name=name: served.append(name))
+            await within(_quota_waiting(role, len(waiting)))
+        for i in range(4):  # each abort makes room for one more, in order
+            assert await role.abort(f"hog-{i}", settled=True)
+            await within(_until(lambda: len(served) == i + 1))
+        assert served == ["w3", "w4", "w1", "w2"]  # by priority, then as they came
+        for request_id in served:
+            assert await role.abort(request_id, settled=True)
+        # a caller that holds nothing may reserve more than its share (50 pages here): the pool bounds it
+        big = await within(role.prepare_receive(prepare("big", prompt_of(401, seed=7), end=400)))
+        assert big.lease.kv_window_end == 400 and role.leases.parked_pages("") == 50
+        assert await role.abort("big", settled=True)
+        assert await free_pages(node.decode) == PAGES
+
+    asyncio.run(go())
+
+
+async def _quota_waiting(role, n: int) -> None:
+    await _until(lambda: sum(len(w) for w in role.quota._waiting.values()) == n)
+
+
+async def _until(ready) -> None:
+    while not ready():
+        await asyncio.sleep(0.01)
 
 
 def test_start_without_kv_of_a_window_still_to_receive_is_refused(node):
