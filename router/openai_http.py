@@ -4,7 +4,8 @@ the same event loop as the gRPC server.
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events
 with `"stream": true`, ending with `data: [DONE]`), POST /v1/responses (served as a chat
 request, router/responses_api.py; its events are named; GET and DELETE
-/v1/responses/<id> and GET /v1/responses/<id>/input_items read the stored ones), GET
+/v1/responses/<id>, GET /v1/responses/<id>/input_items and POST /v1/responses/<id>/cancel
+read, remove and stop the stored ones, router/responses_http.py), GET
 /v1/models (and /v1/models/<id>), GET /metrics, GET /health; and vLLM's POST /tokenize and
 /detokenize (router/tokenize_api.py) and GET /version.
 With API keys (`--api-key`, the same as the gRPC API's), every route but /health, /metrics
@@ -43,6 +44,7 @@ from pdserve.router.openai_protocol import (
     sampling_from_body, tools_of)
 from pdserve.router.openai_shape import Shape, encoded, stream_options_of
 from pdserve.router.response_store import ResponseStore
+from pdserve.router.responses_http import StoredResponses
 from pdserve.runtime import auth, http_limits, metrics, tenants
 from pdserve.runtime.errors import NodeError, retry_after_of
 from pdserve.runtime.identity import pdserve_version
@@ -79,7 +81,8 @@ class OpenAIFrontend:
         self.model_id = model_id
         self.registry = registry
         self.created = now()
-        self.store = ResponseStore(http_limits.current().responses_store_mb)  # /v1/responses' own
+        self.stored = StoredResponses(ResponseStore(http_limits.current().responses_store_mb),
+                                      lambda request: request[TENANT])  # /v1/responses' own
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors_and_counts])
@@ -87,9 +90,10 @@ class OpenAIFrontend:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/responses", self.responses),
-            web.get("/v1/responses/{id}", self.stored),
-            web.get("/v1/responses/{id}/input_items", self.input_items),
-            web.delete("/v1/responses/{id}", self.forget),
+            web.get("/v1/responses/{id}", self.stored.get),
+            web.get("/v1/responses/{id}/input_items", self.stored.input_items),
+            web.delete("/v1/responses/{id}", self.stored.delete),
+            web.post("/v1/responses/{id}/cancel", self.stored.cancel),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model:.+}", self.model),  # a directory's name has slashes
             web.post("/tokenize", self.tokenize),
@@ -230,29 +234,30 @@ class OpenAIFrontend:
             observer.finish("not_found" if err.status == 404 else err.code or "invalid_argument",
                             error=err.message)
             raise
+        shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", self.model_id,
+                      ChoiceLogprobs(self._token_text, chat, as_ids),
+                      None if chat else echo_of(body, prompts, self.tokenizer, sampling.HasField("logprobs")),
+                      tools, self.tokenizer.opens_thinking(prompts[0]) if chat and self.tokenizer.thinks else None)
+        shape.scored = {} if body.get("prompt_logprobs") is not None else None
+        if want_ids:
+            shape.return_token_ids(prompts, sampling.n or 1)
+        headers, store, tenant = {"X-Request-Id": request_id}, self.stored.store, request[TENANT]
+        keep = responses and original.get("store") is not False and store.max_chars > 0
+        answer = responses_api.ResponseStream(request_id, self.model_id, original, keep) if responses else None
         messages = self._dispatch(request, ids_of, sampling, placement, observer)
+        if responses and original.get("background"):
+            return self.stored.start(tenant, answer, shape, messages, response_history.input_items(original),
+                                     lambda err: _as_openai_error(err, chat=True), headers)
         async with contextlib.aclosing(messages):
             try:
                 first = await anext(messages, None)
             except NodeError as err:
                 raise _as_openai_error(err, chat) from None
-            shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", self.model_id,
-                          ChoiceLogprobs(self._token_text, chat, as_ids),
-                          None if chat else echo_of(body, prompts, self.tokenizer,
-                                                    sampling.HasField("logprobs")), tools,
-                          self.tokenizer.opens_thinking(prompts[0]) if chat and self.tokenizer.thinks else None)
-            headers = {"X-Request-Id": request_id}
-            shape.scored = {} if body.get("prompt_logprobs") is not None else None
-            if want_ids:
-                shape.return_token_ids(prompts, sampling.n or 1)
             if responses:
-                keep = original.get("store") is not False and self.store.max_chars > 0
-                answer = responses_api.ResponseStream(request_id, self.model_id, original, keep)
                 return await responses_http.respond(
                     request, headers, first, messages, shape, answer, body.get("stream"),
                     lambda err: _as_openai_error(err, chat=True),
-                    (lambda done: self.store.put(request[TENANT], done, response_history.input_items(original)))
-                    if keep else None)
+                    (lambda done: store.put(tenant, done, response_history.input_items(original))) if keep else None)
             if body.get("stream"):
                 shape.stream_usage(*stream_usage, sum(map(len, prompts)))
                 return await self._stream(request, headers, first, messages, shape)
@@ -302,22 +307,14 @@ class OpenAIFrontend:
 
     def _continued(self, body: dict, tenant: str) -> dict:
         """A Responses body with its previous response's conversation before its input."""
+        store = self.stored.store
+        if body.get("background") is True and not store.max_chars:
+            raise OpenAIError(400, "a background response is read back from the store, and this server stores "
+                                   "none (--responses-store-mb 0): send it without background", "background")
         previous = body.get("previous_response_id")
         if previous is None:
             return body
-        return response_history.continued(body, self.store.get(tenant, previous, "previous_response_id")[1])
-
-    async def stored(self, request: web.Request) -> web.Response:
-        return web.json_response(self.store.get(request[TENANT], request.match_info["id"])[0])
-
-    async def input_items(self, request: web.Request) -> web.Response:
-        return web.json_response(self.store.input_page(request[TENANT], request.match_info["id"], request.query))
-
-    async def forget(self, request: web.Request) -> web.Response:
-        response_id = request.match_info["id"]
-        self.store.get(request[TENANT], response_id)  # 404 when it is not there
-        self.store.delete(request[TENANT], response_id)
-        return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+        return response_history.continued(body, store.get(tenant, previous, "previous_response_id")[1])
 
     async def _body(self, request: web.Request) -> dict:
         try:

@@ -14,8 +14,9 @@ stream events (`ResponseStream`).
   as chat's); vLLM's sampling extras (`top_k`, `min_p`, ...) pass as they do on chat.
 - Stored: a response is kept (`store`, default true, as OpenAI's) by the router that
   answered it (router/response_store.py), for `previous_response_id` (its conversation
-  goes before the input, router/response_history.py) and GET / DELETE. What needs more
-  (`conversation`, `prompt`, `background`) is a 400 naming it. So are hosted tools (web search, files),
+  goes before the input, router/response_history.py) and GET / DELETE. With `background:
+  true` the answer is the response "queued", served on (router/responses_http.py) and
+  read back with GET. What needs more (`conversation`, `prompt`) is a 400 naming it. So are hosted tools (web search, files),
   images, and the chat completions' own names (`messages`, `max_tokens`,
   `response_format`, `n`, `logprobs`), each with the field to send instead.
 - Output: the reasoning (a `reasoning` item, for thinking models), the text (a `message`
@@ -39,8 +40,8 @@ MAPPED = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_c
           "previous_response_id",
           "top_logprobs",
           "safety_identifier", "stream_options", "prompt_cache_key", "include", "truncation", "reasoning",
-          "max_tool_calls"}
-STORED = ("conversation", "prompt", "background")  # what pdserve's store (router/response_store.py) lacks
+          "max_tool_calls", "background"}
+STORED = ("conversation", "prompt")  # what pdserve's store (router/response_store.py) lacks
 CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
               "response_format": "text.format", "n": "one request per answer",
               "logprobs": f"top_logprobs or include: [{LOGPROBS!r}]",
@@ -70,8 +71,12 @@ def chat_body(body: dict) -> dict:
             raise refused(f"{name} is not served (pdserve stores responses, not conversations or prompts): "
                           "send the conversation in input, or continue a response with previous_response_id",
                           name)
-    if body.get("store") is not None and not isinstance(body["store"], bool):
-        raise refused(f"store must be a boolean, got {body['store']!r:.80}", "store")
+    for name in ("store", "background"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise refused(f"{name} must be a boolean, got {body[name]!r:.80}", name)
+    if body.get("background") and (body.get("store") is False or body.get("stream")):
+        raise refused("a background response is stored and read back (GET /v1/responses/{id}): send it with "
+                      "store true (the default) and without stream", "background")
     for name, instead in CHAT_NAMES.items():
         if body.get(name) is not None:
             raise refused(f"{name} is a chat completions field; on /v1/responses use {instead}", name)
@@ -207,7 +212,7 @@ class ResponseStream:
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": body.get("text") or {"format": {"type": "text"}}, "store": store, "usage": None,
             "reasoning": {"effort": _effort(body.get("reasoning")), "summary": None},
-            "previous_response_id": body.get("previous_response_id")}
+            "previous_response_id": body.get("previous_response_id"), "background": bool(body.get("background"))}
         self.sequence = 0
         self.obfuscate = bool((body.get("stream_options") or {}).get("include_obfuscation"))  # padded deltas
         self.open: list[int] = []  # output indexes of the items not done yet, oldest first

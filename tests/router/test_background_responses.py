@@ -1,0 +1,82 @@
+"""Responses sent with `background: true` (router/responses_http.py): answered at once,
+"queued"; GET reads them as they go and once they end, with the answer the same request
+gets in the foreground; cancel stops one (its decode node hears the Abort) and answers
+the same again; a response sent without background cannot be cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+
+def chat_tokenizer(tmp_path):
+    from pdserve.engine.checkpoint import CHAT_TEMPLATE
+    from pdserve.router.tokenizer import PromptTokenizer
+    from tests.chat_checkpoint import write_tokenizer_only
+
+    return PromptTokenizer(str(write_tokenizer_only(tmp_path, CHAT_TEMPLATE)), "fake")
+
+
+def test_a_background_response_is_read_back_as_it_goes_and_cancel_stops_one(tmp_path):
+    import aiohttp
+    import openai
+
+    from tests.router.fake_worker import FakeWorker, openai_router, run
+
+    tokenizer = chat_tokenizer(tmp_path)
+    worker = FakeWorker("d", texts=["Paris", "."])
+
+    async def until_status(client, response_id, statuses):
+        while (got := await client.responses.retrieve(response_id)).status not in statuses:
+            await asyncio.sleep(0.01)
+        return got
+
+    async def go():
+        worker.stream_gate = asyncio.Event()  # the decode node holds every stream until set
+        async with openai_router([worker], tokenizer) as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            held = await client.responses.create(model="fake", input="capital of France?", background=True)
+            queued = await client.responses.retrieve(held.id)
+            cancelled = await client.responses.cancel(held.id)
+            again = await client.responses.cancel(held.id)  # as the first answered
+            served = await client.responses.create(model="fake", input="capital of France?", background=True)
+            worker.stream_gate.set()
+            done = await until_status(client, served.id, ("completed", "failed", "incomplete"))
+            foreground = await client.responses.create(model="fake", input="capital of France?")
+            with pytest.raises(openai.BadRequestError) as not_background:
+                await client.responses.cancel(foreground.id)
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{url}/v1/responses/resp_nope/cancel") as reply:
+                    unknown = reply.status
+            return held, queued, cancelled, again, served, done, foreground, not_background.value, unknown
+
+    held, queued, cancelled, again, served, done, foreground, not_background, unknown = run(go())
+    assert (held.status, queued.status, held.background) == ("queued", "queued", True)
+    assert (cancelled.status, again.status, cancelled.output) == ("cancelled", "cancelled", [])
+    assert held.id.removeprefix("resp_") in worker.aborted  # its stream closed: the nodes let it go
+    assert served.status == "queued" and done.output_text == "Paris."  # the fake's two tokens: "length"
+    assert (done.status, done.incomplete_details) == (foreground.status, foreground.incomplete_details)
+    assert done.output_text == foreground.output_text and done.usage.output_tokens == foreground.usage.output_tokens
+    assert not_background.body["param"] == "response_id" and "background: true" in not_background.body["message"]
+    assert unknown == 404
+
+
+def test_a_background_response_whose_nodes_fail_is_read_back_failed_with_the_error(tmp_path):
+    import openai
+
+    from pdserve.procs import free_port
+    from tests.router.fake_worker import openai_router, run
+
+    async def go():
+        # a decode node that is not there
+        async with openai_router([f"127.0.0.1:{free_port()}"], chat_tokenizer(tmp_path)) as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            sent = await client.responses.create(model="fake", input="hello", background=True)
+            while (got := await client.responses.retrieve(sent.id)).status in ("queued", "in_progress"):
+                await asyncio.sleep(0.01)
+            return sent, got
+
+    sent, got = run(go())
+    assert sent.status == "queued" and got.status == "failed" and got.output == []
+    assert got.error.code and got.error.message  # the node error, as a foreground request would get it
