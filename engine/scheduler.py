@@ -16,8 +16,9 @@ Policy, in the order `schedule()` applies it:
    prefix cache has of its prompt. A waiting sequence short of a slot or of pages
    displaces running ones of a strictly worse priority (last-ranked first; pages only
    when theirs would be enough), as vLLM's priority policy preempts; equal priorities
-   never displace each other, so with none given nothing changes. A decode node's
-   reservation for arriving KV does the same (`make_room`).
+   never displace each other, so with none given nothing changes, and a prefill-only
+   sequence is never displaced (its KV may be on its way to a decode node, layer by
+   layer). A decode node's reservation for arriving KV does the same (`make_room`).
 A sequence that cannot fit in the whole pool even alone finishes with "length".
 Invariants: every scheduled sequence holds pages for all positions it computes this step;
 the tokens scheduled in one step never exceed `max_num_batched_tokens`.
@@ -92,13 +93,18 @@ class Scheduler:
         worse one, last-ranked first, if theirs are enough; otherwise change nothing."""
         free = self.pool.num_free_pages()
         if pages > free and pages <= free + self._worse_pages(priority):
-            while self.pool.num_free_pages() < pages and self.running and \
-                    self.running[-1].request.priority > priority:
+            while self.pool.num_free_pages() < pages and self._displaceable(priority):
                 self.preempt(self.running.pop())
 
+    def _displaceable(self, priority: int) -> bool:
+        """Whether the last-ranked running sequence may give way to one of `priority`."""
+        last = self.running[-1] if self.running else None
+        return last is not None and last.request.priority > priority and not last.request.prefill_only
+
     def _worse_pages(self, priority: int) -> int:
-        """Pages held by running sequences of a worse priority (shared ones counted too)."""
-        return sum(len(s.pages) for s in self.running if s.request.priority > priority)
+        """Pages held by the running sequences that may give way to one of `priority`
+        (shared ones counted too)."""
+        return sum(len(s.pages) for s in self.running if s.request.priority > priority and not s.request.prefill_only)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -139,7 +145,7 @@ class Scheduler:
             seq = self.waiting[0]
             priority = seq.request.priority
             if len(self.running) >= self.max_num_seqs:
-                if self.running[-1].request.priority <= priority:
+                if not self._displaceable(priority):
                     break
                 budget, prefill_left = self._displace(batch, budget, prefill_left)
                 continue
@@ -148,8 +154,7 @@ class Scheduler:
             num_new = min(_uncomputed(seq), budget, prefill_left)
             need, free = self._pages_needed(seq, num_new), self.pool.num_free_pages()
             if need > free:
-                if self.running and self.running[-1].request.priority > priority and \
-                        need <= free + self._worse_pages(priority):
+                if self._displaceable(priority) and need <= free + self._worse_pages(priority):
                     budget, prefill_left = self._displace(batch, budget, prefill_left)
                     continue
                 if not self.running and not batch.seqs and self._never_fits(seq, num_new):

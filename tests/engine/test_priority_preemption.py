@@ -79,3 +79,16 @@ def test_a_decode_nodes_reservation_preempts_worse_running_requests_only(make_en
     done = run(decode)
     assert done["r"].token_ids == hf_greedy("llama", arriving, 12)
     assert done["running"].token_ids == hf_greedy("llama", running, 12)  # recomputed, then on
+
+
+def test_a_prefill_nodes_running_prefill_is_never_displaced(make_engine, prompts_of_lengths):
+    """Its KV may be on its way to a decode node, layer by layer: it finishes first."""
+    engine = make_engine("llama", page_size=4, num_pages=64, max_num_batched_tokens=8, max_num_seqs=1)
+    low, high = prompts_of_lengths([30, 9], seed=44)
+    engine.add_request("low", low, GREEDY, prefill_only=True, priority=5)
+    assert run(engine, steps=1) == {}  # its first chunk of 8
+    engine.add_request("high", high, GREEDY, prefill_only=True, priority=0)
+    done = run(engine)
+    assert list(done) == ["low", "high"] and engine.scheduler.num_preemptions == 0
+    for request_id in done:
+        engine.release(request_id)
