@@ -21,6 +21,11 @@ calls, blocking).
   structured_output={"json_schema": TEXT} or {"json_object": True}, {"regex": TEXT},
   {"choice": {"choices": [...]}}, {"grammar": TEXT}); an unknown one is a TypeError before
   any call.
+- Tools (with messages): `tools=[...]` (OpenAI's chat tools), `tool_choice`,
+  `parallel_tool_calls`; an answer's calls are `Completion.tool_calls` (`ToolCall`: id,
+  name, arguments as JSON text), its text the content around them. A later turn sends them
+  back as an assistant message's `tool_calls`, each result as {"role": "tool",
+  "tool_call_id", "content"}.
 - `tls`: None (plaintext, unless this process configured `runtime.tls`, as the CLI does
   from its --tls-* flags), True (the system's CA roots), or `TLS(ca=..., cert=..., key=...)`
   (a private CA; cert and key for servers that require client certificates).
@@ -34,6 +39,7 @@ calls, blocking).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -44,13 +50,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.results import (Choice, Completion, Delta, Gather, Model, PdserveError, Route,
-                             TokenLogprob, TopLogprob, Usage, delta_of)
+                             TokenLogprob, ToolCall, TopLogprob, Usage, delta_of)
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.runtime.bearer import bearer_metadata
 from pdserve.runtime.server import GRPC_OPTIONS, channel
 
 __all__ = ["AsyncClient", "Client", "TLS", "Completion", "Choice", "Delta", "Usage", "Route",
-           "Model", "TokenLogprob", "TopLogprob", "PdserveError"]
+           "Model", "TokenLogprob", "TopLogprob", "ToolCall", "PdserveError"]
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 SAMPLING_FIELDS = {f.name for f in pdserve_pb2.SamplingParams.DESCRIPTOR.fields}
@@ -84,15 +90,22 @@ def sampling_params(**kwargs) -> pdserve_pb2.SamplingParams:
 def generate_request(prompt: str | list[int] | None = None, *,
                      messages: list[dict] | None = None, request_id: str = "",
                      kv_window_end: int | None = None, cache_salt: str = "", priority: int = 0,
+                     tools: list[dict] | None = None, tool_choice: str = "",
+                     parallel_tool_calls: bool | None = None,
                      **sampling) -> pdserve_pb2.GenerateRequest:
     """A GenerateRequest of exactly one of `prompt` (text or token ids) or `messages`.
     A message's missing role or content stays unset: the server names it. `cache_salt`:
     only requests with the same salt (and tenant) share cached prompt prefixes; `priority`:
-    lower waits less (as vLLM's)."""
+    lower waits less (as vLLM's). `tools` (with messages): OpenAI's chat tools
+    ({"type": "function", "function": {"name", "description", "parameters"}}, or the
+    function alone), `tool_choice` "auto", "none", "required" or a tool's name."""
     if (prompt is None) == (messages is None):
         raise TypeError("give exactly one of prompt or messages")
     msg = pdserve_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling),
-                                      cache_salt=cache_salt, priority=priority)
+                                      cache_salt=cache_salt, priority=priority, tool_choice=tool_choice,
+                                      tools=[tool_of(t) for t in tools or ()])
+    if parallel_tool_calls is not None:
+        msg.parallel_tool_calls = parallel_tool_calls
     if messages is not None:
         msg.messages.extend(chat_message(m) for m in messages)
     elif isinstance(prompt, str):
@@ -105,11 +118,26 @@ def generate_request(prompt: str | list[int] | None = None, *,
 
 
 def chat_message(message: dict) -> pdserve_pb2.ChatMessage:
-    """One {"role", "content"} dict as a ChatMessage (a None content stays unset)."""
-    out = pdserve_pb2.ChatMessage(role=message.get("role") or "")
+    """One {"role", "content"} dict as a ChatMessage (a None content stays unset), with an
+    assistant turn's `tool_calls` (OpenAI's shape, or `ToolCall`s as an answer gave them)
+    and a tool turn's `tool_call_id`."""
+    out = pdserve_pb2.ChatMessage(role=message.get("role") or "", tool_call_id=message.get("tool_call_id") or "")
     if message.get("content") is not None:
         out.content = message["content"]
+    for call in message.get("tool_calls") or ():
+        if isinstance(call, dict):
+            function = call.get("function", call)
+            call = ToolCall(call.get("id", ""), function.get("name", ""), function.get("arguments", ""))
+        out.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
     return out
+
+
+def tool_of(tool: dict) -> pdserve_pb2.Tool:
+    """An OpenAI chat tool (or its function alone) as a Tool; its parameters as JSON text."""
+    function = tool.get("function", tool)
+    parameters = function.get("parameters")
+    return pdserve_pb2.Tool(name=function.get("name", ""), description=function.get("description") or "",
+                            parameters="" if parameters is None else json.dumps(parameters))
 
 
 def _never_connected(err: grpc.aio.AioRpcError) -> bool:

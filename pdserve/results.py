@@ -2,7 +2,7 @@
 one exception every failed call raises.
 
 - `Completion`: a whole answer: every choice (`Choice`: index, text, token ids, finish
-  reason, logprobs) and the request's `Usage` (token counts, timings, `Route`).
+  reason, logprobs, tool calls) and the request's `Usage` (token counts, timings, `Route`).
 - `Delta`: one streamed piece of one choice; the stream's last `Delta` carries `usage`.
 - `PdserveError`: the gRPC status (`code`) and the server's message (`message`). It is a
   `grpc.aio.AioRpcError`, so code written against plain gRPC (`err.code()`,
@@ -69,12 +69,22 @@ class Usage:
 
 
 @dataclass
+class ToolCall:
+    """A call an answer made of one of the request's tools (`arguments`: JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
 class Choice:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "stop" | "length" | "abort"
+    finish_reason: str = ""  # "stop" | "length" | "abort" | "tool_calls"
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls it made
 
 
 @dataclass
@@ -104,6 +114,10 @@ class Completion:
     def logprobs(self) -> list[TokenLogprob] | None:
         return self.choices[0].logprobs if self.choices else None
 
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.choices[0].tool_calls if self.choices else []
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -120,6 +134,7 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None
     usage: Usage | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # in a choice's first Delta, when asked
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: in a choice's last Delta
 
 
 @dataclass
@@ -174,7 +189,8 @@ def delta_of(msg: pdserve_pb2.GenerateResponse, with_logprobs: bool) -> Delta:
         return Delta(msg.request_id, usage=usage_of(msg.usage))
     return Delta(msg.request_id, msg.index, msg.text, list(msg.token_ids), msg.finish_reason,
                  logprobs_of(msg.logprobs) if with_logprobs else None,
-                 prompt_logprobs=logprobs_of(msg.prompt_logprobs) if msg.prompt_logprobs else None)
+                 prompt_logprobs=logprobs_of(msg.prompt_logprobs) if msg.prompt_logprobs else None,
+                 tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls])
 
 
 class Gather:
@@ -199,6 +215,7 @@ class Gather:
         choice.finish_reason = delta.finish_reason or choice.finish_reason
         if choice.logprobs is not None and delta.logprobs:
             choice.logprobs += delta.logprobs
+        choice.tool_calls += delta.tool_calls
 
     def result(self) -> Completion:
         self.completion.choices = [self._choices[i] for i in sorted(self._choices)]

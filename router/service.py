@@ -29,7 +29,7 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex
         observer = StreamObserver("router", request_id, api="grpc")
         try:
-            ids, sampling = validation.checked(request, self.tokenizer)
+            ids, sampling, calls = validation.checked(request, self.tokenizer)
         except ValueError as err:
             observer.finish("invalid_argument", error=str(err))
             await abort_with(context, err)
@@ -40,7 +40,8 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
                                           tenant=auth.tenant_of(context.invocation_metadata()))
         try:
             async for msg in observer.watch(stream):
-                yield name_logprob_tokens(msg, self.tokenizer)
+                msg = name_logprob_tokens(msg, self.tokenizer)
+                yield msg if calls is None else calls.rewrite(msg)
         except Exception as err:
             await abort_with(context, err)
 

@@ -10,8 +10,9 @@ vLLM's words, naming both numbers): a bad request is refused here, at the front 
 before any prefill or decode node does work. A colocated node runs the same checks.
 
 A request's prompt is exactly one of text, token ids or a conversation (`messages`, rendered
-by the model's chat template: `PromptTokenizer.chat_ids`). A conversation also stops at the
-template's end of turn (`chat_sampling`).
+by the model's chat template: `PromptTokenizer.chat_ids`), with the tools it may call
+(router/grpc_tools.py). A conversation also stops at the template's end of turn
+(`chat_sampling`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 from pdserve.kvtransfer.window import resolve_kv_window_end
 from pdserve.runtime.checks import check_request_id, sampling_from_pb
 from pdserve.sampling import check_context
+
+from .grpc_tools import CallAnswers, held_to, tools_of_request
 
 # A prompt text this many times the context (in characters) cannot fit: no tokenizer
 # averages that many characters per token.
@@ -29,8 +32,9 @@ def max_prompt_chars(card) -> int:
     return max(1, card.max_model_len) * CHARS_PER_TOKEN_BOUND
 
 
-def prompt_ids(request, tokenizer) -> list[int]:
-    """The prompt as token ids (exactly one of text, ids or messages); raises ValueError."""
+def prompt_ids(request, tokenizer, tools=None) -> list[int]:
+    """The prompt as token ids (exactly one of text, ids or messages, with the `tools` it
+    offers, router/grpc_tools.py); raises ValueError."""
     given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
     if len(given) > 1:
         raise ValueError(f"give exactly one of prompt, prompt_token_ids or messages, "
@@ -38,7 +42,7 @@ def prompt_ids(request, tokenizer) -> list[int]:
     if request.prompt_token_ids:
         return list(request.prompt_token_ids)
     if request.messages:
-        return tokenizer.chat_ids([message_dict(m) for m in request.messages])
+        return tokenizer.chat_ids([message_dict(m) for m in request.messages], tools)
     limit = max_prompt_chars(tokenizer.card)
     if len(request.prompt) > limit:
         raise ValueError(f"prompt of {len(request.prompt)} characters is longer than the model's "
@@ -47,9 +51,16 @@ def prompt_ids(request, tokenizer) -> list[int]:
 
 
 def message_dict(message) -> dict:
-    """A `ChatMessage` as the chat code takes it; an unset content is None (an error there)."""
-    return {"role": message.role,
-            "content": message.content if message.HasField("content") else None}
+    """A `ChatMessage` as the chat code takes it (OpenAI's shape); an unset content is None
+    (an error there, unless the turn carries calls)."""
+    out = {"role": message.role, "content": message.content if message.HasField("content") else None}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id or f"call_{n}", "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}}
+                             for n, c in enumerate(message.tool_calls)]
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def chat_sampling(sampling, tokenizer):
@@ -100,10 +111,12 @@ def check_generate(request, ids: list[int], card, sampling, prompt_in: str = "pr
         resolve_kv_window_end(request.kv_window_end, len(ids))
 
 
-def checked(request, tokenizer) -> tuple[list[int], object]:
-    """(prompt ids, sampling) of a Generate request after every front-door check."""
-    ids = prompt_ids(request, tokenizer)
-    sampling = sampling_of(request, tokenizer)
+def checked(request, tokenizer) -> tuple[list[int], object, CallAnswers | None]:
+    """(prompt ids, sampling, what rewrites the answer's messages when it may call tools) of
+    a Generate request after every front-door check."""
+    tools = tools_of_request(request, tokenizer.tool_dialect)
+    ids = prompt_ids(request, tokenizer, tools)
+    sampling = held_to(sampling_of(request, tokenizer), tools)
     check_generate(request, ids, tokenizer.card, sampling,
                    "messages" if request.messages else "prompt")
-    return ids, sampling
+    return ids, sampling, CallAnswers(tools) if tools is not None else None

@@ -49,14 +49,15 @@ class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
         observer = StreamObserver("both", request_id)
         try:
             check_request_id(request_id)
-            ids, sampling = checked(request, self.tokenizer)  # the router's front-door checks
+            ids, sampling, calls = checked(request, self.tokenizer)  # the router's front-door checks
             tenant = auth.tenant_of(context.invocation_metadata())
             salt = effective_salt(tenant, request.cache_salt)
             local = LocalPrefill(node_request_id(tenant, request_id), ids,
                                  sampling_from_pb(sampling), cache_salt=salt, priority=request.priority)
             outputs = self.role.generate_local(local, context.time_remaining())
             async for msg in observer.watch(stream_responses(request_id, outputs, arrived)):
-                yield name_logprob_tokens(msg, self.tokenizer)
+                msg = name_logprob_tokens(msg, self.tokenizer)
+                yield msg if calls is None else calls.rewrite(msg)
         except Exception as err:
             observer.finish(outcome_of(err), error=str(err))  # no-op once watch recorded it
             await abort_with(context, err)

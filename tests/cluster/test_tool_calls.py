@@ -90,3 +90,25 @@ def test_auto_without_a_call_written_is_text(api, cluster, oracle):
     want, _ = oracle("auto", 8)
     choice = ask(api, cluster, "auto", 8).choices[0]
     assert choice.message.tool_calls is None and choice.message.content == want
+
+
+def test_grpc_clients_get_the_same_calls(cluster, oracle):
+    """The client library over the router's gRPC API: the named call and "required"'s calls
+    transformers writes, parsed into `tool_calls`; "auto" without a call, its plain text."""
+    from pdserve.client import Client
+
+    named, _ = oracle(NAMED, 24)
+    [written] = json.loads(oracle("required", 64, parallel_tool_calls=False)[0])
+    plain, _ = oracle("auto", 8)
+    with Client(cluster.grpc) as client:
+        def ask_grpc(choice, max_tokens, **extra):
+            return client.generate(messages=MESSAGES, tools=[MODE], tool_choice=choice, max_tokens=max_tokens,
+                                   temperature=0.0, **extra)
+        forced = ask_grpc("set_mode", 24)
+        required = ask_grpc("required", 64, parallel_tool_calls=False)
+        auto = ask_grpc("auto", 8)
+    assert (forced.text, forced.finish_reason) == ("", "stop")
+    assert [(c.name, c.arguments) for c in forced.tool_calls] == [("set_mode", named)]
+    assert required.finish_reason == "tool_calls" and required.text == ""
+    assert [(c.name, json.loads(c.arguments)) for c in required.tool_calls] == [(written["name"], written["arguments"])]
+    assert (auto.text, auto.tool_calls) == (plain, [])

@@ -140,8 +140,9 @@ class CharTokenizer:
         return chr(token_id)
 
 
-async def start_router(prefill: list[FakeWorker], decode: list[FakeWorker], **cfg):
-    """A router (Generation service) over fake workers: (address, dispatcher, stop)."""
+async def start_router(prefill: list[FakeWorker], decode: list[FakeWorker], tokenizer=None, **cfg):
+    """A router (Generation service) over fake workers, with `tokenizer` (default
+    CharTokenizer): (address, dispatcher, stop)."""
     servers, p_addr, d_addr = [], [], []
     for w, addrs in [*((w, p_addr) for w in prefill), *((w, d_addr) for w in decode)]:
         server, addr = await start_fake(w)
@@ -151,7 +152,7 @@ async def start_router(prefill: list[FakeWorker], decode: list[FakeWorker], **cf
     registry = WorkerRegistry(p_addr, d_addr, RoundRobin(), RoundRobin())
     dispatcher = Dispatcher(config, registry)
     router = grpc.aio.server()
-    pdserve_pb2_grpc.add_GenerationServicer_to_server(GenerationService(dispatcher, CharTokenizer()), router)
+    pdserve_pb2_grpc.add_GenerationServicer_to_server(GenerationService(dispatcher, tokenizer or CharTokenizer()), router)
     port = router.add_insecure_port("127.0.0.1:0")
     await router.start()
     servers.append(router)
