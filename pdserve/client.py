@@ -17,7 +17,7 @@ calls, blocking).
   `SamplingParams` (max_tokens, temperature, top_p, top_k, min_p, seed, n, stop,
   stop_token_ids, ignore_eos, logprobs, prompt_logprobs, presence_penalty,
   frequency_penalty, repetition_penalty, logit_bias={token_id: bias}, min_tokens,
-  bad_words=[...], include_stop_str_in_output, skip_special_tokens, and
+  bad_words=[...], include_stop_str_in_output, skip_special_tokens, allowed_token_ids=[...], and
   structured_output={"json_schema": TEXT} or {"json_object": True}, {"regex": TEXT},
   {"choice": {"choices": [...]}}, {"grammar": TEXT}); an unknown one is a TypeError before
   any call.

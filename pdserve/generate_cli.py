@@ -21,7 +21,7 @@ import sys
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop",
                   "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "presence_penalty",
                   "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "bad_words",
-                  "include_stop_str_in_output", "skip_special_tokens")
+                  "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids")
 
 
 def add_generate_parser(sub) -> None:
@@ -71,6 +71,8 @@ def add_generate_parser(sub) -> None:
                    help="no stop token or stop string ends the answer before N tokens (default 0)")
     p.add_argument("--bad-word", dest="bad_words", action="append", default=None, metavar="WORD",
                    help="never write WORD (repeatable)")
+    p.add_argument("--allowed-token-ids", type=_ids, default=None, metavar="ID,ID",
+                   help="sample only these token ids (an EOS not listed is never sampled)")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="SCHEMA|@FILE",
                        help="the answer is JSON matching this JSON Schema (text, or @ and a file)")

@@ -26,6 +26,7 @@ MAX_LOGIT_BIAS = 1024  # biased tokens of one request (each is added at every st
 MAX_STRUCTURE_CHARS = 64 * 1024  # a structured output's schema, expression or grammar
 MAX_CHOICES_LISTED = 256  # strings of a `choice` structured output
 MAX_BAD_WORDS = 64  # each is checked at every step of every sequence of the request
+MAX_ALLOWED_TOKEN_IDS = 65536
 STRUCTURE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
@@ -90,6 +91,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
     skip_special_tokens: bool = True  # special tokens are left out of the text
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled (None: any)
 
     @property
     def penalized(self) -> bool:
@@ -145,6 +147,13 @@ class SamplingParams:
                 not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_CHARS for w in self.bad_words):
             _bad("bad_words", self.bad_words[:4], f"at most {MAX_BAD_WORDS} words, each with a non-space "
                  f"character and at most {MAX_STOP_CHARS} characters")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, list) or not 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS):
+            _bad("allowed_token_ids", allowed if not isinstance(allowed, list) else f"{len(allowed)} ids",
+                 f"None or a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids")
+        for t in allowed or ():
+            if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                _bad("allowed_token_ids", t, f"token ids in [0, {vocab_size})" if vocab_size else "token ids >= 0")
         if self.structured_output is not None:
             self.structured_output.validate()
             for name in ("ignore_eos", "min_tokens"):

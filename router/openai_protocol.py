@@ -46,7 +46,7 @@ IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop
                "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "priority", "repetition_penalty",
                "structured_outputs", "min_tokens", "bad_words", "include_stop_str_in_output",
                "truncate_prompt_tokens", "skip_special_tokens", "prompt_logprobs", "return_token_ids",
-               "return_tokens_as_token_ids"}
+               "return_tokens_as_token_ids", "allowed_token_ids"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo", "suffix"},
                     True: {"messages", "max_completion_tokens", "top_logprobs", "tools",
                            "tool_choice", "parallel_tool_calls",
@@ -190,6 +190,12 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int,
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
         raise invalid(f"bad_words must be a list of strings, got {words!r:.80}", "bad_words")
     pb.bad_words.extend(words)
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None and (not isinstance(allowed, list) or not allowed or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 31 for t in allowed)):
+        raise invalid(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r:.80}",
+                      "allowed_token_ids")
+    pb.allowed_token_ids.extend(allowed or ())
     pb.logit_bias.update(_logit_bias(body.get("logit_bias")))
     try:
         structured = structured_output(body)

@@ -46,7 +46,8 @@ def sampling_from_pb(pb: pdserve_pb2.SamplingParams) -> SamplingParams:
         structured_output=structured_from_pb(pb.structured_output) if pb.HasField("structured_output") else None,
         min_tokens=pb.min_tokens, bad_words=list(pb.bad_words),
         include_stop_str_in_output=pb.include_stop_str_in_output,
-        skip_special_tokens=given("skip_special_tokens", d.skip_special_tokens))
+        skip_special_tokens=given("skip_special_tokens", d.skip_special_tokens),
+        allowed_token_ids=list(pb.allowed_token_ids) or None)
 
 
 def structured_from_pb(pb: pdserve_pb2.StructuredOutput) -> StructuredOutput:

@@ -40,6 +40,7 @@ OK = grpc.StatusCode.OK
     (dict(prompt="hi", repetition_penalty=0.0), "repetition_penalty must be > 0"),
     (dict(prompt="hi", max_tokens=4, min_tokens=5), "min_tokens must be an integer in [0, max_tokens = 4], got 5"),
     (dict(prompt="hi", bad_words=[" "]), "bad_words must be at most 64 words, each with a non-space character"),
+    (dict(prompt="hi", allowed_token_ids=[5, VOCAB]), f"allowed_token_ids must be token ids in [0, {VOCAB}), got {VOCAB}"),
     (dict(prompt="hi", min_tokens=2, structured_output={"regex": "a+"}),
      "min_tokens cannot be combined with structured_output"),
     (dict(prompt="hi", logit_bias={VOCAB: 1.0}), f"logit_bias must be keyed by token ids in [0, {VOCAB}), got {VOCAB}"),
@@ -99,6 +100,7 @@ sampling = st.fixed_dictionaries({}, optional={
     "stop": st.lists(st.text(max_size=5), max_size=3),
     "stop_token_ids": st.lists(st.integers(-2, VOCAB + 2), max_size=3),
     "min_tokens": st.integers(-2, 10), "bad_words": st.lists(st.text(max_size=6), max_size=3),
+    "allowed_token_ids": st.lists(st.integers(-2, VOCAB + 2), max_size=3),
 })
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=list(HealthCheck))

@@ -3,8 +3,8 @@ colocated node (the same engine without disaggregation): n choices with a seed, 
 and top logprobs (within 1e-4 in fp32), stop strings and stop ids, min_p, top_k and seed;
 then the same through the OpenAI endpoint with the `openai` client; penalties and logit
 bias against transformers' `generate`; structured output (gRPC, OpenAI's response_format,
-vLLM's structured_outputs) against transformers masked by the same grammar; min_tokens and
-bad_words against transformers' own processors for them; and the
+vLLM's structured_outputs) against transformers masked by the same grammar; min_tokens,
+bad_words and allowed_token_ids against transformers' own processors for them; and the
 timings every result carries."""
 
 from __future__ import annotations
@@ -169,6 +169,21 @@ def test_min_tokens_and_bad_words_through_the_router_match_transformers(api, clu
     out = api.completions.create(model=cluster.model, prompt=PROMPT, max_tokens=12, temperature=0.0,
                                  extra_body={"min_tokens": 6, "bad_words": [word], "stop_token_ids": [stop]})
     assert out.choices[0].text == tok.decode(want, skip_special_tokens=True)
+
+
+def test_allowed_token_ids_through_the_router_match_transformers_suppressing_the_rest(api, cluster, tiny_model):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tok, vocab = AutoTokenizer.from_pretrained(tiny_model), AutoConfig.from_pretrained(tiny_model).vocab_size
+    plain = transformers_greedy(model, [PROMPT], 10, 0)[0]
+    allowed = sorted(set(range(30, 300)) - set(plain[:2]))
+    want = transformers_greedy(model, [PROMPT], 10, 0, eos=False,
+                               suppress_tokens=sorted(set(range(vocab)) - set(allowed)))[0]
+    out = api.completions.create(model=cluster.model, prompt=PROMPT, max_tokens=10, temperature=0.0,
+                                 extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    assert out.choices[0].token_ids == want != plain[:10]
 
 
 def test_structured_output_through_the_router_matches_transformers_masked_alike(api, cluster, tiny_model):

@@ -1,6 +1,7 @@
-"""Bans (engine/bans.py): what `min_tokens` and `bad_words` ban step by step, and greedy
-generation under them against transformers' `generate` with its own processors for the
-same rules (`min_new_tokens` over the stop ids, `bad_words_ids`)."""
+"""Bans (engine/bans.py): what `min_tokens`, `bad_words` and `allowed_token_ids` ban step by
+step, and greedy generation under them against transformers' `generate` with its own
+processors for the same rules (`min_new_tokens` over the stop ids, `bad_words_ids`,
+`suppress_tokens` over the ids not allowed)."""
 
 from __future__ import annotations
 
@@ -96,3 +97,29 @@ def test_bad_words_are_never_written_as_transformers_bans_them(make_engine, hf_m
 def round_trips(tok, ids: list[int]) -> bool:
     text = tok.decode(ids)
     return text.strip() != "" and tok.encode(text, add_special_tokens=False) == ids
+
+
+def test_allowed_token_ids_are_all_that_is_sampled_as_transformers_suppresses_the_rest(
+        make_engine, hf_model, hf_greedy, prompts_of_lengths):
+    from pdserve.benchmarks.constrained import transformers_greedy
+
+    llm = make_engine("llama", llm=True, page_size=4, num_pages=256)
+    vocab = llm.engine.vocab_size
+    for prompt in prompts_of_lengths([9, 23], seed=9):
+        plain = hf_greedy("llama", prompt, 12)
+        allowed = sorted(set(range(40, 200)) - set(plain[:3]))  # none of what it would write first; no EOS
+        [out] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, allowed_token_ids=allowed))
+        want = transformers_greedy(hf_model, [prompt], 12, 0, eos=False,
+                                   suppress_tokens=sorted(set(range(vocab)) - set(allowed)))[0]
+        assert out.token_ids == want != plain and out.finish_reason == "length"
+        sampled = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=1.0, seed=3, n=2,
+                                                        allowed_token_ids=[50, 60, 70]))[0]
+        assert set(sampled.token_ids) <= {50, 60, 70}
+
+
+@pytest.mark.parametrize(("allowed", "named"), [([], "got '0 ids'"), ([3, 512], "got 512"), ([-1], "got -1"),
+                                               ("7", "got '7'")])
+def test_bad_allowed_token_ids_are_refused_with_the_value(allowed, named):
+    with pytest.raises(ValueError, match="allowed_token_ids must be") as err:
+        SamplingParams(allowed_token_ids=allowed).validate(512)
+    assert named in str(err.value)

@@ -56,8 +56,8 @@ def test_penalties_and_logit_bias_reach_the_sampling_params(chat):
     assert (pb.presence_penalty, pb.frequency_penalty) == (0.5, -1.0)
     assert pb.repetition_penalty == pytest.approx(1.2) and dict(pb.logit_bias) == {50: 5.0, 7: -100.0}
     assert not sampling({}, chat).HasField("repetition_penalty")  # unset: off
-    bans = sampling({"min_tokens": 4, "bad_words": ["river", "a b"]}, chat)
-    assert (bans.min_tokens, list(bans.bad_words)) == (4, ["river", "a b"])
+    bans = sampling({"min_tokens": 4, "bad_words": ["river", "a b"], "allowed_token_ids": [7, 9]}, chat)
+    assert (bans.min_tokens, list(bans.bad_words), list(bans.allowed_token_ids)) == (4, ["river", "a b"], [7, 9])
 
 
 @pytest.mark.parametrize("name,value,says", [
@@ -70,6 +70,9 @@ def test_penalties_and_logit_bias_reach_the_sampling_params(chat):
     ("min_tokens", 2.5, "min_tokens must be an integer, got 2.5"),
     ("bad_words", "river", "bad_words must be a list of strings, got 'river'"),
     ("bad_words", ["river", 3], "bad_words must be a list of strings"),
+    ("allowed_token_ids", [], "allowed_token_ids must be a non-empty list of token ids, got []"),
+    ("allowed_token_ids", [1, "2"], "allowed_token_ids must be a non-empty list of token ids"),
+    ("allowed_token_ids", [True], "allowed_token_ids must be"),
 ])
 def test_a_malformed_penalty_or_bias_is_a_400_naming_it(name, value, says):
     # Ranges (ids in the vocabulary, [-2, 2], [-100, 100]) are the shared rules', checked
