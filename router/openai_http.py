@@ -246,8 +246,9 @@ class OpenAIFrontend:
         answer = responses_api.ResponseStream(request_id, self.model_id, original, keep) if responses else None
         messages = self._dispatch(request, ids_of, sampling, placement, observer)
         if responses and original.get("background"):
-            return self.stored.start(tenant, answer, shape, messages, response_history.input_items(original),
-                                     lambda err: _as_openai_error(err, chat=True), headers)
+            return await self.stored.start(request, tenant, answer, shape, messages,
+                                           response_history.input_items(original),
+                                           lambda err: _as_openai_error(err, chat=True), headers, body.get("stream"))
         async with contextlib.aclosing(messages):
             try:
                 first = await anext(messages, None)

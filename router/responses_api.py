@@ -74,9 +74,9 @@ def chat_body(body: dict) -> dict:
     for name in ("store", "background"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise refused(f"{name} must be a boolean, got {body[name]!r:.80}", name)
-    if body.get("background") and (body.get("store") is False or body.get("stream")):
+    if body.get("background") and body.get("store") is False:
         raise refused("a background response is stored and read back (GET /v1/responses/{id}): send it with "
-                      "store true (the default) and without stream", "background")
+                      "store true (the default)", "background")
     for name, instead in CHAT_NAMES.items():
         if body.get(name) is not None:
             raise refused(f"{name} is a chat completions field; on /v1/responses use {instead}", name)
@@ -220,8 +220,14 @@ class ResponseStream:
         self.finish: str | None = None
 
     def start(self) -> list[dict]:
-        return [self._event("response.created", response=self.response),
-                self._event("response.in_progress", response=self.response)]
+        return [*self.created(), *self.running()]
+
+    def created(self) -> list[dict]:
+        return [self._event("response.created", response=self.response)]
+
+    def running(self) -> list[dict]:
+        self.response["status"] = "in_progress"
+        return [self._event("response.in_progress", response=self.response)]
 
     def feed(self, chunk: dict) -> list[dict]:
         if chunk.get("usage"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 
 from aiohttp import web
 
@@ -57,6 +58,42 @@ async def respond(request, headers: dict, msg, messages, shape, answer, stream: 
     return response
 
 
+class EventLog:
+    """A background response's stream events, as its task makes them, for whoever follows
+    them (the POST that created it with `stream: true`, a GET that resumes)."""
+
+    def __init__(self, obfuscate: bool) -> None:
+        self.events: list[dict] = []
+        self.done = False
+        self.obfuscate = obfuscate
+        self._grew = asyncio.Condition()
+
+    async def add(self, events: list[dict], done: bool = False) -> None:
+        async with self._grew:
+            self.events += events
+            self.done = self.done or done
+            self._grew.notify_all()
+
+    async def follow(self, request, headers: dict, after: int) -> web.StreamResponse:
+        """Send the events numbered past `after`, then each as it comes, until the last."""
+        response = web.StreamResponse(headers={
+            **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        sent = next((i for i, e in enumerate(self.events) if e["sequence_number"] > after), len(self.events))
+        while True:
+            async with self._grew:
+                await self._grew.wait_for(lambda: sent < len(self.events) or self.done)
+                events, done = self.events[sent:], self.done
+            sent += len(events)
+            for event in events:
+                padded = self.obfuscate and event["type"].endswith(".delta")  # OpenAI pads the deltas
+                await response.write(f"event: {event['type']}\ndata: {encoded(event, padded)}\n\n".encode())
+            if done and sent == len(self.events):
+                break
+        await response.write_eof()
+        return response
+
+
 class StoredResponses:
     """GET, DELETE, GET input_items and POST cancel of /v1/responses/{id}, each caller
     seeing its tenant's own (`tenant_of(request)`); and the responses sent with `background:
@@ -64,40 +101,77 @@ class StoredResponses:
     store holds the live response, so GET reads its progress ("in_progress", then
     "completed", "incomplete" or "failed"); `cancel` ends one as "cancelled", its nodes
     aborting it as any request a client leaves. A background response the store's bound
-    evicts while it runs is stored again when it ends."""
+    evicts while it runs is stored again when it ends.
+
+    With `stream: true` as well, the POST streams its events while the task runs, whether
+    its client stays or not, and `GET /v1/responses/{id}?stream=true&starting_after=N`
+    streams them again from event N + 1: those of a running response, and of the last
+    `KEPT_LOGS` that ended."""
+
+    KEPT_LOGS = 64
 
     def __init__(self, store: ResponseStore, tenant_of) -> None:
         self.store, self.tenant_of = store, tenant_of
         self._running: dict[tuple[str, str], asyncio.Task] = {}
+        self._logs: OrderedDict[tuple[str, str], EventLog] = OrderedDict()  # streamed ones', oldest first
 
-    def start(self, tenant: str, answer, shape, messages, inputs: list[dict], as_error,
-              headers: dict) -> web.Response:
+    async def start(self, request, tenant: str, answer, shape, messages, inputs: list[dict], as_error,
+                    headers: dict, stream: bool) -> web.StreamResponse:
         """Serve `messages` (the dispatch's stream) into `answer` in the background."""
         answer.response["status"] = "queued"
         self.store.put(tenant, answer.response, inputs)
         key = (tenant, answer.response["id"])
+        log = None
+        if stream:
+            log = self._logs[key] = EventLog(answer.obfuscate)
+            ended = [k for k in self._logs if k not in self._running and k != key]  # a running one's stays
+            for old in ended[:max(0, len(self._logs) - self.KEPT_LOGS)]:
+                del self._logs[old]
+            await log.add(answer.created())
         self._running[key] = task = asyncio.ensure_future(
-            self._serve(tenant, answer, shape, messages, inputs, as_error))
+            self._serve(tenant, answer, shape, messages, inputs, as_error, log))
         task.add_done_callback(lambda _: self._running.pop(key, None))
-        return web.json_response(answer.response, headers=headers)
+        if log is None:
+            return web.json_response(answer.response, headers=headers)
+        return await log.follow(request, headers, -1)
 
-    async def _serve(self, tenant: str, answer, shape, messages, inputs: list[dict], as_error) -> None:
+    async def _serve(self, tenant: str, answer, shape, messages, inputs: list[dict], as_error,
+                     log: EventLog | None) -> None:
+        events: list[dict] = []
         async with contextlib.aclosing(messages):
             try:
                 async for msg in messages:
-                    answer.response["status"] = "in_progress"
+                    events = answer.running() if answer.response["status"] == "queued" else []
                     for part in shape.chunks(msg, include_usage=True):
-                        answer.feed(part)
-                answer.end()
+                        events += answer.feed(part)
+                    if log is not None:
+                        await log.add(events)
+                events = answer.end()
             except NodeError as err:
-                answer.failed(responses_api.renamed(as_error(err)).body()["error"])
+                events = answer.failed(responses_api.renamed(as_error(err)).body()["error"])
             except asyncio.CancelledError:  # `cancel`: the stream closes, its nodes abort it
                 answer.response["status"] = "cancelled"
+                events = []
             finally:
                 self.store.put(tenant, answer.response, inputs)  # at its final size
+                if log is not None:
+                    await log.add(events, done=True)
 
-    async def get(self, request: web.Request) -> web.Response:
-        return web.json_response(self.store.get(self.tenant_of(request), request.match_info["id"])[0])
+    async def get(self, request: web.Request) -> web.StreamResponse:
+        tenant, response_id = self.tenant_of(request), request.match_info["id"]
+        response = self.store.get(tenant, response_id)[0]
+        if request.query.get("stream") not in ("true", "1"):
+            return web.json_response(response)
+        after = request.query.get("starting_after", "-1")
+        if not after.lstrip("-").isdigit():
+            raise OpenAIError(400, f"starting_after must be an event's sequence number, got {after!r:.80}",
+                              "starting_after", "invalid_argument")
+        log = self._logs.get((tenant, response_id))
+        if log is None:
+            raise OpenAIError(400, f"Response {response_id!r:.80} has no events kept to stream: only a background "
+                                   "response created with stream: true has them, while it runs and for a while "
+                                   "after. GET it without stream.", "stream", "invalid_argument")
+        return await log.follow(request, {}, int(after))
 
     async def input_items(self, request: web.Request) -> web.Response:
         return web.json_response(self.store.input_page(self.tenant_of(request), request.match_info["id"],
@@ -108,6 +182,7 @@ class StoredResponses:
         self.store.get(tenant, response_id)  # 404 when it is not there
         await self._stop(tenant, response_id)
         self.store.delete(tenant, response_id)
+        self._logs.pop((tenant, response_id), None)
         return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def cancel(self, request: web.Request) -> web.Response:

@@ -80,3 +80,58 @@ def test_a_background_response_whose_nodes_fail_is_read_back_failed_with_the_err
     sent, got = run(go())
     assert sent.status == "queued" and got.status == "failed" and got.output == []
     assert got.error.code and got.error.message  # the node error, as a foreground request would get it
+
+
+def test_a_streamed_background_response_goes_on_without_its_client_and_resumes_where_it_left(tmp_path):
+    import openai
+
+    from tests.router.fake_worker import FakeWorker, openai_router, run
+
+    worker = FakeWorker("d", texts=["It", " is", " sunny", " in", " Paris", "."])
+
+    async def go():
+        worker.stream_gate = asyncio.Event()
+        async with openai_router([worker], chat_tokenizer(tmp_path)) as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            first = []
+            async with await client.responses.create(model="fake", input="weather?", background=True,
+                                                     stream=True) as events:
+                first.append(await anext(aiter(events)))  # created, queued; then the client leaves
+            worker.stream_gate.set()
+            done = await until_done(client, first[0].response.id)
+            again = [e async for e in await client.responses.retrieve(done.id, stream=True, starting_after=0)]
+            whole = [e async for e in await client.responses.retrieve(done.id, stream=True)]
+            return first, done, again, whole
+
+    first, done, again, whole = run(go())
+    assert [e.type for e in first] == ["response.created"] and first[0].response.status == "queued"
+    assert done.status == "incomplete" and done.output_text == "It is sunny in Paris."  # served on, unwatched
+    assert [e.sequence_number for e in again] == list(range(1, len(whole)))  # from event 1, none twice
+    assert [e.sequence_number for e in whole] == list(range(len(whole)))
+    assert [e.type for e in whole][:2] == ["response.created", "response.in_progress"]
+    assert whole[-1].type == "response.incomplete" and whole[-1].response.output_text == done.output_text
+    assert "".join(e.delta for e in again if e.type == "response.output_text.delta") == done.output_text
+
+
+def test_only_a_streamed_background_response_streams_again(tmp_path):
+    import openai
+
+    from tests.router.fake_worker import FakeWorker, openai_router, run
+
+    async def go():
+        async with openai_router([FakeWorker("d", texts=["Hi"])], chat_tokenizer(tmp_path)) as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            quiet = await client.responses.create(model="fake", input="hello", background=True)
+            await until_done(client, quiet.id)
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.responses.retrieve(quiet.id, stream=True)
+            return err.value
+
+    err = run(go())
+    assert err.body["param"] == "stream" and "created with stream: true" in err.body["message"]
+
+
+async def until_done(client, response_id):
+    while (got := await client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        await asyncio.sleep(0.01)
+    return got

@@ -64,7 +64,6 @@ def test_reasoning_effort_is_chats_and_no_summary_is_written():
     ({"reasoning": "low"}, "reasoning", '{"effort": ...}'),
     ({"reasoning_effort": "low"}, "reasoning_effort", "reasoning.effort"),
     ({"background": True, "store": False}, "background", "store true"),
-    ({"background": True, "stream": True}, "background", "without stream"),
     ({"background": "yes"}, "background", "must be a boolean"),
     ({"max_tokens": 5}, "max_tokens", "max_output_tokens"),
     ({"n": 2}, "n", "one request"),
