@@ -38,6 +38,7 @@ from pdserve.proto import pdserve_pb2
 from pdserve.router import (fill_in_middle, prompt_batch, response_history, responses_api, responses_http,
                             tokenize_api, validation)
 from pdserve.router.choice_logprobs import ChoiceLogprobs
+from pdserve.router.conversations import Conversations
 from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
     OpenAIError, chat_prompt, completion_prompts, flag_of, invalid, now, placement_of,
@@ -81,8 +82,9 @@ class OpenAIFrontend:
         self.model_id = model_id
         self.registry = registry
         self.created = now()
-        self.stored = StoredResponses(ResponseStore(http_limits.current().responses_store_mb),
-                                      lambda request: request[TENANT])  # /v1/responses' own
+        kept_mb = http_limits.current().responses_store_mb  # /v1/responses' and /v1/conversations' own
+        self.stored = StoredResponses(ResponseStore(kept_mb), lambda request: request[TENANT])
+        self.conversations = Conversations(kept_mb, lambda request: request[TENANT])
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors_and_counts])
@@ -90,10 +92,7 @@ class OpenAIFrontend:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/responses", self.responses),
-            web.get("/v1/responses/{id}", self.stored.get),
-            web.get("/v1/responses/{id}/input_items", self.stored.input_items),
-            web.delete("/v1/responses/{id}", self.stored.delete),
-            web.post("/v1/responses/{id}/cancel", self.stored.cancel),
+            *self.stored.routes(), *self.conversations.routes(),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model:.+}", self.model),  # a directory's name has slashes
             web.post("/tokenize", self.tokenize),
@@ -198,7 +197,8 @@ class OpenAIFrontend:
         try:
             body = original = await self._body(request)
             if responses:  # served as the chat request it means, after its stored conversation
-                original = self._continued(original, request[TENANT])
+                original, ended = response_history.prepared(original, request[TENANT], self.stored.store,
+                                                            self.conversations)
                 body = responses_api.chat_body(original)
             tools = tools_of(body, self.tokenizer.tool_dialect) if chat else None
             card = self.tokenizer.card
@@ -241,14 +241,15 @@ class OpenAIFrontend:
         shape.scored = {} if body.get("prompt_logprobs") is not None else None
         if want_ids:
             shape.return_token_ids(prompts, sampling.n or 1)
-        headers, store, tenant = {"X-Request-Id": request_id}, self.stored.store, request[TENANT]
-        keep = responses and original.get("store") is not False and store.max_chars > 0
+        headers, tenant = {"X-Request-Id": request_id}, request[TENANT]
+        keep = responses and original.get("store") is not False and self.stored.store.max_chars > 0
         answer = responses_api.ResponseStream(request_id, self.model_id, original, keep) if responses else None
         messages = self._dispatch(request, ids_of, sampling, placement, observer)
         if responses and original.get("background"):
             return await self.stored.start(request, tenant, answer, shape, messages,
                                            response_history.input_items(original),
-                                           lambda err: _as_openai_error(err, chat=True), headers, body.get("stream"))
+                                           lambda err: _as_openai_error(err, chat=True), headers, body.get("stream"),
+                                           ended)
         async with contextlib.aclosing(messages):
             try:
                 first = await anext(messages, None)
@@ -257,8 +258,7 @@ class OpenAIFrontend:
             if responses:
                 return await responses_http.respond(
                     request, headers, first, messages, shape, answer, body.get("stream"),
-                    lambda err: _as_openai_error(err, chat=True),
-                    (lambda done: store.put(tenant, done, response_history.input_items(original))) if keep else None)
+                    lambda err: _as_openai_error(err, chat=True), ended)
             if body.get("stream"):
                 shape.stream_usage(*stream_usage, sum(map(len, prompts)))
                 return await self._stream(request, headers, first, messages, shape)
@@ -305,17 +305,6 @@ class OpenAIFrontend:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-    def _continued(self, body: dict, tenant: str) -> dict:
-        """A Responses body with its previous response's conversation before its input."""
-        store = self.stored.store
-        if body.get("background") is True and not store.max_chars:
-            raise OpenAIError(400, "a background response is read back from the store, and this server stores "
-                                   "none (--responses-store-mb 0): send it without background", "background")
-        previous = body.get("previous_response_id")
-        if previous is None:
-            return body
-        return response_history.continued(body, store.get(tenant, previous, "previous_response_id")[1])
 
     async def _body(self, request: web.Request) -> dict:
         try:

@@ -1,13 +1,15 @@
 """A /v1/responses request's conversation: the stored turns its `previous_response_id`
-names go before its input (`continued`, router/response_store.py), and with `truncation:
-"auto"` its oldest turns are left out until it fits the context (`fitted`), as OpenAI's
-truncation drops the conversation's earlier items.
+names (router/response_store.py), or the items of the `conversation` it names
+(router/conversations.py), go before its input (`prepared`, `continued`), and with
+`truncation: "auto"` its oldest turns are left out until it fits the context (`fitted`),
+as OpenAI's truncation drops the conversation's earlier items.
 """
 
 from __future__ import annotations
 
 import json
 
+from .openai_protocol import OpenAIError
 from .responses_api import refused
 
 
@@ -49,3 +51,29 @@ def continued(body: dict, conversation: list[dict]) -> dict:
     if not isinstance(given, list) or not given:
         raise refused(f"input must be a text or a non-empty list of items, got {body.get('input')!r:.80}", "input")
     return {**body, "input": [*conversation, *given]}
+
+
+def prepared(body: dict, tenant: str, store, conversations):
+    """(`body` with what came before its input, `ended`): its previous response's
+    conversation or its conversation's items go first, and `ended(response)`, once the
+    response completed or was cut short, keeps it (unless `store: false`) and adds its
+    input and output items to its conversation."""
+    if body.get("background") is True and not store.max_chars:
+        raise OpenAIError(400, "a background response is read back from the store, and this server stores "
+                               "none (--responses-store-mb 0): send it without background", "background")
+    if body.get("conversation") is not None and body.get("previous_response_id") is not None:
+        raise refused("conversation and previous_response_id both say what came before: send one", "conversation")
+    own, conversation_id, full = input_items(body), None, body
+    if body.get("conversation") is not None:
+        conversation_id, before = conversations.items(tenant, body["conversation"])
+        full = continued(body, before)
+    elif body.get("previous_response_id") is not None:
+        full = continued(body, store.get(tenant, body["previous_response_id"], "previous_response_id")[1])
+    keep = body.get("store") is not False and store.max_chars > 0
+
+    def ended(response: dict) -> None:
+        if keep:
+            store.put(tenant, response, input_items(full))
+        if conversation_id is not None:
+            conversations.extend(tenant, conversation_id, [*own, *response["output"]])
+    return full, ended

@@ -36,9 +36,7 @@ class ResponseStore:
     def put(self, tenant: str, response: dict, inputs: list[dict]) -> bool:
         """Keep `response` (whole, as answered) and the `inputs` items that led to it; False
         when it alone is over the bound (then nothing is kept)."""
-        inputs = [item if "id" in item else
-                  {"id": f"{'msg' if item.get('type', 'message') == 'message' else 'item'}_{uuid.uuid4().hex}",
-                   **item} for item in inputs]
+        inputs = with_ids(inputs)
         size = len(json.dumps(response)) + len(json.dumps(inputs))
         if size > self.max_chars:
             return False
@@ -57,34 +55,8 @@ class ResponseStore:
         return response, [*inputs, *response["output"]]
 
     def input_page(self, tenant: str, response_id: str, query: Mapping[str, str]) -> dict:
-        """A page of the stored response's input items, as OpenAI lists them: `order` "desc"
-        (newest first, the default) or "asc", at most `limit` (1 to 100, 20 by default),
-        after or before the item whose id `after` or `before` gives. `include` is accepted:
-        pdserve's items are text, with nothing more to include."""
-        unknown = sorted(set(query) - {"limit", "order", "after", "before", "include", "include[]"})
-        if unknown:
-            raise OpenAIError(400, f"unknown query parameter {unknown[0]!r:.80}: the input items list "
-                                   "takes limit, order, after, before and include", unknown[0])
-        items = self._entry(tenant, response_id)[1]
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise OpenAIError(400, f"order must be 'asc' or 'desc', got {order!r:.80}", "order")
-        limit = query.get("limit", "20")
-        if not limit.isdigit() or not 1 <= int(limit) <= 100:
-            raise OpenAIError(400, f"limit must be an integer from 1 to 100, got {limit!r:.80}", "limit")
-        items = items if order == "asc" else items[::-1]
-        ids = [item["id"] for item in items]
-        for param in ("after", "before"):
-            if param in query and query[param] not in ids:
-                raise OpenAIError(400, f"{param} must be the id of one of this response's input items, "
-                                       f"got {query[param]!r:.80}", param)
-        start = ids.index(query["after"]) + 1 if "after" in query else 0
-        stop = ids.index(query["before"]) if "before" in query else len(ids)
-        window = items[start:stop]
-        # `before` alone pages backwards: the items just before it, as a previous page
-        page = window[-int(limit):] if "before" in query and "after" not in query else window[:int(limit)]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(page) < len(window)}
+        """A page of the stored response's input items (`page_of`)."""
+        return page_of(self._entry(tenant, response_id)[1], query, "this response's input items")
 
     def _entry(self, tenant: str, response_id, param: str = "response_id") -> tuple[dict, list[dict]]:
         if not isinstance(response_id, str):
@@ -105,3 +77,40 @@ class ResponseStore:
         if entry is not None:
             self.chars -= entry[2]
         return entry is not None
+
+
+def with_ids(items: list[dict]) -> list[dict]:
+    """`items`, each with an id: its own, or a new one (`msg_…` for a message, `item_…` for
+    another kind), which it keeps wherever it goes next."""
+    return [item if "id" in item else
+            {"id": f"{'msg' if item.get('type', 'message') == 'message' else 'item'}_{uuid.uuid4().hex}", **item}
+            for item in items]
+
+
+def page_of(items: list[dict], query: Mapping[str, str], what: str) -> dict:
+    """A page of `items` (oldest first, each with an id), as OpenAI lists them: `order`
+    "desc" (newest first, the default) or "asc", at most `limit` (1 to 100, 20 by default),
+    after or before the item whose id `after` or `before` gives. `include` is accepted:
+    pdserve's items are text, with nothing more to include. `what` names the items in errors."""
+    unknown = sorted(set(query) - {"limit", "order", "after", "before", "include", "include[]"})
+    if unknown:
+        raise OpenAIError(400, f"unknown query parameter {unknown[0]!r:.80}: the list of {what} takes limit, "
+                               "order, after, before and include", unknown[0])
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise OpenAIError(400, f"order must be 'asc' or 'desc', got {order!r:.80}", "order")
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise OpenAIError(400, f"limit must be an integer from 1 to 100, got {limit!r:.80}", "limit")
+    items = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in items]
+    for param in ("after", "before"):
+        if param in query and query[param] not in ids:
+            raise OpenAIError(400, f"{param} must be the id of one of {what}, got {query[param]!r:.80}", param)
+    start = ids.index(query["after"]) + 1 if "after" in query else 0
+    stop = ids.index(query["before"]) if "before" in query else len(ids)
+    window = items[start:stop]
+    # `before` alone pages backwards: the items just before it, as a previous page
+    page = window[-int(limit):] if "before" in query and "after" not in query else window[:int(limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(page) < len(window)}

@@ -16,8 +16,9 @@ stream events (`ResponseStream`).
   answered it (router/response_store.py), for `previous_response_id` (its conversation
   goes before the input, router/response_history.py) and GET / DELETE. With `background:
   true` the answer is the response "queued", served on (router/responses_http.py) and
-  read back with GET. What needs more (`conversation`, `prompt`) is a 400 naming it. So are hosted tools (web search, files),
-  images, and the chat completions' own names (`messages`, `max_tokens`,
+  read back with GET. A `conversation` (router/conversations.py) gives its items before
+  the input, and gets the input and the output after. `prompt` is a 400 naming it. So are
+  hosted tools (web search, files), images, and the chat completions' own names (`messages`, `max_tokens`,
   `response_format`, `n`, `logprobs`), each with the field to send instead.
 - Output: the reasoning (a `reasoning` item, for thinking models), the text (a `message`
   item with one `output_text` part), then one `function_call` item per call. `status` is
@@ -40,8 +41,8 @@ MAPPED = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_c
           "previous_response_id",
           "top_logprobs",
           "safety_identifier", "stream_options", "prompt_cache_key", "include", "truncation", "reasoning",
-          "max_tool_calls", "background"}
-STORED = ("conversation", "prompt")  # what pdserve's store (router/response_store.py) lacks
+          "max_tool_calls", "background", "conversation"}
+STORED = ("prompt",)  # what pdserve's store (router/response_store.py) lacks
 CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
               "response_format": "text.format", "n": "one request per answer",
               "logprobs": f"top_logprobs or include: [{LOGPROBS!r}]",
@@ -68,9 +69,11 @@ def chat_body(body: dict) -> dict:
     the field for anything it cannot be."""
     for name in STORED:
         if body.get(name):
-            raise refused(f"{name} is not served (pdserve stores responses, not conversations or prompts): "
-                          "send the conversation in input, or continue a response with previous_response_id",
-                          name)
+            raise refused(f"{name} is not served (pdserve stores responses and conversations, not prompts): "
+                          "send the conversation in input, continue a response with previous_response_id, or "
+                          "name a conversation", name)
+    if body.get("conversation") is not None and body.get("previous_response_id") is not None:
+        raise refused("conversation and previous_response_id both say what came before: send one", "conversation")
     for name in ("store", "background"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise refused(f"{name} must be a boolean, got {body[name]!r:.80}", name)
@@ -212,7 +215,9 @@ class ResponseStream:
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": body.get("text") or {"format": {"type": "text"}}, "store": store, "usage": None,
             "reasoning": {"effort": _effort(body.get("reasoning")), "summary": None},
-            "previous_response_id": body.get("previous_response_id"), "background": bool(body.get("background"))}
+            "previous_response_id": body.get("previous_response_id"), "background": bool(body.get("background")),
+            "conversation": None if body.get("conversation") is None else {
+                "id": body["conversation"].get("id") if isinstance(body["conversation"], dict) else body["conversation"]}}
         self.sequence = 0
         self.obfuscate = bool((body.get("stream_options") or {}).get("include_obfuscation"))  # padded deltas
         self.open: list[int] = []  # output indexes of the items not done yet, oldest first

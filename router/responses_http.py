@@ -116,27 +116,28 @@ class StoredResponses:
         self._logs: OrderedDict[tuple[str, str], EventLog] = OrderedDict()  # streamed ones', oldest first
 
     async def start(self, request, tenant: str, answer, shape, messages, inputs: list[dict], as_error,
-                    headers: dict, stream: bool) -> web.StreamResponse:
-        """Serve `messages` (the dispatch's stream) into `answer` in the background."""
+                    headers: dict, stream: bool, ended) -> web.StreamResponse:
+        """Serve `messages` (the dispatch's stream) into `answer` in the background;
+        `ended(response)` once it completed or was cut short."""
         answer.response["status"] = "queued"
         self.store.put(tenant, answer.response, inputs)
         key = (tenant, answer.response["id"])
         log = None
         if stream:
             log = self._logs[key] = EventLog(answer.obfuscate)
-            ended = [k for k in self._logs if k not in self._running and k != key]  # a running one's stays
-            for old in ended[:max(0, len(self._logs) - self.KEPT_LOGS)]:
+            over = [k for k in self._logs if k not in self._running and k != key]  # a running one's stays
+            for old in over[:max(0, len(self._logs) - self.KEPT_LOGS)]:
                 del self._logs[old]
             await log.add(answer.created())
         self._running[key] = task = asyncio.ensure_future(
-            self._serve(tenant, answer, shape, messages, inputs, as_error, log))
+            self._serve(tenant, answer, shape, messages, inputs, as_error, log, ended))
         task.add_done_callback(lambda _: self._running.pop(key, None))
         if log is None:
             return web.json_response(answer.response, headers=headers)
         return await log.follow(request, headers, -1)
 
     async def _serve(self, tenant: str, answer, shape, messages, inputs: list[dict], as_error,
-                     log: EventLog | None) -> None:
+                     log: EventLog | None, ended) -> None:
         events: list[dict] = []
         async with contextlib.aclosing(messages):
             try:
@@ -154,8 +155,16 @@ class StoredResponses:
                 events = []
             finally:
                 self.store.put(tenant, answer.response, inputs)  # at its final size
+                if answer.response["status"] in ("completed", "incomplete"):
+                    ended(answer.response)
                 if log is not None:
                     await log.add(events, done=True)
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.get("/v1/responses/{id}", self.get),
+                web.get("/v1/responses/{id}/input_items", self.input_items),
+                web.delete("/v1/responses/{id}", self.delete),
+                web.post("/v1/responses/{id}/cancel", self.cancel)]
 
     async def get(self, request: web.Request) -> web.StreamResponse:
         tenant, response_id = self.tenant_of(request), request.match_info["id"]

@@ -30,8 +30,8 @@ class HTTPConfig:
                "clear)")
     responses_store_mb: float = option(
         64.0, "/v1/responses: MiB of answered responses this server keeps in memory for "
-              "previous_response_id and GET/DELETE /v1/responses/ID, least recently used first out "
-              "(0: none kept)")
+              "previous_response_id and GET/DELETE /v1/responses/ID, and apart as much of "
+              "/v1/conversations, least recently used first out (0: none kept)")
     allowed_origins: list[str] = option(
         help="browser pages from this origin (https://host[:port]; * for any) may call the HTTP "
              "port (CORS; repeat or comma-separate for several; default: none)",

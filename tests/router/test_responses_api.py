@@ -56,7 +56,8 @@ def test_reasoning_effort_is_chats_and_no_summary_is_written():
 
 
 @pytest.mark.parametrize("body,param,named", [
-    ({"conversation": "c1"}, "conversation", "not served"),
+    ({"prompt": {"id": "p1"}}, "prompt", "not served"),
+    ({"conversation": "c1", "previous_response_id": "r1"}, "conversation", "send one"),
     ({"store": "yes"}, "store", "must be a boolean"),
     ({"stream_options": {"include_usage": True}, "stream": True}, "stream_options", "include_obfuscation"),
     ({"stream_options": {"include_obfuscation": True}}, "stream_options", "with stream: true"),
