@@ -5,8 +5,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-s
 with `"stream": true`, ending with `data: [DONE]`), POST /v1/responses (served as a chat
 request, router/responses_api.py; its events are named; GET and DELETE
 /v1/responses/<id>, GET /v1/responses/<id>/input_items and POST /v1/responses/<id>/cancel
-read, remove and stop the stored ones, router/responses_http.py), GET
-/v1/models (and /v1/models/<id>), GET /metrics, GET /health; and vLLM's POST /tokenize and
+read, remove and stop the stored ones, router/responses_http.py), /v1/conversations and
+their items (router/conversations.py), GET /v1/models (and /v1/models/<id>), GET /metrics,
+GET /health; and vLLM's POST /tokenize and
 /detokenize (router/tokenize_api.py) and GET /version.
 With API keys (`--api-key`, the same as the gRPC API's), every route but /health, /metrics
 and /version needs `Authorization: Bearer <key>`, compared in constant time; without it the
