@@ -52,7 +52,7 @@ IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo", "suffix"},
                            "tool_choice", "parallel_tool_calls",
                            # vLLM's, for the chat template (router/chat.py)
                            "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-                           "reasoning_effort", "documents"}}
+                           "reasoning_effort", "documents", "safety_identifier"}}
 # Accepted only at a value that asks for nothing pdserve lacks (OpenAI's old `functions`,
 # audio, storage); any other value is a 400 naming the field.
 NEUTRAL = {"functions": ([],), "function_call": ("none",),
@@ -122,9 +122,10 @@ def check_fields(body: dict, chat: bool) -> None:
                       f"got best_of={best_of!r}", "best_of")
     if chat and body.get("top_logprobs") is not None and not body.get("logprobs"):
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise invalid(f"user must be a string, got {user!r:.80}", "user")
+    for name in ("user", "safety_identifier"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise invalid(f"{name} must be a string, got {value!r:.80}", name)
 
 
 def placement_of(body: dict) -> dict:

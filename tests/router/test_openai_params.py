@@ -144,12 +144,36 @@ def test_each_endpoint_refuses_the_others_fields():
         sampling({"prompt": "x"}, chat=True)
 
 
-def test_user_is_a_string():
+def test_user_and_safety_identifier_are_strings():
     assert sampling({"user": "alice"}).max_tokens == 16
+    assert sampling({"safety_identifier": "h-alice"}, chat=True).max_tokens == 16
     with pytest.raises(OpenAIError, match="user must be a string"):
         sampling({"user": 7})
+    with pytest.raises(OpenAIError, match="safety_identifier must be a string, got 7"):
+        sampling({"safety_identifier": 7}, chat=True)
 
 
 def test_every_parameter_has_one_decision():
     both = IMPLEMENTED | IMPLEMENTED_ONLY[False] | IMPLEMENTED_ONLY[True]
     assert not both & set(NEUTRAL)
+
+
+def test_the_end_user_ids_reach_the_request_log_line(tmp_path, caplog):
+    import aiohttp
+
+    from pdserve.runtime.logs import REQUEST_LOGGER
+    from tests.router.fake_worker import FakeWorker, openai_router, run
+    from tests.router.test_background_responses import chat_tokenizer
+
+    caplog.set_level("INFO", logger=REQUEST_LOGGER.name)
+
+    async def go():
+        async with openai_router([FakeWorker("d")], chat_tokenizer(tmp_path)) as url, aiohttp.ClientSession() as s:
+            body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                    "user": "alice", "safety_identifier": "h-alice"}
+            async with s.post(url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "who-1"}) as reply:
+                return reply.status
+
+    assert run(go()) == 200
+    [line] = [r.fields for r in caplog.records if getattr(r, "fields", {}).get("request_id") == "who-1"]
+    assert (line["user"], line["safety_identifier"]) == ("alice", "h-alice")
