@@ -17,6 +17,7 @@ wait for it.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 from pdserve.runtime.errors import NodeOverloaded
@@ -29,6 +30,7 @@ class CallerQuota:
         self._waiting: dict[str, list[tuple[int, int]]] = {}  # caller -> (priority, arrival), in order
         self._arrivals = itertools.count()
         self._passing: dict[str, int] = {}  # caller -> pages past the bound, without a lease yet
+        self._joined = asyncio.Event()  # a reservation began to wait
 
     def check(self, caller: str, held: int, pages: int) -> None:
         """NodeOverloaded if `caller`, which holds `held` parked pages, may not park `pages` more."""
@@ -61,7 +63,15 @@ class CallerQuota:
         waiting = self._waiting.setdefault(caller, [])
         waiting.append(turn)
         waiting.sort()
+        self._joined.set()
         return turn
+
+    async def until_waiting(self, n: int) -> None:
+        """Return once at least `n` reservations wait for their caller's bound (for
+        observers, e.g. tests)."""
+        while sum(map(len, self._waiting.values())) < n:
+            self._joined.clear()
+            await self._joined.wait()
 
     def leave(self, caller: str, turn: tuple[int, int]) -> None:
         waiting = self._waiting[caller]

@@ -308,15 +308,16 @@ def test_a_callers_reservations_over_its_bound_pass_in_order_and_a_lone_one_is_n
         role = node.role(max_parked_fraction_per_caller=0.25, max_queue_wait_s=30)  # 16 of 64 pages
         for i in range(4):
             await role.prepare_receive(prepare(f"hog-{i}", prompt_of(PROMPT_LEN, 100 + i)))
-        served, waiting = [], []
+        waiting = {}
         for name, priority in [("w1", 5), ("w2", 5), ("w3", 0), ("w4", 3)]:  # 4 pages each
             asked = dataclasses.replace(prepare(name, prompt_of(PROMPT_LEN, 200 + len(waiting))), priority=priority)
-            waiting.append(asyncio.ensure_future(role.prepare_receive(asked)))
-            waiting[-1].add_done_callback(lambda _, name=name: served.append(name))
-            await within(_quota_waiting(role, len(waiting)))
+            waiting[asyncio.ensure_future(role.prepare_receive(asked))] = name
+            await within(role.quota.until_waiting(len(waiting)))
+        served, pending = [], set(waiting)
         for i in range(4):  # each abort makes room for one more, in order
             assert await role.abort(f"hog-{i}", settled=True)
-            await within(_until(lambda: len(served) == i + 1))
+            done, pending = await within(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
+            served += [waiting[f] for f in done]
         assert served == ["w3", "w4", "w1", "w2"]  # by priority, then as they came
         for request_id in served:
             assert await role.abort(request_id, settled=True)
@@ -327,15 +328,6 @@ def test_a_callers_reservations_over_its_bound_pass_in_order_and_a_lone_one_is_n
         assert await free_pages(node.decode) == PAGES
 
     asyncio.run(go())
-
-
-async def _quota_waiting(role, n: int) -> None:
-    await _until(lambda: sum(len(w) for w in role.quota._waiting.values()) == n)
-
-
-async def _until(ready) -> None:
-    while not ready():
-        await asyncio.sleep(0.01)
 
 
 def test_start_without_kv_of_a_window_still_to_receive_is_refused(node):

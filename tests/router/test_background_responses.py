@@ -27,11 +27,6 @@ def test_a_background_response_is_read_back_as_it_goes_and_cancel_stops_one(tmp_
     tokenizer = chat_tokenizer(tmp_path)
     worker = FakeWorker("d", texts=["Paris", "."])
 
-    async def until_status(client, response_id, statuses):
-        while (got := await client.responses.retrieve(response_id)).status not in statuses:
-            await asyncio.sleep(0.01)
-        return got
-
     async def go():
         worker.stream_gate = asyncio.Event()  # the decode node holds every stream until set
         async with openai_router([worker], tokenizer) as url:
@@ -40,9 +35,11 @@ def test_a_background_response_is_read_back_as_it_goes_and_cancel_stops_one(tmp_
             queued = await client.responses.retrieve(held.id)
             cancelled = await client.responses.cancel(held.id)
             again = await client.responses.cancel(held.id)  # as the first answered
-            served = await client.responses.create(model="fake", input="capital of France?", background=True)
             worker.stream_gate.set()
-            done = await until_status(client, served.id, ("completed", "failed", "incomplete"))
+            events = [e async for e in await client.responses.create(  # to its last event: it ended
+                model="fake", input="capital of France?", background=True, stream=True)]
+            served = events[0].response
+            done = await client.responses.retrieve(served.id)
             foreground = await client.responses.create(model="fake", input="capital of France?")
             with pytest.raises(openai.BadRequestError) as not_background:
                 await client.responses.cancel(foreground.id)
@@ -72,13 +69,13 @@ def test_a_background_response_whose_nodes_fail_is_read_back_failed_with_the_err
         # a decode node that is not there
         async with openai_router([f"127.0.0.1:{free_port()}"], chat_tokenizer(tmp_path)) as url:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-            sent = await client.responses.create(model="fake", input="hello", background=True)
-            while (got := await client.responses.retrieve(sent.id)).status in ("queued", "in_progress"):
-                await asyncio.sleep(0.01)
-            return sent, got
+            events = [e async for e in await client.responses.create(  # to its last event: it ended
+                model="fake", input="hello", background=True, stream=True)]
+            return events, await client.responses.retrieve(events[0].response.id)
 
-    sent, got = run(go())
-    assert sent.status == "queued" and got.status == "failed" and got.output == []
+    events, got = run(go())
+    assert events[0].response.status == "queued" and events[-1].type == "response.failed"
+    assert got.status == "failed" and got.output == []
     assert got.error.code and got.error.message  # the node error, as a foreground request would get it
 
 
@@ -98,9 +95,10 @@ def test_a_streamed_background_response_goes_on_without_its_client_and_resumes_w
                                                      stream=True) as events:
                 first.append(await anext(aiter(events)))  # created, queued; then the client leaves
             worker.stream_gate.set()
-            done = await until_done(client, first[0].response.id)
-            again = [e async for e in await client.responses.retrieve(done.id, stream=True, starting_after=0)]
-            whole = [e async for e in await client.responses.retrieve(done.id, stream=True)]
+            response_id = first[0].response.id  # followed again, live, to its end
+            again = [e async for e in await client.responses.retrieve(response_id, stream=True, starting_after=0)]
+            done = await client.responses.retrieve(response_id)
+            whole = [e async for e in await client.responses.retrieve(response_id, stream=True)]
             return first, done, again, whole
 
     first, done, again, whole = run(go())
@@ -122,16 +120,9 @@ def test_only_a_streamed_background_response_streams_again(tmp_path):
         async with openai_router([FakeWorker("d", texts=["Hi"])], chat_tokenizer(tmp_path)) as url:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
             quiet = await client.responses.create(model="fake", input="hello", background=True)
-            await until_done(client, quiet.id)
             with pytest.raises(openai.BadRequestError) as err:
                 await client.responses.retrieve(quiet.id, stream=True)
             return err.value
 
     err = run(go())
     assert err.body["param"] == "stream" and "created with stream: true" in err.body["message"]
-
-
-async def until_done(client, response_id):
-    while (got := await client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
-        await asyncio.sleep(0.01)
-    return got
