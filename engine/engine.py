@@ -179,7 +179,7 @@ class Engine(SingleThreaded):
         seq = request.seqs[0]
         seq.num_computed = request.kv_window_end
         self._publish(seq)
-        self.scheduler.add_running(seq)
+        self.scheduler.add_started(seq)
 
     @entry_point
     def abort(self, request_id: str) -> bool:

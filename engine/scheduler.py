@@ -19,6 +19,10 @@ Policy, in the order `schedule()` applies it:
    never displace each other, so with none given nothing changes, and a prefill-only
    sequence is never displaced (its KV may be on its way to a decode node, layer by
    layer). A decode node's reservation for arriving KV does the same (`make_room`).
+Before both, a decode node's started sequences (their prompt's KV received, `add_started`)
+take the free sequence slots, in order of priority, then of starting; one of a strictly
+better priority than the last-ranked running sequence displaces it. They hold their
+pages while they wait, so `max_num_seqs` bounds the decode batch as it does a prefill's.
 A sequence that cannot fit in the whole pool even alone finishes with "length".
 Invariants: every scheduled sequence holds pages for all positions it computes this step;
 the tokens scheduled in one step never exceed `max_num_batched_tokens`.
@@ -65,6 +69,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.started: deque[Sequence] = deque()  # KV received, waiting for a sequence slot
         self.num_preemptions = 0
         self.load = StepLoad()  # replaced whole by each schedule(): any thread may read it
 
@@ -76,10 +81,25 @@ class Scheduler:
             place -= 1
         self.waiting.insert(place, seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence that already holds pages with computed KV (start_generation)."""
-        seq.status = Status.RUNNING
-        self._run(seq)
+    def add_started(self, seq: Sequence) -> None:
+        """A sequence that already holds pages with computed KV (start_generation): it runs
+        from the next step that has a sequence slot for it."""
+        seq.status = Status.WAITING
+        place, priority = len(self.started), seq.request.priority
+        while place and self.started[place - 1].request.priority > priority:
+            place -= 1
+        self.started.insert(place, seq)
+
+    def _admit_started(self) -> None:
+        while self.started:
+            priority = self.started[0].request.priority
+            if len(self.running) >= self.max_num_seqs:
+                if not self._displaceable(priority):
+                    return
+                self.preempt(self.running.pop())
+            seq = self.started.popleft()
+            seq.status = Status.RUNNING
+            self._run(seq)
 
     def _run(self, seq: Sequence) -> None:
         """Rank seq among the running: behind every one of its priority or a lower one."""
@@ -107,9 +127,13 @@ class Scheduler:
         return sum(len(s.pages) for s in self.running if s.request.priority > priority and not s.request.prefill_only)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.started)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.started)
 
     def schedule(self) -> ScheduledBatch:
+        self._admit_started()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         decodes_left = sum(1 for s in self.running if _decoding(s))
@@ -216,7 +240,9 @@ class Scheduler:
             if fitting >= 1 and num_new > 1:
                 num_new = min(num_new, fitting)
                 continue
-            victim = self.running.pop()
+            # A started sequence waiting for a slot gives its pages before the running
+            # sequence that needs them gives up its own.
+            victim = self.started.pop() if self.running[-1] is seq and self.started else self.running.pop()
             if victim is seq and index == 0 and self._never_fits(seq, num_new):
                 self.free(victim)
                 batch.too_long.append(victim)  # the engine finishes it with "length"
@@ -270,10 +296,10 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take seq out of the queues (finished or aborted); its pages stay with it."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.started):
+            if seq in queue:
+                queue.remove(seq)
+                return
 
 
 def _decoding(seq: Sequence) -> bool:

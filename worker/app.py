@@ -195,7 +195,7 @@ def _pages_and_queues(engine) -> tuple[int, int, int, int, int]:
     """On the engine thread: free and total KV pages, sequences waiting and running, and
     preemptions since start. These should come from an engine accessor, not the scheduler."""
     s = engine.scheduler
-    return engine.num_free_pages(), engine.num_total_pages(), len(s.waiting), len(s.running), s.num_preemptions
+    return engine.num_free_pages(), engine.num_total_pages(), s.num_waiting(), len(s.running), s.num_preemptions
 
 
 async def _start_metrics(node: Node, config: WorkerConfig):
