@@ -22,6 +22,13 @@ def _logprobs_pb(entries) -> list[pdserve_pb2.TokenLogprob]:
     return out
 
 
+def stop_reason_pb(reason: str | int | None) -> dict:
+    """GenerateResponse's stop_reason field for an engine output's `stop_reason`."""
+    if reason is None:
+        return {}
+    return {"stop_string": reason} if isinstance(reason, str) else {"stop_token_id": reason}
+
+
 async def stream_responses(
     request_id: str, outputs: AsyncIterator, arrived: float
 ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
@@ -51,7 +58,8 @@ async def stream_responses(
                 request_id=request_id, index=c.index, text=c.new_text,
                 token_ids=c.new_token_ids, finish_reason=c.finish_reason or "",
                 logprobs=_logprobs_pb(new_logprobs),
-                prompt_logprobs=_logprobs_pb(out.prompt_logprobs if first else None))
+                prompt_logprobs=_logprobs_pb(out.prompt_logprobs if first else None),
+                **stop_reason_pb(c.stop_reason))
             if c.finish_reason:
                 finished.add(c.index)
         if out.finished:

@@ -43,6 +43,8 @@ def append_token_id(seq: Sequence, sample, eos_token_ids: set[int], max_model_le
         seq.finish_reason = "abort"  # its grammar refuses what its mask allowed: end, never go on unheld
     elif is_stop_token:
         seq.finish_reason = "stop"
+        if params.ignore_eos or token not in eos_token_ids:  # as vLLM: an EOS is no stop_reason
+            seq.stop_reason = token
     elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         seq.finish_reason = "length"
     return is_stop_token
@@ -59,9 +61,10 @@ def append_text(seq: Sequence, token: int, is_stop_token: bool) -> None:
         searched_from = len(seq.text) + len(seq.pending_text)
         full = seq.text + seq.pending_text + delta
         cut = find_stop(full, params.stop, searched_from)
-        if cut is not None and params.include_stop_str_in_output:  # the first listed that begins there
-            cut += len(next(s for s in params.stop if s and full.startswith(s, cut)))
         if cut is not None:
+            seq.stop_reason = next(s for s in params.stop if s and full.startswith(s, cut))  # the first listed
+            if params.include_stop_str_in_output:
+                cut += len(seq.stop_reason)
             # The hold-back guarantees a match never begins inside already streamed text.
             full = full[:cut]
             seq.finish_reason = "stop"
@@ -90,7 +93,7 @@ def take_delta(request: Request) -> RequestOutput:
             ids = seq.token_ids[seq.num_prompt_tokens:]
             logprobs = None if seq.logprobs is None else list(seq.logprobs)
         outs.append(CompletionOutput(seq.index, ids, seq.text, seq.new_token_ids, seq.new_text,
-                                     seq.finish_reason, logprobs))
+                                     seq.finish_reason, logprobs, seq.stop_reason))
         finished = finished and seq.finish_reason is not None
         seq.new_token_ids = []
         seq.new_text = ""

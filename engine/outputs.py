@@ -48,6 +48,7 @@ class CompletionOutput:
     new_text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "prefilled" | "abort"
     logprobs: list | GrowingListView | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
 @dataclass
@@ -79,6 +80,10 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
 
 
 @dataclass

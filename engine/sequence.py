@@ -51,6 +51,8 @@ class Sequence:
     new_text: str = ""
     logprobs: list | None = None
     finish_reason: str | None = None
+    # vLLM's stop_reason: the stop string or stop_token_ids id that ended it ("stop", not an EOS)
+    stop_reason: str | int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -85,6 +85,7 @@ class Choice:
     finish_reason: str = ""  # "stop" | "length" | "abort" | "tool_calls"
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
     tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls it made
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
 @dataclass
@@ -111,6 +112,10 @@ class Completion:
         return self.choices[0].finish_reason if self.choices else ""
 
     @property
+    def stop_reason(self) -> str | int | None:
+        return self.choices[0].stop_reason if self.choices else None
+
+    @property
     def logprobs(self) -> list[TokenLogprob] | None:
         return self.choices[0].logprobs if self.choices else None
 
@@ -135,6 +140,7 @@ class Delta:
     usage: Usage | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # in a choice's first Delta, when asked
     tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: in a choice's last Delta
+    stop_reason: str | int | None = None  # in a choice's last Delta: the stop string or id that ended it
 
 
 @dataclass
@@ -190,7 +196,8 @@ def delta_of(msg: pdserve_pb2.GenerateResponse, with_logprobs: bool) -> Delta:
     return Delta(msg.request_id, msg.index, msg.text, list(msg.token_ids), msg.finish_reason,
                  logprobs_of(msg.logprobs) if with_logprobs else None,
                  prompt_logprobs=logprobs_of(msg.prompt_logprobs) if msg.prompt_logprobs else None,
-                 tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls])
+                 tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls],
+                 stop_reason=getattr(msg, msg.WhichOneof("stop_reason") or "", None))
 
 
 class Gather:
@@ -213,6 +220,7 @@ class Gather:
         choice.text += delta.text
         choice.token_ids += delta.token_ids
         choice.finish_reason = delta.finish_reason or choice.finish_reason
+        choice.stop_reason = choice.stop_reason if delta.stop_reason is None else delta.stop_reason
         if choice.logprobs is not None and delta.logprobs:
             choice.logprobs += delta.logprobs
         choice.tool_calls += delta.tool_calls

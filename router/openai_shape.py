@@ -32,6 +32,7 @@ class Shape:
         self.streams: dict[int, CallStream] = {}
         self.entries: dict[int, list] = {}
         self.finish: dict[int, str | None] = {}
+        self.stop: dict[int, str | int | None] = {}  # vLLM's stop_reason, by choice
         self.usage = None
         self.include_usage = self.obfuscate = False  # a stream's `stream_options` (stream_usage)
         self.continuous: list[int] | None = None  # [prompt tokens, completion tokens so far]
@@ -73,7 +74,7 @@ class Shape:
         if self.scored is not None and msg.prompt_logprobs and i not in self.scored:
             self.scored[i] = self._prompt_logprobs(msg.prompt_logprobs)
         if finish:
-            self.finish[i] = finish
+            self.finish[i], self.stop[i] = finish, stop_reason_of(msg)
 
     def _parts(self, msg) -> tuple[str, str, list[dict], list, str]:
         """(text, reasoning, tool-call deltas, logprob entries, finish reason) of a choice's
@@ -138,6 +139,8 @@ class Shape:
             choice = {"index": msg.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **ids}
         else:
             choice = {"index": msg.index, "text": text, "logprobs": logprobs, "finish_reason": finish, **ids}
+        if finish:
+            choice["stop_reason"] = stop_reason_of(msg)
             if ids and first:
                 choice["prompt_token_ids"] = self._prompt_of(msg.index)
         out.append({**chunk(kind, self.id, self.created, self.model, [choice]), **extra})
@@ -154,10 +157,10 @@ class Shape:
                 if self.calls.get(i):  # OpenAI's: no content but what the calls left
                     message.update(content=self.text[i].strip() or None, tool_calls=self.calls[i])
                 choices.append({"index": i, "message": message, "logprobs": logprobs,
-                                "finish_reason": self.finish.get(i)})
+                                "finish_reason": self.finish.get(i), "stop_reason": self.stop.get(i)})
             else:
                 choices.append({"index": i, "text": self.text[i], "logprobs": logprobs,
-                                "finish_reason": self.finish.get(i)})
+                                "finish_reason": self.finish.get(i), "stop_reason": self.stop.get(i)})
                 if self.scored is not None:
                     choices[-1]["prompt_logprobs"] = self.scored.get(i)
                 if self.ids is not None:
@@ -184,6 +187,13 @@ class Shape:
                                                     "decoded_token": text(t.token_id)})
             scored.append(ranked)
         return scored
+
+
+def stop_reason_of(msg) -> str | int | None:
+    """vLLM's `stop_reason` of a choice's last message: the stop string or stop token id
+    that ended it, None for an end of sequence or anything else."""
+    which = msg.WhichOneof("stop_reason")
+    return None if which is None else getattr(msg, which)
 
 
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")

@@ -75,11 +75,13 @@ def test_stop_string_and_stop_id_end_every_choice_as_on_the_colocated_node(clust
     by_text, coloc_text = both(cluster, colocated, temperature=0.0, stop=[stop_text], **LONG)
     assert by_text.text == coloc_text.text == free.text[:free.text.index(stop_text)]
     assert by_text.finish_reason == coloc_text.finish_reason == "stop"
+    assert by_text.stop_reason == coloc_text.stop_reason == stop_text  # vLLM's: what ended it
     stop_id = free.token_ids[3]
     by_id, coloc_id = both(cluster, colocated, temperature=0.0, stop_token_ids=[stop_id], **LONG)
     assert by_id.token_ids == coloc_id.token_ids
     assert by_id.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
     assert by_id.finish_reason == coloc_id.finish_reason == "stop"
+    assert by_id.stop_reason == coloc_id.stop_reason == stop_id and free.stop_reason is None
     seeded, coloc_seeded = both(cluster, colocated, n=3, seed=9, temperature=1.0,
                                 stop_token_ids=[stop_id], **LONG)
     for d, c in zip(seeded.choices, coloc_seeded.choices, strict=True):
@@ -126,7 +128,12 @@ def test_openai_chat_logprobs_stop_and_top_k_equal_grpc(api, cluster, colocated)
                                           max_tokens=6, stop=[stop_text],
                                           extra_body={"ignore_eos": True})
     assert stopped.choices[0].message.content == want.text[:want.text.index(stop_text)]
-    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].stop_reason == stop_text
+    streamed = api.chat.completions.create(model=cluster.model, messages=messages, temperature=0.0,
+                                           max_tokens=6, stop=[stop_text], stream=True,
+                                           extra_body={"ignore_eos": True})
+    last = [c.choices[0] for c in streamed if c.choices][-1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop_text)
 
 
 def test_penalties_and_logit_bias_through_the_router_match_transformers(api, cluster, tiny_model):

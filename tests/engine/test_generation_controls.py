@@ -34,7 +34,7 @@ def test_stop_token_id_ends_output_and_is_kept(llm, prompt):
     first = full.index(stop)
     out = llm.generate([prompt], greedy(max_tokens=12, stop_token_ids=[stop]))[0]
     assert out.token_ids == full[: first + 1]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop  # vLLM's: the id that ended it
 
 
 def test_eos_stops_unless_ignore_eos(llm, prompt):
@@ -44,8 +44,9 @@ def test_eos_stops_unless_ignore_eos(llm, prompt):
     llm.engine.eos_token_ids = {eos}  # make a token this model emits the EOS
     stopped = llm.generate([prompt], greedy(max_tokens=12))[0]
     assert stopped.token_ids == full[: first + 1] and stopped.finish_reason == "stop"
+    assert stopped.stop_reason is None  # an EOS names no stop_reason, as vLLM's
     ignored = llm.generate([prompt], greedy(max_tokens=12, ignore_eos=True))[0]
-    assert ignored.token_ids == full and ignored.finish_reason == "length"
+    assert ignored.token_ids == full and ignored.finish_reason == "length" and ignored.stop_reason is None
 
 
 def test_stop_string_is_cut_from_text(llm, prompts_of_lengths):
@@ -57,12 +58,13 @@ def test_stop_string_is_cut_from_text(llm, prompts_of_lengths):
     stop = full.text[4:7]
     cut = full.text.find(stop)
     out = llm.generate([p], greedy(max_tokens=16, stop=[stop]))[0]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == full.text[:cut]
     # vLLM's include_stop_str_in_output: the string stays; of two beginning there, the first listed
     kept = llm.generate([p], greedy(max_tokens=16, stop=[stop[:2] + "\x00", stop, stop[:2]],
                                     include_stop_str_in_output=True))[0]
     assert kept.finish_reason == "stop" and kept.text == full.text[:cut + len(stop)]
+    assert kept.stop_reason == stop
 
 
 def test_special_tokens_are_left_out_of_the_text_unless_asked_for(llm, prompt):
