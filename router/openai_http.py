@@ -6,13 +6,15 @@ with `"stream": true`, ending with `data: [DONE]`), POST /v1/responses (served a
 request, router/responses_api.py; its events are named; GET and DELETE
 /v1/responses/<id>, GET /v1/responses/<id>/input_items and POST /v1/responses/<id>/cancel
 read, remove and stop the stored ones, router/responses_http.py), /v1/conversations and
-their items (router/conversations.py), GET /v1/models (and /v1/models/<id>), GET /metrics,
-GET /health; and vLLM's POST /tokenize and
-/detokenize (router/tokenize_api.py) and GET /version.
+their items (router/conversations.py), Anthropic's POST /v1/messages and
+/v1/messages/count_tokens (router/anthropic_api.py), GET /v1/models (and /v1/models/<id>),
+GET /metrics, GET /health; and vLLM's POST /tokenize and /detokenize
+(router/tokenize_api.py) and GET /version.
 With API keys (`--api-key`, the same as the gRPC API's), every route but /health, /metrics
-and /version needs `Authorization: Bearer <key>`, compared in constant time; without it the
-answer is 401 with OpenAI's error body and `WWW-Authenticate: Bearer`, never the key. The
-key names the caller's tenant (runtime/tenants.py): its request ids and turns are its own.
+and /version needs `Authorization: Bearer <key>` or `x-api-key: <key>`, compared in
+constant time; without it the answer is 401 with `WWW-Authenticate: Bearer`, never the key
+(router/http_keys.py). The key names the caller's tenant (runtime/tenants.py): its request
+ids and turns are its own.
 
 Invariants:
 - A request goes through the same `Dispatcher.generate` as a gRPC `Generate`, so it is
@@ -36,8 +38,8 @@ import grpc
 from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router import (fill_in_middle, prompt_batch, response_history, responses_api, responses_http,
-                            tokenize_api, validation)
+from pdserve.router import (anthropic_api, fill_in_middle, http_keys, prompt_batch, response_history,
+                            responses_api, responses_http, tokenize_api, validation)
 from pdserve.router.choice_logprobs import ChoiceLogprobs
 from pdserve.router.conversations import Conversations
 from pdserve.router.echo import echo_of
@@ -53,7 +55,6 @@ from pdserve.runtime.identity import pdserve_version
 from pdserve.runtime.observe import StreamObserver
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # probes and scrapers hold no key
 TENANT = web.RequestKey("tenant", str)  # the caller's, from its API key
 
 
@@ -93,6 +94,8 @@ class OpenAIFrontend:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/responses", self.responses),
+            web.post("/v1/messages", self.messages),
+            web.post("/v1/messages/count_tokens", self.count_tokens),
             *self.stored.routes(), *self.conversations.routes(),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model:.+}", self.model),  # a directory's name has slashes
@@ -107,35 +110,21 @@ class OpenAIFrontend:
     @web.middleware
     async def _errors_and_counts(self, request: web.Request, handler):
         try:
-            request[TENANT] = self._authenticate(request)
+            request[TENANT] = http_keys.tenant_of(request, self.api_keys)
             response = await handler(request)
         except OpenAIError as err:
-            response = web.json_response(err.body(), status=err.status)
+            response = web.json_response(http_keys.error_body(request, err), status=err.status)
             if err.status == 401:
                 response.headers["WWW-Authenticate"] = "Bearer"
             elif err.status == 429:  # full or waited too long: come back, do not hammer
                 response.headers["Retry-After"] = str(retry_after_of(err))
         except web.HTTPException as err:  # unknown path, wrong method
-            response = web.json_response(
-                OpenAIError(err.status, f"{request.method} {request.path}: {err.reason}").body(),
-                status=err.status)
+            error = OpenAIError(err.status, f"{request.method} {request.path}: {err.reason}")
+            response = web.json_response(http_keys.error_body(request, error), status=err.status)
         route = request.match_info.route.resource
         path = route.canonical if route is not None else "other"
         metrics.HTTP_REQUESTS.labels(path=path, status=str(response.status)).inc()
         return response
-
-    def _authenticate(self, request: web.Request) -> str:
-        """The caller's tenant, by its key; 401 without a valid one."""
-        if self.api_keys is None or request.path in OPEN_PATHS:
-            return tenants.DEFAULT
-        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not presented.strip():
-            raise OpenAIError(401, "You didn't provide an API key: send it as `Authorization: "
-                                   "Bearer <key>`.", code="missing_api_key")
-        tenant = self.api_keys.tenant_of(presented.strip())
-        if tenant is None:
-            raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
-        return tenant
 
     # ---- simple routes ------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -189,18 +178,29 @@ class OpenAIFrontend:
         except OpenAIError as err:
             raise responses_api.renamed(err) from None
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "messages")
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        body = anthropic_api.chat_body(await self._body(request), counting=True)
+        ids = chat_prompt(body, self.tokenizer, tools_of(body, self.tokenizer.tool_dialect))
+        return web.json_response({"input_tokens": len(ids)})
+
     async def _generate(self, request: web.Request, api: str) -> web.StreamResponse:
-        """A request to `api`: "completions", "chat", or "responses" (a Responses API body,
-        served as the chat request it maps to and answered in its shape)."""
+        """A request to `api`: "completions", "chat", or "responses" or "messages" (a
+        Responses or an Anthropic Messages API body, served as the chat request it maps to
+        and answered in its shape)."""
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         observer = StreamObserver(self.role, request_id, api=api)
-        chat, responses = api != "completions", api == "responses"
+        chat, responses, anthropic = api != "completions", api == "responses", api == "messages"
         try:
             body = original = await self._body(request)
             if responses:  # served as the chat request it means, after its stored conversation
                 original, ended = response_history.prepared(original, request[TENANT], self.stored.store,
                                                             self.conversations)
                 body = responses_api.chat_body(original)
+            elif anthropic:
+                body = anthropic_api.chat_body(original)
             tools = tools_of(body, self.tokenizer.tool_dialect) if chat else None
             card = self.tokenizer.card
             if responses and original.get("truncation") == "auto":  # the oldest turns left out to fit
@@ -245,22 +245,26 @@ class OpenAIFrontend:
             shape.return_token_ids(prompts, sampling.n or 1)
         headers, tenant = {"X-Request-Id": request_id}, request[TENANT]
         keep = responses and original.get("store") is not False and self.stored.store.max_chars > 0
-        answer = responses_api.ResponseStream(request_id, self.model_id, original, keep) if responses else None
+        answer = responses_api.ResponseStream(request_id, self.model_id, original, keep) if responses else \
+            anthropic_api.MessageStream(request_id, self.model_id, original, len(prompts[0])) if anthropic else None
+
+        def as_error(err):  # a node's failure, in the API's own names
+            error = _as_openai_error(err, chat=True)
+            return responses_api.renamed(error) if responses else error
+
         messages = self._dispatch(request, ids_of, sampling, placement, observer)
         if responses and original.get("background"):
             return await self.stored.start(request, tenant, answer, shape, messages,
-                                           response_history.input_items(original),
-                                           lambda err: _as_openai_error(err, chat=True), headers, body.get("stream"),
-                                           ended)
+                                           response_history.input_items(original), as_error, headers,
+                                           body.get("stream"), ended)
         async with contextlib.aclosing(messages):
             try:
                 first = await anext(messages, None)
             except NodeError as err:
                 raise _as_openai_error(err, chat) from None
-            if responses:
-                return await responses_http.respond(
-                    request, headers, first, messages, shape, answer, body.get("stream"),
-                    lambda err: _as_openai_error(err, chat=True), ended)
+            if answer is not None:
+                return await responses_http.respond(request, headers, first, messages, shape, answer,
+                                                    body.get("stream"), as_error, ended if responses else None)
             if body.get("stream"):
                 shape.stream_usage(*stream_usage, sum(map(len, prompts)))
                 return await self._stream(request, headers, first, messages, shape)

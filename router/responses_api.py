@@ -263,9 +263,10 @@ class ResponseStream:
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
         return [*events, self._event(f"response.{self.response['status']}", response=self.response)]
 
-    def failed(self, error: dict) -> list[dict]:
+    def failed(self, err: OpenAIError) -> list[dict]:
         """The last events of a response whose serving failed after it began: OpenAI's
         `error` event, then the response failed with that error."""
+        error = err.body()["error"]
         self.response.update(status="failed", error={"code": error["code"], "message": error["message"]})
         fields = {k: error[k] for k in ("code", "message", "param")}  # its `type` is the event's
         return [self._event("error", **fields), self._event("response.failed", response=self.response)]

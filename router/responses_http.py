@@ -13,17 +13,16 @@ from aiohttp import web
 
 from pdserve.runtime.errors import NodeError
 
-from . import responses_api
 from .openai_protocol import OpenAIError
 from .openai_shape import encoded
 from .response_store import ResponseStore
 
 
 async def respond(request, headers: dict, msg, messages, shape, answer, stream: bool, as_error, keep=None):
-    """Send `answer` (a responses_api.ResponseStream) as its events, or its last state whole.
-    `msg` is the chat answer's first message and `messages` the rest; `as_error` makes a
-    node's failure an OpenAIError; `keep(response)` stores a response that completed or was
-    cut short (not one that failed)."""
+    """Send `answer` (a responses_api.ResponseStream, or an anthropic_api.MessageStream) as
+    its named events, or its last state whole. `msg` is the chat answer's first message and
+    `messages` the rest; `as_error` makes a node's failure the API's error; `keep(response)`
+    stores a response that completed or was cut short (not one that failed)."""
     response = None
     if stream:
         response = web.StreamResponse(headers={
@@ -42,10 +41,10 @@ async def respond(request, headers: dict, msg, messages, shape, answer, stream: 
                 await send(answer.feed(part))
             msg = await anext(messages, None)
     except NodeError as err:
-        error = responses_api.renamed(as_error(err))
+        error = as_error(err)
         if response is None:
             raise error from None
-        await send(answer.failed(error.body()["error"]))
+        await send(answer.failed(error))
         await response.write_eof()
         return response
     ended = answer.end()
@@ -149,7 +148,7 @@ class StoredResponses:
                         await log.add(events)
                 events = answer.end()
             except NodeError as err:
-                events = answer.failed(responses_api.renamed(as_error(err)).body()["error"])
+                events = answer.failed(as_error(err))
             except asyncio.CancelledError:  # `cancel`: the stream closes, its nodes abort it
                 answer.response["status"] = "cancelled"
                 events = []

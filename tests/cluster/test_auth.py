@@ -16,6 +16,7 @@ import sys
 import urllib.error
 import urllib.request
 
+import anthropic
 import grpc
 import openai
 import pytest
@@ -127,6 +128,15 @@ def test_http_clients_need_the_api_key_and_health_metrics_and_version_stay_open(
     out = api.completions.create(model=keyed.model, prompt="keys", max_tokens=3, temperature=0,
                                  extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3
+    # Anthropic's clients send the key as x-api-key, and read Anthropic's error shape
+    claude = anthropic.Anthropic(base_url=keyed.http, api_key=API_KEY, max_retries=0, timeout=60)
+    message = claude.messages.create(model=keyed.model, messages=[{"role": "user", "content": "keys"}], max_tokens=3,
+                                     extra_body={"ignore_eos": True})
+    assert message.usage.output_tokens == 3
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        anthropic.Anthropic(base_url=keyed.http, api_key="sk-wrong", max_retries=0).messages.create(
+            model=keyed.model, messages=[{"role": "user", "content": "keys"}], max_tokens=3)
+    assert refused.value.body["error"]["type"] == "authentication_error"
 
 
 def test_health_and_pdserve_generate_work_as_documented(keyed, tmp_path):

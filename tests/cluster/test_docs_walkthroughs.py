@@ -156,7 +156,7 @@ def test_the_openai_walkthrough_waits_for_up_and_gets_a_completion_and_scores(tm
     assert ran.status == 0, ran.report()
     assert serving_lines(ran) == WAITED, ran.report()
     after = ran.out[ran.out.index(WAITED[-1]):]
-    completion, scored, weather = json_objects(after)
+    completion, scored, weather, message = json_objects(after)
     assert completion["object"] == "text_completion", ran.report()
     assert completion["model"] == "smollm2-135m-instruct"
     assert 0 < completion["usage"]["completion_tokens"] <= 8
@@ -171,6 +171,8 @@ def test_the_openai_walkthrough_waits_for_up_and_gets_a_completion_and_scores(tm
     assert weather["choices"][0]["finish_reason"] == "tool_calls", ran.report()
     assert call["function"]["name"] == "get_weather"
     assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    assert message["type"] == "message" and message["content"][0]["type"] == "text", ran.report()  # Anthropic's
+    assert "Paris" in message["content"][0]["text"] and message["stop_reason"] in ("end_turn", "max_tokens")
 
 
 def test_the_scaling_walkthrough_finds_its_workers_through_etcd(tmp_path):

@@ -160,8 +160,7 @@ def test_an_answer_cut_short_is_incomplete_and_a_failure_ends_the_stream():
     assert replay(events)["output"] == stream.response["output"]
     failing = ResponseStream("r3", "m", {"input": "hi"})
     failing.start(), failing.feed(chunk({"content": "a"}))
-    error = {"message": "decode node lost", "type": "server_error", "param": None, "code": "unavailable"}
-    last = failing.failed(error)
+    last = failing.failed(OpenAIError(503, "decode node lost", None, "unavailable"))
     assert [e["type"] for e in last] == ["error", "response.failed"] and last[0]["message"] == "decode node lost"
     assert last[1]["response"]["error"] == {"code": "unavailable", "message": "decode node lost"}
 
