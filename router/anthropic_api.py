@@ -6,7 +6,8 @@ events (`MessageStream`). The Anthropic SDK talks to it with `base_url` at the s
 
 - Input: `system` (a text or text blocks), `messages` of `user` and `assistant` turns, each
   a text or a list of blocks: `text`; `tool_use` (an assistant's call, its `input` the
-  arguments) and `tool_result` (a user's answer to one, a text or text blocks); an
+  arguments) and `tool_result` (a user's answer to one, a text or text blocks, written
+  "Error: ..." when `is_error`); an
   assistant's earlier `thinking` is left out, as templates leave it. A last `assistant`
   message is the start of the answer, which goes on from it (Anthropic's prefill: chat's
   `continue_final_message`). `cache_control` marks are taken as the hint they are: every
@@ -184,9 +185,10 @@ def _messages(system, given) -> list[dict]:
             elif kind == "tool_use" and role == "assistant":
                 calls.append({"id": block.get("id"), "type": "function", "function": {
                     "name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
-            elif kind == "tool_result" and role == "user":
+            elif kind == "tool_result" and role == "user":  # a failed call's result says so to the model
+                result = _text(block.get("content", ""), where)
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": _text(block.get("content", ""), where)})
+                            "content": f"Error: {result}" if block.get("is_error") is True else result})
             elif kind not in ("thinking", "redacted_thinking") or role != "assistant":
                 raise refused(f"{where} of type {kind!r:.40} is not served in a {role} message: pdserve takes "
                               "text, an assistant's tool_use and thinking, a user's tool_result", "messages")

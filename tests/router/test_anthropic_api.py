@@ -46,7 +46,7 @@ def test_a_request_is_the_chat_request_it_means():
             {"role": "assistant", "content": "ok", "tool_calls": [
                 {"id": "t1", "type": "function", "function": {"name": "set_mode", "arguments": '{"m": 1}'}},
                 {"id": "t2", "type": "function", "function": {"name": "set_mode", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "t1", "content": "on"}, {"role": "tool", "tool_call_id": "t2", "content": "off"},
+            {"role": "tool", "tool_call_id": "t1", "content": "on"}, {"role": "tool", "tool_call_id": "t2", "content": "Error: off"},
             {"role": "user", "content": "and now?"},
             {"role": "tool", "tool_call_id": "t3", "content": "x"}]}  # a turn of tool results alone is those
     started = chat_body({"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"},
