@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -30,9 +29,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.benchmarks.model_choice import add_model_flag, resolve_or_exit
-from pdserve.client import AsyncClient, PdserveError
-from pdserve.results import Completion
+from pdserve.benchmarks import served_bench
+from pdserve.benchmarks.model_choice import resolve_or_exit
+from pdserve.client import AsyncClient
 
 MODES = ("fifo", "priority")
 WORDS = ("river", "stone", "light", "garden", "winter", "paper", "signal", "orbit", "copper", "meadow")
@@ -40,9 +39,7 @@ WORDS = ("river", "stone", "light", "garden", "winter", "paper", "signal", "orbi
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="pdserve bench priority", description=__doc__.split("\n\n")[0])
-    add_model_flag(p)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                   help="the nodes' dtype (default %(default)s)")
+    served_bench.add_flags(p)
     p.add_argument("--max-concurrent", type=int, default=2,
                    help="the router's --max-concurrent-requests (default %(default)s)")
     p.add_argument("--decode-pages", type=int, default=None,
@@ -53,8 +50,6 @@ def _parse(argv):
     p.add_argument("--prompt-words", type=int, default=64, help="words per prompt (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens each request generates (default %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="bursts per mode (default %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON (else a summary)")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     return p.parse_args(argv)
 
 
@@ -94,18 +89,6 @@ async def _burst(client: AsyncClient, args, rng: random.Random, mode: str) -> di
             "foreground": results[args.background:]}
 
 
-async def _ready(client: AsyncClient, timeout_s: float) -> Completion:
-    """The first answer once the router sees its nodes (it serves before they load)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return await client.generate("warm up", max_tokens=2, temperature=0.0)
-        except PdserveError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.3)
-
-
 def _median(bursts: list[dict], kind: str, key: str) -> float:
     return statistics.median(r[key] for b in bursts for r in b[kind])
 
@@ -129,7 +112,7 @@ async def _measure(address: str, metrics_url: str, args) -> dict[str, list[dict]
     rng = random.Random(0)
     bursts: dict[str, list[dict]] = {mode: [] for mode in MODES}
     async with AsyncClient(address, timeout=600) as client:
-        await _ready(client, 300)
+        await served_bench.first_answer(client, 300)
         for _ in range(args.rounds):
             for mode in MODES:
                 before = await asyncio.to_thread(_preemptions, metrics_url)
@@ -161,10 +144,7 @@ def main(argv=None) -> int:
               "decode_pages": args.decode_pages,
               "background": args.background, "foreground": args.foreground, "prompt_words": args.prompt_words,
               "max_tokens": args.max_tokens, "rounds": args.rounds, **summary(bursts)}
-    text = json.dumps(report, indent=2)
-    print(text if args.json else _readable(report))
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    served_bench.emit(report, args, _readable)
     return 0
 
 

@@ -7,7 +7,7 @@
     pdserve up       [--port P] [--dtype T] [-- FLAGS]  router + one prefill + one decode on localhost
     pdserve generate --server HOST:PORT --prompt TEXT [--n N]       stream an answer (pdserve.generate_cli)
     pdserve chat     --server HOST:PORT [--system TEXT]             chat in the terminal
-    pdserve bench engine|step|transfer|ttft|serve|router|score|constrained|priority ...  benchmarks
+    pdserve bench engine|step|transfer|ttft|serve|router|score|constrained|priority|cache-key ...  benchmarks
     pdserve health   [--server HOST:PORT]                           exit 0 if the node is SERVING
     pdserve models   list|fetch|path [NAME]                         the known models
 
@@ -38,7 +38,7 @@ BENCHMARKS = {"engine": "pdserve.benchmarks.engine", "transfer": "pdserve.benchm
               "chaos": "pdserve.benchmarks.chaos", "trust": "pdserve.benchmarks.trust", "ttft": "pdserve.benchmarks.ttft",
               "gpu": "pdserve.benchmarks.gpu", "host": "pdserve.benchmarks.host_step",
               "score": "pdserve.benchmarks.score", "constrained": "pdserve.benchmarks.constrained",
-              "priority": "pdserve.benchmarks.priority"}
+              "priority": "pdserve.benchmarks.priority", "cache-key": "pdserve.benchmarks.cache_key"}
 WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 

@@ -58,14 +58,14 @@ class Dispatcher:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: pdserve_pb2.SamplingParams, kv_window_end: int | None,
                        timeout_s: float | None = None, *, cache_salt: str = "",
-                       tenant: str = "default", priority: int = 0
+                       tenant: str = "default", priority: int = 0, cache_key: str = ""
                        ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """`tenant`'s request (runtime/tenants.py): its id is scoped to the tenant, and it
         waits for the tenant's turn (router/admission.py), ahead of the tenant's requests
-        of a higher `priority`."""
+        of a higher `priority`; `cache_key` (prompt_cache_key) picks its nodes."""
         state = self.admission.admit(request_id, timeout_s, tenant,
                                      admission_tokens(prompt_token_ids, sampling))
-        state.priority = priority
+        state.priority, state.cache_key = priority, cache_key
         try:
             state.cache_salt = effective_salt(state.tenant, cache_salt,
                                               self.config.shared_prefix_cache)
@@ -93,7 +93,7 @@ class Dispatcher:
         if self.load_monitor is not None:
             self.load_monitor.mark_busy()
         salt = state.cache_salt  # every prefix match and record of it is under its salt
-        first = self.registry.pick("decode", prompt_token_ids, cache_salt=salt)
+        first = self.registry.pick("decode", prompt_token_ids, **state.placement)
         plan = self._plan(prompt_token_ids, kv_window_end, first, salt, sampling)
         waited = time.monotonic()
         while plan.wait:  # steady: every side saturated; the reports tell when one frees
@@ -102,7 +102,7 @@ class Dispatcher:
                 break
             await asyncio.sleep(state.timeout(self.config.load_interval_s))
             state.check_aborted()
-            first = self.registry.pick("decode", prompt_token_ids, cache_salt=salt)
+            first = self.registry.pick("decode", prompt_token_ids, **state.placement)
             plan = self._plan(prompt_token_ids, kv_window_end, first, salt, sampling)
         state.queue_s += time.monotonic() - waited
         if plan.local and first is not None and first.steps is not None:
@@ -123,7 +123,7 @@ class Dispatcher:
                 first = None
         early = prefill = None
         if not plan.local and plan.end > 0:  # picked first: D's reservation names its writer
-            prefill = self._next_prefill(prompt_token_ids, [], salt)
+            prefill = self._next_prefill(prompt_token_ids, [], state.placement)
             # Overlap only where D has room now: a request that will wait in D's line for
             # pages would have P prefill it for nothing (its window would come too late).
             if prefill is not None and self.config.overlap_prefill and \
@@ -223,7 +223,7 @@ class Dispatcher:
                     else:
                         decode = self.registry.pick("decode", prompt_token_ids,
                                                     exclude=tried + list(state.maybe_reserved),
-                                                    cache_salt=state.cache_salt)
+                                                    **state.placement)
                 except NoEndpointError:
                     if not errors:
                         raise
@@ -282,7 +282,7 @@ class Dispatcher:
                 # unless P answered without writing.
                 await self.calls.abort(decode, state.request_id, err.settled,
                                        reserved.prep.lease_id)
-                prefill = self._next_prefill(prompt_token_ids, tried, state.cache_salt)
+                prefill = self._next_prefill(prompt_token_ids, tried, state.placement)
                 log.warning("%s; %s", err.detail,
                             f"retrying on prefill node {prefill.address}" if prefill else
                             f"decode node {decode.address} prefills the prompt itself")
@@ -304,11 +304,11 @@ class Dispatcher:
         return await self.calls.prepare(decode, state, prompt_token_ids, sampling, 0,
                                         local=True), False
 
-    def _next_prefill(self, prompt_token_ids, tried, salt: str) -> Endpoint | None:
+    def _next_prefill(self, prompt_token_ids, tried, placement: dict) -> Endpoint | None:
         if len(tried) >= self.config.max_prefill_attempts:
             return None
         try:
-            return self.registry.pick("prefill", prompt_token_ids, exclude=tried, cache_salt=salt)
+            return self.registry.pick("prefill", prompt_token_ids, exclude=tried, **placement)
         except NoEndpointError:
             return None
 

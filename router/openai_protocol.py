@@ -46,7 +46,7 @@ IMPLEMENTED = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop
                "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "priority", "repetition_penalty",
                "structured_outputs", "min_tokens", "bad_words", "include_stop_str_in_output",
                "truncate_prompt_tokens", "skip_special_tokens", "prompt_logprobs", "return_token_ids",
-               "return_tokens_as_token_ids", "allowed_token_ids"}
+               "return_tokens_as_token_ids", "allowed_token_ids", "prompt_cache_key"}
 IMPLEMENTED_ONLY = {False: {"prompt", "best_of", "echo", "suffix"},
                     True: {"messages", "max_completion_tokens", "top_logprobs", "tools",
                            "tool_choice", "parallel_tool_calls",
@@ -130,16 +130,19 @@ def check_fields(body: dict, chat: bool) -> None:
 
 def placement_of(body: dict) -> dict:
     """The request's `cache_salt` (vLLM's extra; router/cache_salt.py: absent or null is "",
-    any value given a non-empty string) and `priority` (vLLM's: lower waits less; a 32-bit
-    integer, default 0), as the dispatcher's `generate` takes them."""
-    salt, priority = body.get("cache_salt"), body.get("priority")
+    any value given a non-empty string), `priority` (vLLM's: lower waits less; a 32-bit
+    integer, default 0) and `prompt_cache_key` (OpenAI's: which nodes, router/policies.py),
+    as the dispatcher's `generate` takes them."""
+    salt, priority, key = body.get("cache_salt"), body.get("priority"), body.get("prompt_cache_key")
+    if key is not None and not isinstance(key, str):
+        raise invalid(f"prompt_cache_key must be a string, got {key!r:.80}", "prompt_cache_key")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise invalid(f"cache_salt must be a non-empty string if given, got {salt!r:.80}",
                       "cache_salt")
     if priority is not None and (type(priority) is not int or not -2**31 <= priority < 2**31):
         raise invalid(f"priority must be an integer in [-2147483648, 2147483647] (lower is served "
                       f"first), got {priority!r:.80}", "priority")
-    return {"cache_salt": salt or "", "priority": priority or 0}
+    return {"cache_salt": salt or "", "priority": priority or 0, "cache_key": key or ""}
 
 
 def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int,

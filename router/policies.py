@@ -17,14 +17,23 @@ pools each get their own (`--prefill-policy`, `--decode-policy`):
   node has more than `balance_abs` requests over the idlest and more than `balance_rel`
   times as many), it picks as `least_loaded` does, as SGLang's cache-aware policy does.
   Ties go in turn.
+A request with a `prompt_cache_key` (OpenAI's) goes to the endpoint its key names in
+either pool, whatever the policy (`keyed_endpoint`): the one with the highest rendezvous
+hash of the key (with the request's cache salt) and its address, so every router sends a
+key to the same nodes without sharing any state, and a node's leaving moves only its own
+keys. A key's node that the pool's balance rule above finds badly overloaded is passed over:
+the policy picks instead.
 The router never holds state that routing correctness depends on: losing the load reports
 or the prefix index only makes choices less good.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from typing import Protocol, Sequence
+
+BALANCE_ABS, BALANCE_REL = 8, 1.5  # "badly imbalanced": more requests than the idlest's by both
 
 
 class Policy(Protocol):
@@ -62,8 +71,8 @@ class LeastLoaded:
 class PrefixAware:
     """Longest cached prefix weighed against load (see the module docstring)."""
 
-    def __init__(self, load_tokens: int = 128, balance_abs: int = 8,
-                 balance_rel: float = 1.5) -> None:
+    def __init__(self, load_tokens: int = 128, balance_abs: int = BALANCE_ABS,
+                 balance_rel: float = BALANCE_REL) -> None:
         self.load_tokens = load_tokens
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
@@ -72,14 +81,27 @@ class PrefixAware:
 
     def pick(self, endpoints: Sequence, prompt_token_ids: Sequence[int], cache_salt: str = ""):
         queues = [e.queue for e in endpoints]
-        if max(queues) - min(queues) > self.balance_abs and \
-                max(queues) > self.balance_rel * min(queues):
+        if _overloaded(max(queues), min(queues), self.balance_abs, self.balance_rel):
             return self._least_loaded.pick(endpoints, prompt_token_ids)
         n = len(prompt_token_ids)
         cost = {id(e): n - min(e.prefixes.match(prompt_token_ids, cache_salt), n)
                 + self.load_tokens * e.queue for e in endpoints}
         best = min(cost.values())
         return _first_in_turn([e for e in endpoints if cost[id(e)] == best], self._counter)
+
+
+def _overloaded(queue: int, idlest: int, balance_abs: int = BALANCE_ABS, balance_rel: float = BALANCE_REL) -> bool:
+    return queue - idlest > balance_abs and queue > balance_rel * idlest
+
+
+def keyed_endpoint(endpoints: Sequence, key: str, salt: str = ""):
+    """The endpoint `key` names (rendezvous hashing over the addresses), or None when the
+    pool's balance rule finds it badly overloaded."""
+    def weight(e) -> bytes:  # hashlib, not hash(): the same in every router process
+        return hashlib.blake2b(f"{salt}\0{key}\0{e.address}".encode(), digest_size=8).digest()
+
+    chosen = max(endpoints, key=weight)
+    return None if _overloaded(chosen.queue, min(e.queue for e in endpoints)) else chosen
 
 
 POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "prefix_aware": PrefixAware}

@@ -44,7 +44,7 @@ from pdserve.runtime.errors import NodeError
 from pdserve.runtime.identity import NodeIdentity
 from pdserve.runtime.server import channel
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
-from pdserve.router.policies import Policy
+from pdserve.router.policies import Policy, keyed_endpoint
 from pdserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger("pdserve.router")
@@ -292,14 +292,17 @@ class WorkerRegistry:
             return
 
     def pick(self, role: str, prompt_token_ids: Sequence[int], exclude=(),
-             cache_salt: str = "") -> Endpoint:
+             cache_salt: str = "", cache_key: str = "") -> Endpoint:
+        """A usable endpoint of `role`: the one `cache_key` names (router/policies.py),
+        unless it is too busy, else the role's policy's choice."""
         pool = [e for e in (self.prefill if role == "prefill" else self.decode)
                 if e.usable and e not in exclude]
         if not pool:
             raise NoEndpointError(f"no {role} node can take this request now ("
                                   + ("every one tried failed" if exclude else
                                      "none is up and healthy") + "); retry shortly")
-        return self._policies[role].pick(pool, prompt_token_ids, cache_salt)
+        keyed = keyed_endpoint(pool, cache_key, cache_salt) if cache_key else None
+        return keyed or self._policies[role].pick(pool, prompt_token_ids, cache_salt)
 
     def report_failure(self, endpoint: Endpoint, reason: str) -> None:
         """A call to `endpoint` failed as if the node were gone: check its health now."""

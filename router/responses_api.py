@@ -11,7 +11,8 @@ stream events (`ResponseStream`).
   (chat's `reasoning_effort`), function `tools` and `tool_choice`, `parallel_tool_calls`,
   `temperature`, `top_p`, `user`, `safety_identifier`, `metadata` (given back), `stream`,
   and `top_logprobs` or `include: ["message.output_text.logprobs"]` (the text's logprobs,
-  as chat's); vLLM's sampling extras (`top_k`, `min_p`, ...) pass as they do on chat.
+  as chat's); `prompt_cache_key` and vLLM's sampling extras (`top_k`, `min_p`, ...) pass
+  as they do on chat.
 - Stored: a response is kept (`store`, default true, as OpenAI's) by the router that
   answered it (router/response_store.py), for `previous_response_id` (its conversation
   goes before the input, router/response_history.py) and GET / DELETE. With `background:
@@ -40,7 +41,7 @@ LOGPROBS = "message.output_text.logprobs"  # the one `include` served
 MAPPED = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "metadata", "store",
           "previous_response_id",
           "top_logprobs",
-          "safety_identifier", "stream_options", "prompt_cache_key", "include", "truncation", "reasoning",
+          "safety_identifier", "stream_options", "include", "truncation", "reasoning",
           "max_tool_calls", "background", "conversation"}
 STORED = ("prompt",)  # what pdserve's store (router/response_store.py) lacks
 CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",

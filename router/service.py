@@ -37,6 +37,7 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
         stream = self.dispatcher.generate(request_id, ids, sampling, window_end,
                                           timeout_s=context.time_remaining(),
                                           cache_salt=request.cache_salt, priority=request.priority,
+                                          cache_key=request.prompt_cache_key,
                                           tenant=auth.tenant_of(context.invocation_metadata()))
         try:
             async for msg in observer.watch(stream):

@@ -55,6 +55,7 @@ class RequestState:
     tenant: str = DEFAULT
     client_id: str = ""  # the client's own id ("": request_id)
     cache_salt: str = ""  # the nodes' prefix-cache salt for it (router/cache_salt.py)
+    cache_key: str = ""  # its prompt_cache_key: the nodes it goes to (router/policies.py)
     priority: int = 0  # lower waits less, here and on the nodes (GenerateRequest.priority)
     arrived: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # the client's, on the monotonic clock
@@ -74,6 +75,11 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self.client_id = self.client_id or self.request_id
+
+    @property
+    def placement(self) -> dict:
+        """What a policy weighs besides the prompt (the registry's `pick`)."""
+        return {"cache_salt": self.cache_salt, "cache_key": self.cache_key}
 
     def timeout(self, bound_s: float | None) -> float | None:
         """`bound_s` (None: none) cut to what is left of the client's deadline."""

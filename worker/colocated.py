@@ -67,13 +67,13 @@ class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling,
                        kv_window_end: int | None = None, timeout_s: float | None = None,
-                       tenant: str = "default", cache_salt: str = "", priority: int = 0):
+                       tenant: str = "default", cache_salt: str = "", priority: int = 0, cache_key: str = ""):
         """The router Dispatcher's `generate` (router/dispatch.py), for the OpenAI front:
         ids and sampling (pdserve_pb2.SamplingParams) come checked; this node serves the
         request whole (`kv_window_end` means nothing here). A ValueError the role finds is
         INVALID_ARGUMENT, as a router reports it. `tenant` scopes the request id as a
         router does (`node_request_id`), and with `cache_salt` salts the prefix cache, as
-        the module docstring says."""
+        the module docstring says; `cache_key` chooses among nodes, and here is one."""
         arrived = time.perf_counter()
         self.active.add(request_id)
         try:

@@ -152,3 +152,30 @@ def test_several_routers_share_no_state_and_all_route_every_node(scale_cluster):
     seen = run(go())
     assert seen["rr"] == {"d1", "d2"}
     assert all(s <= {"d1", "d2"} for s in seen.values()), seen
+
+
+def test_a_prompt_cache_key_sends_a_conversation_to_the_same_nodes_through_every_router(scale_cluster):
+    """Each turn of a conversation reaches another router (as behind a load balancer); with
+    its prompt_cache_key every turn lands on the same decode node, which holds the earlier
+    turns' prefix, whatever each router's policy; keys spread over both nodes."""
+    c = scale_cluster
+
+    async def go():
+        turns, conversation = [], prompt(2000, 5 * PAGE)
+        for i, name in enumerate(("rr", "ll", "px", "rr", "ll")):
+            conversation = conversation + prompt(2100 + i, 8)
+            async with AsyncClient(c.address(name)) as client:
+                out = await client.generate(conversation, **GREEDY, prompt_cache_key="conversation-7")
+            turns.append(out.usage.route)
+        spread = {}
+        for name in ("rr", "ll"):
+            async with AsyncClient(c.address(name)) as client:
+                spread[name] = [c.name_of((await client.generate(prompt(2200 + k, 12), **GREEDY,
+                                                                 prompt_cache_key=f"user-{k}")).usage.route.decode_endpoint)
+                                for k in range(20)]
+        return turns, spread
+
+    turns, spread = run(go())
+    assert len({r.decode_endpoint for r in turns}) == 1, turns
+    assert all(r.prefix_matched_length >= 5 * PAGE for r in turns[1:]), turns  # each found the last
+    assert spread["rr"] == spread["ll"] and set(spread["rr"]) == {"d1", "d2"}, spread

@@ -153,6 +153,18 @@ def test_user_and_safety_identifier_are_strings():
         sampling({"safety_identifier": 7}, chat=True)
 
 
+def test_a_prompt_cache_key_is_a_string_that_places_the_request():
+    from pdserve.router.openai_protocol import placement_of
+
+    for chat in (False, True):
+        assert sampling({"prompt_cache_key": "conversation-7"}, chat).max_tokens == 16
+    assert placement_of({"prompt_cache_key": "conversation-7"})["cache_key"] == "conversation-7"
+    assert placement_of({})["cache_key"] == ""
+    with pytest.raises(OpenAIError, match="prompt_cache_key must be a string, got 7") as err:
+        placement_of({"prompt_cache_key": 7})
+    assert err.value.param == "prompt_cache_key"
+
+
 def test_every_parameter_has_one_decision():
     both = IMPLEMENTED | IMPLEMENTED_ONLY[False] | IMPLEMENTED_ONLY[True]
     assert not both & set(NEUTRAL)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve.runtime.identity import NodeIdentity
 from pdserve.router import selective
-from pdserve.router.policies import LeastLoaded, PrefixAware, RoundRobin, make_policy
+from pdserve.router.policies import LeastLoaded, PrefixAware, RoundRobin, keyed_endpoint, make_policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import Endpoint
 
@@ -162,3 +162,28 @@ def test_identity_differences_name_each_field():
     diffs = a.differences(b)
     assert diffs == ["model (m vs m2): h1 vs h2", "dtype: float32 vs bfloat16", "num_kv_heads: 2 vs 4"]
     assert a.differences(NodeIdentity("m", "", "float32", 2, 2, 16, 32)) == []  # page size may differ
+
+
+def test_a_key_names_one_endpoint_in_any_order_and_only_its_own_keys_move_when_it_leaves():
+    eps = _eps(0, 0, 0, 0)
+    chosen = {k: keyed_endpoint(eps, f"key-{k}").address for k in range(64)}
+    assert {k: keyed_endpoint(eps[::-1], f"key-{k}").address for k in range(64)} == chosen  # no order, no state
+    assert len(set(chosen.values())) == 4  # keys spread over the pool
+    gone = eps[1]
+    after = {k: keyed_endpoint([e for e in eps if e is not gone], f"key-{k}").address for k in range(64)}
+    assert {k for k in chosen if after[k] != chosen[k]} == {k for k in chosen if chosen[k] == gone.address}
+    assert keyed_endpoint(eps, "key-0", salt="tenant-b") is not None  # the salt is part of the key
+    salted = {k: keyed_endpoint(eps, f"key-{k}", salt="tenant-b").address for k in range(64)}
+    assert salted != chosen
+
+
+def test_a_keys_endpoint_badly_overloaded_is_passed_over():
+    eps = _eps(0, 0)
+    name = keyed_endpoint(eps, "k").address
+    busy = next(e for e in eps if e.address == name)
+    busy.reported_queue = 8  # busier by 8: not past the rule (more than 8, and 1.5 times)
+    assert keyed_endpoint(eps, "k") is busy
+    busy.reported_queue = 9
+    assert keyed_endpoint(eps, "k") is None
+    next(e for e in eps if e is not busy).reported_queue = 7  # 9 is not 1.5 times 7
+    assert keyed_endpoint(eps, "k") is busy
