@@ -3,7 +3,8 @@ colocated node.
 
 Every turn sends the whole conversation so far as `messages` (the `--system` message, then
 user and assistant turns), so the server applies the model's chat template and stops at its
-end of turn; the answer prints as it streams. Turns are read by `chat_input.TurnReader`:
+end of turn; the answer prints as it streams. Every turn carries the session's
+`prompt_cache_key`, so the routers send it to the nodes that hold the turns before. Turns are read by `chat_input.TurnReader`:
 line editing and history on a terminal, `\"\"\"` blocks and pastes as one turn, one line a
 turn from a pipe. Invariants:
 - stdout carries the answers and nothing else (`pdserve chat < turns > answers` gives the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import uuid
 from pathlib import Path
 
 DEFAULT_TEMPERATURE = 0.7  # a chat samples; --temperature 0 answers greedily
@@ -86,8 +88,9 @@ class Chat:
     def __init__(self, runner: asyncio.Runner, client, args) -> None:
         self.runner, self.client = runner, client
         self.conversation = Conversation(args.system)
+        # One key for the session: every turn goes to the nodes that hold the turns before.
         self.sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature,
-                             seed=args.seed)
+                             seed=args.seed, prompt_cache_key=f"pdserve-chat-{uuid.uuid4().hex}")
         self.timeout = args.timeout
 
     def ask(self, text: str) -> None:

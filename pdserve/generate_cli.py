@@ -85,6 +85,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--priority", type=int, default=0,
                    help="lower waits less where requests queue (default 0; vLLM's priority)")
+    p.add_argument("--prompt-cache-key", default="", metavar="KEY",
+                   help="requests with the same key go to the same nodes, where their shared "
+                        "prefixes are cached (OpenAI's prompt_cache_key)")
     add_options(p.add_argument_group("TLS (runtime/tls.py)"), TLSConfig)
     add_options(p.add_argument_group("authentication (runtime/auth.py)"), APIKeyConfig)
     p.set_defaults(func=cmd_generate)
@@ -150,7 +153,7 @@ def cmd_generate(args) -> int:
     if args.logit_bias is not None:
         sampling["logit_bias"] = dict(args.logit_bias)
     sampling["structured_output"] = structure_of(args)
-    request = {**prompt_of(args), "priority": args.priority}
+    request = {**prompt_of(args), "priority": args.priority, "prompt_cache_key": args.prompt_cache_key}
     try:
         with Client(args.server, api_key=client_api_key(args), timeout=args.timeout) as client:
             if args.json or (args.n or 1) > 1 or args.logprobs is not None \

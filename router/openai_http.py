@@ -217,7 +217,7 @@ class OpenAIFrontend:
             sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max, tools=tools)
             placement, stream_usage = placement_of(body), stream_options_of(body)
             want_ids, as_ids = flag_of(body, "return_token_ids"), flag_of(body, "return_tokens_as_token_ids")
-            for name in ("user", "safety_identifier"):  # OpenAI's end-user ids: on the request's log line
+            for name in ("user", "safety_identifier", "prompt_cache_key"):  # on the request's log line
                 if body.get(name):
                     observer.fields[name] = body[name]
             if chat:  # stops at the template's end of turn, as a gRPC conversation does

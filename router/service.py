@@ -28,6 +28,8 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
         observer = StreamObserver("router", request_id, api="grpc")
+        if request.prompt_cache_key:  # on the request's log line: why it went where it went
+            observer.fields["prompt_cache_key"] = request.prompt_cache_key
         try:
             ids, sampling, calls = validation.checked(request, self.tokenizer)
         except ValueError as err:

@@ -140,6 +140,8 @@ def test_pdserve_chat_sends_the_conversation_so_far_each_turn(cluster):
     tokenizer = PromptTokenizer(cluster.model)
     assert [t["prompt_tokens"] for t in turns] == [len(tokenizer.chat_ids([user("name a fox")])),
                                                    len(tokenizer.chat_ids(history))]
+    # one prompt_cache_key for the session: its turns go to the nodes holding the last
+    assert turns[0]["prompt_cache_key"] == turns[1]["prompt_cache_key"] != ""
 
 
 def test_pdserve_chat_goes_on_after_an_error_and_forgets_on_reset(cluster):
