@@ -160,6 +160,8 @@ def test_a_prompt_cache_key_is_a_string_that_places_the_request():
         assert sampling({"prompt_cache_key": "conversation-7"}, chat).max_tokens == 16
     assert placement_of({"prompt_cache_key": "conversation-7"})["cache_key"] == "conversation-7"
     assert placement_of({})["cache_key"] == ""
+    from pdserve.router.responses_api import chat_body  # /v1/responses passes it on as chat's
+    assert chat_body({"model": "m", "input": "hi", "prompt_cache_key": "k"})["prompt_cache_key"] == "k"
     with pytest.raises(OpenAIError, match="prompt_cache_key must be a string, got 7") as err:
         placement_of({"prompt_cache_key": 7})
     assert err.value.param == "prompt_cache_key"
