@@ -13,11 +13,12 @@ events (`MessageStream`). The Anthropic SDK talks to it with `base_url` at the s
   `continue_final_message`). `cache_control` marks are taken as the hint they are: every
   prompt's prefix is cached by the nodes anyway.
 - Mapped: `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k`,
-  `metadata.user_id` (the log line's user), `tools` (custom ones: name, description,
+  `metadata.user_id` (the log line's user, and the `prompt_cache_key` unless one is given:
+  a user's requests go to the nodes that hold its prefixes, router/policies.py), `tools` (custom ones: name, description,
   input_schema), `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`),
   `thinking` (disabled, enabled, adaptive) and `output_config.effort` (a thinking model's
   reasoning effort), `output_config.format` (a JSON Schema the text is held to), `stream`;
-  pdserve's sampling extras (`seed`, `min_p`, `priority`, ...) pass as on chat.
+  pdserve's extras (`seed`, `min_p`, `priority`, `prompt_cache_key`, ...) pass as on chat.
   Anything else (images, documents, server tools, containers) is a 400 naming it.
 - Output: `thinking` blocks (a thinking model's reasoning), `text`, then one `tool_use` per
   call. `stop_reason`: `end_turn`, `max_tokens`, `stop_sequence` (with `stop_sequence`,
@@ -38,7 +39,8 @@ from .openai_protocol import OpenAIError
 
 # pdserve's chat extras that mean the same on /v1/messages
 EXTRAS = {"seed", "min_p", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
-          "ignore_eos", "stop_token_ids", "priority", "cache_salt", "chat_template_kwargs", "logit_bias"}
+          "ignore_eos", "stop_token_ids", "priority", "cache_salt", "chat_template_kwargs", "logit_bias",
+          "prompt_cache_key"}
 PASSED = {"model", "max_tokens", "temperature", "top_p", "top_k", "stream"} | EXTRAS
 MAPPED = {"messages", "system", "stop_sequences", "metadata", "tools", "tool_choice", "thinking", "output_config",
           "cache_control"}
@@ -81,8 +83,9 @@ def chat_body(body: dict, counting: bool = False) -> dict:
         if not isinstance(metadata, dict) or set(metadata) - {"user_id"} or \
                 not isinstance(metadata.get("user_id", ""), (str, type(None))):
             raise refused(f'metadata must be {{"user_id": string}}, got {metadata!r:.80}', "metadata")
-        if metadata.get("user_id"):
+        if metadata.get("user_id"):  # a user's requests share prefixes: to the same nodes, unless keyed otherwise
             chat["user"] = metadata["user_id"]
+            chat.setdefault("prompt_cache_key", metadata["user_id"])
     if body.get("tools"):
         chat["tools"] = _tools(body["tools"])
     chat.update(_tool_choice(body.get("tool_choice")))

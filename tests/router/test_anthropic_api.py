@@ -38,6 +38,7 @@ def test_a_request_is_the_chat_request_it_means():
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t3", "content": "x"}]}]}
     assert chat_body(body) == {
         "model": "m", "max_tokens": 9, "temperature": 0.5, "top_k": 3, "seed": 4, "stop": ["END"], "user": "u1",
+        "prompt_cache_key": "u1",
         "tools": [{"type": "function", "function": {"name": "set_mode", "parameters": {"type": "object"},
                                                     "description": "on or off"}}],
         "tool_choice": "required", "parallel_tool_calls": False,
@@ -52,6 +53,8 @@ def test_a_request_is_the_chat_request_it_means():
     started = chat_body({"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"},
                                                                     {"role": "assistant", "content": "Well,"}]})
     assert (started["continue_final_message"], started["add_generation_prompt"]) == (True, False)
+    keyed = chat_body({**body, "prompt_cache_key": "session-2"})
+    assert (keyed["user"], keyed["prompt_cache_key"]) == ("u1", "session-2")  # a key given wins
     counted = chat_body({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, counting=True)
     assert counted == {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
