@@ -42,6 +42,10 @@ class RouterConfig:
         None, "serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
               "/v1/models) and Prometheus /metrics over HTTP on this port; 0 picks a free one "
               "(default: no HTTP server)", type=int)
+    peer_router: list[str] = option(
+        help="another router's HTTP port (repeat or comma-separate; dns:///NAME:PORT for every "
+             "address NAME has), asked for the stored responses this router lacks (router/peers.py)",
+        metavar="HOST:PORT", default_factory=list)
     etcd: str = option("", "watch the workers registered in this etcd server, live, in "
                            "addition to --prefill/--decode (default: none)", metavar="HOST:PORT")
     etcd_prefix: str = option("/pdserve/workers", "key prefix the workers register under")
@@ -128,6 +132,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         self.prefill = [e for v in self.prefill for e in v.split(",") if e]
         self.decode = [e for v in self.decode for e in v.split(",") if e]
+        self.peer_router = [e for v in self.peer_router for e in v.split(",") if e]
 
     def validate(self) -> None:
         if not self.decode and not self.etcd:

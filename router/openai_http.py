@@ -42,6 +42,7 @@ from pdserve.router import (anthropic_api, fill_in_middle, http_keys, prompt_bat
                             responses_api, responses_http, tokenize_api, validation)
 from pdserve.router.choice_logprobs import ChoiceLogprobs
 from pdserve.router.conversations import Conversations
+from pdserve.router.peers import Peers
 from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
     OpenAIError, chat_prompt, completion_prompts, flag_of, invalid, now, placement_of,
@@ -76,7 +77,7 @@ class OpenAIFrontend:
 
     def __init__(self, dispatcher, tokenizer, model_id: str, registry=None,
                  api_keys: tenants.KeyRing | None = None, role: str = "router",
-                 refresh=None) -> None:
+                 refresh=None, peers=None) -> None:
         self.api_keys = api_keys  # None: no key needed, every caller is the tenant `default`
         self.dispatcher = dispatcher
         self.role, self.refresh = role, refresh
@@ -85,7 +86,7 @@ class OpenAIFrontend:
         self.registry = registry
         self.created = now()
         kept_mb = http_limits.current().responses_store_mb  # /v1/responses' and /v1/conversations' own
-        self.stored = StoredResponses(ResponseStore(kept_mb), lambda request: request[TENANT])
+        self.stored = StoredResponses(ResponseStore(kept_mb), lambda request: request[TENANT], peers)
         self.conversations = Conversations(kept_mb, lambda request: request[TENANT])
 
     def app(self) -> web.Application:
@@ -196,6 +197,7 @@ class OpenAIFrontend:
         try:
             body = original = await self._body(request)
             if responses:  # served as the chat request it means, after its stored conversation
+                await self.stored.fetch_previous(request, original)
                 original, ended = response_history.prepared(original, request[TENANT], self.stored.store,
                                                             self.conversations)
                 body = responses_api.chat_body(original)
@@ -339,6 +341,7 @@ async def start_router_http(config, dispatcher, tokenizer, registry):
 
     metrics.NODE.info({"role": "router", "model": tokenizer.card.model})
     frontend = OpenAIFrontend(dispatcher, tokenizer, tokenizer.card.model, registry,
-                              api_keys=auth.current().api_keys)
+                              api_keys=auth.current().api_keys,
+                              peers=Peers(config.peer_router) if config.peer_router else None)
     return await start_http(frontend.app(), config.server.host, config.http_port,
                             "router OpenAI API and /metrics")

@@ -2,9 +2,10 @@
 `GET` and `DELETE /v1/responses/{id}` read and remove, and `GET
 /v1/responses/{id}/input_items` lists (`input_page`).
 
-- Kept by the router process that answered, in memory, so a restart forgets them and
-  another router of the same cluster does not have them (a client that spreads one
-  conversation over several routers sends the whole conversation in `input` instead).
+- Kept by the router process that answered, in memory, so a restart forgets them. Another
+  router of the same cluster asks for one it lacks from its `--peer-router`s
+  (router/peers.py); without them, a client that spreads one conversation over several
+  routers sends the whole conversation in `input` instead.
 - Bounded by `--responses-store-mb` of their JSON text: the least recently used go first.
   0 keeps none, and a request that needs one is told so.
 - Each is its tenant's: another tenant's id is not found, as an id never stored is not.
@@ -53,6 +54,9 @@ class ResponseStore:
         input items then its output items; 404 naming `param` otherwise."""
         response, inputs = self._entry(tenant, response_id, param)
         return response, [*inputs, *response["output"]]
+
+    def has(self, tenant: str, response_id: str) -> bool:
+        return (tenant, response_id) in self._entries
 
     def input_page(self, tenant: str, response_id: str, query: Mapping[str, str]) -> dict:
         """A page of the stored response's input items (`page_of`)."""

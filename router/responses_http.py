@@ -14,6 +14,7 @@ from aiohttp import web
 from pdserve.runtime.errors import NodeError
 
 from .openai_protocol import OpenAIError
+from .peers import Peers, asked_by_peer
 from .openai_shape import encoded
 from .response_store import ResponseStore
 
@@ -109,8 +110,8 @@ class StoredResponses:
 
     KEPT_LOGS = 64
 
-    def __init__(self, store: ResponseStore, tenant_of) -> None:
-        self.store, self.tenant_of = store, tenant_of
+    def __init__(self, store: ResponseStore, tenant_of, peers: Peers | None = None) -> None:
+        self.store, self.tenant_of, self.peers = store, tenant_of, peers
         self._running: dict[tuple[str, str], asyncio.Task] = {}
         self._logs: OrderedDict[tuple[str, str], EventLog] = OrderedDict()  # streamed ones', oldest first
 
@@ -160,10 +161,37 @@ class StoredResponses:
                     await log.add(events, done=True)
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.get("/v1/responses/{id}", self.get),
-                web.get("/v1/responses/{id}/input_items", self.input_items),
+        return [web.get("/v1/responses/{id}", self._or_peer(self.get)),
+                web.get("/v1/responses/{id}/input_items", self._or_peer(self.input_items)),
                 web.delete("/v1/responses/{id}", self.delete),
-                web.post("/v1/responses/{id}/cancel", self.cancel)]
+                web.post("/v1/responses/{id}/cancel", self._or_peer(self.cancel))]
+
+    def _or_peer(self, handler):
+        """`handler`, or a peer router's answer where this router does not have the
+        response (router/peers.py)."""
+        async def answer(request: web.Request) -> web.StreamResponse:
+            try:
+                return await handler(request)
+            except OpenAIError as err:
+                if err.status != 404 or self.peers is None or asked_by_peer(request):
+                    raise
+                relayed = await self.peers.relay(request)
+                if relayed is None:
+                    raise
+                return relayed
+        return answer
+
+    async def fetch_previous(self, request: web.Request, body: dict) -> None:
+        """Where a request continues a response this router lacks, take it from the peer
+        router that stores it (router/peers.py), so it is continued here."""
+        previous = body.get("previous_response_id")
+        if self.peers is None or not isinstance(previous, str) or asked_by_peer(request):
+            return
+        tenant = self.tenant_of(request)
+        if not self.store.has(tenant, previous):
+            found = await self.peers.stored(request, previous)
+            if found is not None:
+                self.store.put(tenant, *found)
 
     async def get(self, request: web.Request) -> web.StreamResponse:
         tenant, response_id = self.tenant_of(request), request.match_info["id"]
@@ -186,11 +214,18 @@ class StoredResponses:
                                                        request.query))
 
     async def delete(self, request: web.Request) -> web.Response:
+        """Here, and on every peer router (a response continued through another router
+        has a copy there): a 404 only when none had it."""
         tenant, response_id = self.tenant_of(request), request.match_info["id"]
-        self.store.get(tenant, response_id)  # 404 when it is not there
-        await self._stop(tenant, response_id)
-        self.store.delete(tenant, response_id)
-        self._logs.pop((tenant, response_id), None)
+        here = self.store.has(tenant, response_id)
+        if here:
+            await self._stop(tenant, response_id)
+            self.store.delete(tenant, response_id)
+            self._logs.pop((tenant, response_id), None)
+        if self.peers is not None and not asked_by_peer(request):
+            here = await self.peers.everywhere(request) or here
+        if not here:
+            self.store.get(tenant, response_id)  # its 404
         return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def cancel(self, request: web.Request) -> web.Response:

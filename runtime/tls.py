@@ -110,6 +110,17 @@ def channel_credentials() -> grpc.ChannelCredentials | None:
         root_certificates=_read(c.ca), private_key=_read(c.key), certificate_chain=_read(c.cert))
 
 
+def http_client_ssl_context() -> ssl.SSLContext:
+    """For HTTPS this node asks (another router's port, router/peers.py): the server's
+    certificate checked against --tls-ca (the system's roots without one), this node's own
+    presented when it has one."""
+    c = _config
+    context = ssl.create_default_context(cafile=c.ca or None)
+    if c.cert:
+        context.load_cert_chain(c.cert, c.key)
+    return context
+
+
 def http_ssl_context() -> ssl.SSLContext | None:
     """The HTTP port's TLS (runtime/http.py): this node's certificate, or None without one.
     It asks for client certificates exactly when the gRPC port does
