@@ -10,7 +10,9 @@ and the input and the answer's output items are added after it ends).
   reasoning), checked as an input is; each gets an id when added (`msg_…`, `item_…`).
 - Kept as stored responses are: by the router that made them, in memory, each tenant's
   own, the least recently used going first past `--responses-store-mb` of their JSON text
-  (a bound of their own, beside the responses'); 0 keeps none.
+  (a bound of their own, beside the responses'); 0 keeps none. Through another router
+  that names this one a `--peer-router`, the conversation's routes, and a response that
+  names it, are relayed here (router/peers.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from aiohttp import web
 
 from . import responses_api
 from .openai_protocol import OpenAIError, now
+from .peers import Peers, or_peer
 from .response_store import page_of, with_ids
 
 MAX_METADATA = 16  # OpenAI's: pairs of a key of at most 64 characters and a value of at most 512
@@ -31,21 +34,25 @@ MAX_ITEMS_ADDED = 20  # OpenAI's: items one create or add call takes
 
 
 class Conversations:
-    def __init__(self, max_mb: float, tenant_of: Callable[[web.Request], str]) -> None:
+    def __init__(self, max_mb: float, tenant_of: Callable[[web.Request], str], peers: Peers | None = None) -> None:
         self.max_chars = int(max_mb * 2**20)
-        self.tenant_of = tenant_of
+        self.tenant_of, self.peers = tenant_of, peers
         self._entries: OrderedDict[tuple[str, str], dict] = OrderedDict()  # {"conversation", "items", "size"}
         self.chars = 0
 
     def routes(self) -> list[web.RouteDef]:
+        """Each route of a conversation another router made is that router's (router/peers.py)."""
+        def theirs(handler):
+            return or_peer(self.peers, handler, ("conversation_id",))
+
         return [web.post("/v1/conversations", self._create),
-                web.get("/v1/conversations/{id}", self._get),
-                web.post("/v1/conversations/{id}", self._update),
-                web.delete("/v1/conversations/{id}", self._delete),
-                web.get("/v1/conversations/{id}/items", self._list),
-                web.post("/v1/conversations/{id}/items", self._add),
-                web.get("/v1/conversations/{id}/items/{item}", self._item),
-                web.delete("/v1/conversations/{id}/items/{item}", self._delete_item)]
+                web.get("/v1/conversations/{id}", theirs(self._get)),
+                web.post("/v1/conversations/{id}", theirs(self._update)),
+                web.delete("/v1/conversations/{id}", theirs(self._delete)),
+                web.get("/v1/conversations/{id}/items", theirs(self._list)),
+                web.post("/v1/conversations/{id}/items", theirs(self._add)),
+                web.get("/v1/conversations/{id}/items/{item}", theirs(self._item)),
+                web.delete("/v1/conversations/{id}/items/{item}", theirs(self._delete_item))]
 
     # ---- what /v1/responses uses ------------------------------------------------------
     def items(self, tenant: str, named) -> tuple[str, list[dict]]:

@@ -42,7 +42,7 @@ from pdserve.router import (anthropic_api, fill_in_middle, http_keys, prompt_bat
                             responses_api, responses_http, tokenize_api, validation)
 from pdserve.router.choice_logprobs import ChoiceLogprobs
 from pdserve.router.conversations import Conversations
-from pdserve.router.peers import Peers
+from pdserve.router.peers import Peers, or_peer
 from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
     OpenAIError, chat_prompt, completion_prompts, flag_of, invalid, now, placement_of,
@@ -87,14 +87,14 @@ class OpenAIFrontend:
         self.created = now()
         kept_mb = http_limits.current().responses_store_mb  # /v1/responses' and /v1/conversations' own
         self.stored = StoredResponses(ResponseStore(kept_mb), lambda request: request[TENANT], peers)
-        self.conversations = Conversations(kept_mb, lambda request: request[TENANT])
+        self.conversations = Conversations(kept_mb, lambda request: request[TENANT], peers)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors_and_counts])
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
-            web.post("/v1/responses", self.responses),
+            web.post("/v1/responses", or_peer(self.stored.peers, self.responses, ("conversation",))),
             web.post("/v1/messages", self.messages),
             web.post("/v1/messages/count_tokens", self.count_tokens),
             *self.stored.routes(), *self.conversations.routes(),

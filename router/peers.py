@@ -1,8 +1,11 @@
 """The other routers of a cluster, asked for the stored responses this router lacks
-(router/responses_http.py), so that a client behind a load balancer continues, reads,
-cancels or deletes a response through any router, whichever stored it. A continuation
-copies the response it continues to the router that serves it; a delete reaches every
-router, copies too.
+(router/responses_http.py) and the conversations (router/conversations.py), so that a
+client behind a load balancer continues, reads, cancels or deletes a response through any
+router, whichever stored it, and uses a conversation through any router, whichever made
+it. A continuation copies the response it continues to the router that serves it; a delete
+reaches every router, copies too. A conversation has no copies: whatever names one this
+router lacks (its routes, a response that adds to it) is relayed whole to the router that
+has it, which answers.
 
 - Peers are `--peer-router` targets: a router's HTTP `HOST:PORT`, or `dns:///NAME:PORT`
   for every address the name has (a Kubernetes headless Service of the routers, a compose
@@ -30,6 +33,7 @@ from aiohttp import web
 from pdserve.runtime import http_limits, tls
 
 from .discovery import is_dns, resolve
+from .openai_protocol import OpenAIError
 
 log = logging.getLogger("pdserve.router")
 
@@ -40,6 +44,23 @@ PAGE = 100  # input items asked for at once
 
 def asked_by_peer(request: web.Request) -> bool:
     return PEER_HEADER in request.headers
+
+
+def or_peer(peers: "Peers | None", handler, params: tuple[str, ...] = ()):
+    """`handler`, or the answer of a peer router where this one finds nothing: a 404 (one
+    naming a field of `params`, when given)."""
+    async def answer(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except OpenAIError as err:
+            if err.status != 404 or (params and err.param not in params) or peers is None or \
+                    asked_by_peer(request):
+                raise
+            relayed = await peers.relay(request)
+            if relayed is None:
+                raise
+            return relayed
+    return answer
 
 
 class Peers:
@@ -67,12 +88,15 @@ class Peers:
                                      connector=aiohttp.TCPConnector(ssl=self.ssl or True))
 
     async def relay(self, request: web.Request) -> web.StreamResponse | None:
-        """The first peer's answer to `request` (its method, path and query, no body) that
-        is not a 404, relayed to the client as it comes; None when none has it."""
+        """The first peer's answer to `request` (its method, path, query and body) that is
+        not a 404, relayed to the client as it comes; None when none has it."""
+        body = await request.read()  # read once already (aiohttp keeps it): to send again
+        headers = {name: request.headers[name] for name in ("Content-Type", "X-Request-Id") if name in request.headers}
         async with self._session(request) as session:
             for base in await self._bases():
                 try:
-                    async with session.request(request.method, base + request.path_qs) as reply:
+                    async with session.request(request.method, base + request.path_qs, data=body or None,
+                                               headers=headers) as reply:
                         if reply.status == 404:
                             continue
                         out = web.StreamResponse(status=reply.status, headers={

@@ -14,7 +14,7 @@ from aiohttp import web
 from pdserve.runtime.errors import NodeError
 
 from .openai_protocol import OpenAIError
-from .peers import Peers, asked_by_peer
+from .peers import Peers, asked_by_peer, or_peer
 from .openai_shape import encoded
 from .response_store import ResponseStore
 
@@ -161,25 +161,10 @@ class StoredResponses:
                     await log.add(events, done=True)
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.get("/v1/responses/{id}", self._or_peer(self.get)),
-                web.get("/v1/responses/{id}/input_items", self._or_peer(self.input_items)),
+        return [web.get("/v1/responses/{id}", or_peer(self.peers, self.get)),
+                web.get("/v1/responses/{id}/input_items", or_peer(self.peers, self.input_items)),
                 web.delete("/v1/responses/{id}", self.delete),
-                web.post("/v1/responses/{id}/cancel", self._or_peer(self.cancel))]
-
-    def _or_peer(self, handler):
-        """`handler`, or a peer router's answer where this router does not have the
-        response (router/peers.py)."""
-        async def answer(request: web.Request) -> web.StreamResponse:
-            try:
-                return await handler(request)
-            except OpenAIError as err:
-                if err.status != 404 or self.peers is None or asked_by_peer(request):
-                    raise
-                relayed = await self.peers.relay(request)
-                if relayed is None:
-                    raise
-                return relayed
-        return answer
+                web.post("/v1/responses/{id}/cancel", or_peer(self.peers, self.cancel))]
 
     async def fetch_previous(self, request: web.Request, body: dict) -> None:
         """Where a request continues a response this router lacks, take it from the peer

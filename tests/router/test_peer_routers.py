@@ -105,3 +105,28 @@ def test_a_background_response_streams_and_cancels_through_the_other_router(tmp_
             status, cancelled = await call(s, "POST", f"{b}/v1/responses/{rid}/cancel", ALICE)
             assert (status, cancelled["status"]) == (200, "incomplete")  # it had ended: as it ended
     asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_conversation_made_on_one_router_is_used_through_the_other(tmp_path):
+    async def go():
+        async with two_routers(tmp_path) as (a, b), aiohttp.ClientSession() as s:
+            status, made = await call(s, "POST", f"{a}/v1/conversations", ALICE,
+                                      {"items": [{"role": "user", "content": "hello"}]})
+            assert status == 200, made
+            cid = made["id"]
+            assert await call(s, "GET", f"{b}/v1/conversations/{cid}", ALICE) == (200, made)
+            assert (await call(s, "GET", f"{b}/v1/conversations/{cid}", BOB))[0] == 404  # not bob's
+            status, added = await call(s, "POST", f"{b}/v1/conversations/{cid}/items", ALICE,
+                                       {"items": [{"role": "user", "content": "name a fox"}]})
+            assert status == 200, added
+            # a response naming it, through B: served by A, which keeps the conversation
+            status, answer = await call(s, "POST", f"{b}/v1/responses", ALICE, {
+                "model": "fake", "input": "and a dog", "conversation": cid, "max_output_tokens": 3})
+            assert status == 200, answer
+            status, items = await call(s, "GET", f"{a}/v1/conversations/{cid}/items?order=asc", ALICE)
+            assert [i.get("content") for i in items["data"][:3]] == ["hello", "name a fox", "and a dog"]
+            assert items["data"][3]["id"] == answer["output"][0]["id"] and len(items["data"]) == 4
+            status, deleted = await call(s, "DELETE", f"{b}/v1/conversations/{cid}", ALICE)
+            assert status == 200 and deleted["deleted"] is True
+            assert (await call(s, "GET", f"{a}/v1/conversations/{cid}", ALICE))[0] == 404
+    asyncio.run(asyncio.wait_for(go(), 60))
