@@ -106,3 +106,25 @@ def test_what_cannot_be_served_is_a_400_naming_the_field_and_no_page_is_kept(clu
     assert param in reply["error"]["message"]
     wait_until(lambda: sample(cluster.scrape("decode"), "pdserve_kv_pages_used", role="decode") == 0,
                "every decode page free", 15)
+
+
+def test_a_router_naming_another_its_peer_reads_and_continues_the_others_responses(api, cluster):
+    """`pdserve router --peer-router`: a second router process over the same workers."""
+    import openai
+
+    from pdserve.procs import free_port
+
+    port = free_port()
+    cluster.start("peer-router", ["router", "--model", cluster.model, "--host", "127.0.0.1", "--http-port", str(port),
+                                  "--prefill", cluster.address("prefill"), "--decode", cluster.address("decode"),
+                                  "--peer-router", cluster.http.removeprefix("http://")])
+    try:
+        other = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        first = api.responses.create(model=cluster.model, input="name a fox", **GREEDY)
+        assert other.responses.retrieve(first.id).output_text == first.output_text
+        followed = other.responses.create(model=cluster.model, input="and a dog", previous_response_id=first.id,
+                                          **GREEDY)
+        here = api.responses.create(model=cluster.model, input="and a dog", previous_response_id=first.id, **GREEDY)
+        assert (followed.output_text, followed.usage.input_tokens) == (here.output_text, here.usage.input_tokens)
+    finally:
+        cluster.stop_node("peer-router")
