@@ -211,6 +211,42 @@ async def openai_router(decode: list, tokenizer=None):
             await s.stop(None)
 
 
+@contextlib.contextmanager
+def posting_to(tmp_path, path: str):
+    """`post(body) -> (status, text)` to `path` of an in-process router over a fake decode
+    node, with a chat tokenizer, its loop in a thread of its own (for callers that block,
+    such as hypothesis tests)."""
+    import json
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from pdserve.engine.checkpoint import CHAT_TEMPLATE
+    from pdserve.router.tokenizer import PromptTokenizer
+    from tests.chat_checkpoint import write_tokenizer_only
+
+    tokenizer = PromptTokenizer(str(write_tokenizer_only(tmp_path, CHAT_TEMPLATE)), "fake")
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    router = openai_router([FakeWorker("d")], tokenizer)
+    url = asyncio.run_coroutine_threadsafe(router.__aenter__(), loop).result(30) + path
+
+    def post(body: dict) -> tuple[int, str]:
+        sent = json.dumps({"model": "fake", **body}).encode()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, sent, {"Content-Type": "application/json"}),
+                                        timeout=30) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    try:
+        yield post
+    finally:
+        asyncio.run_coroutine_threadsafe(router.__aexit__(None, None, None), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 

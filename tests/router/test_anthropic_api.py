@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pdserve.router.anthropic_api import MessageStream, chat_body
 from pdserve.router.openai_protocol import OpenAIError
-from tests.router.test_responses_api import chunk, json_values
+from tests.router.test_responses_api import json_values, thinking_text_and_calls
 
 MODE = {"name": "set_mode", "description": "on or off", "input_schema": {"type": "object"},
         "cache_control": {"type": "ephemeral"}}
@@ -106,15 +106,7 @@ def test_thinking_text_and_calls_become_blocks_whose_events_give_the_whole():
     stream = MessageStream("r1", "m", {}, prompt_tokens=5)
     events = stream.start()
     assert events[0]["message"]["usage"] == {"input_tokens": 5, "output_tokens": 0}
-    for part in [chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "think"}),
-                 chunk({"reasoning_content": " more"}), chunk({"content": "Sure."}),
-                 chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
-                                        "function": {"name": "set_mode", "arguments": '{"mode"'}}]}),
-                 chunk({"tool_calls": [{"index": 0, "function": {"arguments": ': "on"}'}}]}),
-                 chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
-                                        "function": {"name": "set_mode", "arguments": "{}"}}]}, "tool_calls"),
-                 chunk(None, usage={"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
-                                    "prompt_tokens_details": {"cached_tokens": 2}})]:
+    for part in thinking_text_and_calls():
         events += stream.feed(part)
     events += stream.end()
     whole = stream.response
@@ -229,32 +221,14 @@ def test_any_messages_body_is_an_answer_or_anthropics_400(tmp_path):
     """Random bodies to /v1/messages of an in-process router over a fake decode node: each
     is a well-formed message (whole, or events ending with message_stop) or a 400 in
     Anthropic's shape, never a 500."""
-    import threading
-    import urllib.error
-    import urllib.request
+    from tests.router.fake_worker import posting_to
 
-    from pdserve.engine.checkpoint import CHAT_TEMPLATE
-    from pdserve.router.tokenizer import PromptTokenizer
-    from tests.chat_checkpoint import write_tokenizer_only
-    from tests.router.fake_worker import FakeWorker, openai_router
-
-    tokenizer = PromptTokenizer(str(write_tokenizer_only(tmp_path, CHAT_TEMPLATE)), "fake")
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    router = openai_router([FakeWorker("d")], tokenizer)
-    url = asyncio.run_coroutine_threadsafe(router.__aenter__(), loop).result(30) + "/v1/messages"
     answered = []
 
     @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
     @given(body=st.one_of(fine_bodies, bodies))
     def check(body):
-        sent = json.dumps({"model": "fake", **body}).encode()
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, sent, {"Content-Type": "application/json"}),
-                                        timeout=30) as reply:
-                status, text = reply.status, reply.read().decode()
-        except urllib.error.HTTPError as err:
-            status, text = err.code, err.read().decode()
+        status, text = post(body)
         if status == 400:
             error = json.loads(text)
             assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
@@ -270,9 +244,6 @@ def test_any_messages_body_is_an_answer_or_anthropics_400(tmp_path):
                                                                        "tool_use"), whole
         answered.append(whole)
 
-    try:
+    with posting_to(tmp_path, "/v1/messages") as post:
         check()
-    finally:
-        asyncio.run_coroutine_threadsafe(router.__aexit__(None, None, None), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
     assert len(answered) > 30  # the fine bodies are served

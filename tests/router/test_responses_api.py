@@ -92,6 +92,20 @@ def chunk(delta: dict | None = None, finish=None, usage=None) -> dict:
             "usage": usage}
 
 
+def thinking_text_and_calls() -> list[dict]:
+    """A chat answer's chunks: reasoning, text, a call whose arguments come in two pieces,
+    a second call, then the usage (5 prompt tokens, 2 of them cached, and 7 generated)."""
+    return [chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "think"}),
+            chunk({"reasoning_content": " more"}), chunk({"content": "Sure."}),
+            chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                   "function": {"name": "set_mode", "arguments": '{"mode"'}}]}),
+            chunk({"tool_calls": [{"index": 0, "function": {"arguments": ': "on"}'}}]}),
+            chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                                   "function": {"name": "set_mode", "arguments": "{}"}}]}, "tool_calls"),
+            chunk(None, usage={"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                               "prompt_tokens_details": {"cached_tokens": 2}})]
+
+
 def replay(events: list[dict]) -> dict:
     """The response a client builds from the events alone."""
     items: dict[int, dict] = {}
@@ -114,15 +128,7 @@ def test_reasoning_text_and_calls_become_items_whose_events_give_the_whole():
     stream = ResponseStream("r1", "m", {"input": "hi", "metadata": {"k": "v"}})
     events = stream.start()
     assert events[0]["response"]["output"] == [] and events[0]["response"]["status"] == "in_progress"
-    for part in [chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "think"}),
-                 chunk({"reasoning_content": " more"}), chunk({"content": "Sure."}),
-                 chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
-                                        "function": {"name": "set_mode", "arguments": '{"mode"'}}]}),
-                 chunk({"tool_calls": [{"index": 0, "function": {"arguments": ': "on"}'}}]}),
-                 chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
-                                        "function": {"name": "set_mode", "arguments": "{}"}}]}, "tool_calls"),
-                 chunk(None, usage={"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
-                                    "prompt_tokens_details": {"cached_tokens": 2}})]:
+    for part in thinking_text_and_calls():
         events += stream.feed(part)
     events += stream.end()
     whole = stream.response
@@ -259,33 +265,14 @@ def test_any_responses_body_is_an_answer_or_a_400_naming_a_field_it_sent(tmp_pat
     """Random bodies to /v1/responses of an in-process router over a fake decode node, most
     of the fine ones served, most of the others refused: every one is a well-formed response
     (whole, or events ending it) or a 400 whose `param` is a field of the body, never a 500."""
-    import asyncio
     import json
-    import threading
-    import urllib.error
-    import urllib.request
 
-    from pdserve.engine.checkpoint import CHAT_TEMPLATE
-    from pdserve.router.tokenizer import PromptTokenizer
-    from tests.chat_checkpoint import write_tokenizer_only
-    from tests.router.fake_worker import FakeWorker, openai_router
-
-    tokenizer = PromptTokenizer(str(write_tokenizer_only(tmp_path, CHAT_TEMPLATE)), "fake")
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    router = openai_router([FakeWorker("d")], tokenizer)
-    url = asyncio.run_coroutine_threadsafe(router.__aenter__(), loop).result(30) + "/v1/responses"
+    from tests.router.fake_worker import posting_to
 
     @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
     @given(body=st.one_of(fine_bodies, bodies))
     def check(body):
-        sent = json.dumps({"model": "fake", **body}).encode()
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, sent, {"Content-Type": "application/json"}),
-                                        timeout=30) as reply:
-                status, text = reply.status, reply.read().decode()
-        except urllib.error.HTTPError as err:
-            status, text = err.code, err.read().decode()
+        status, text = post(body)
         if status in (400, 404):  # 404: a previous_response_id never stored
             param = json.loads(text)["error"]["param"]
             assert param and param.split(".")[0].split("[")[0] in {"model", *body}, (param, body)
@@ -299,8 +286,5 @@ def test_any_responses_body_is_an_answer_or_a_400_naming_a_field_it_sent(tmp_pat
             whole = json.loads(text)
         assert whole["object"] == "response" and whole["status"] in ("completed", "incomplete"), whole
 
-    try:
+    with posting_to(tmp_path, "/v1/responses") as post:
         check()
-    finally:
-        asyncio.run_coroutine_threadsafe(router.__aexit__(None, None, None), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
