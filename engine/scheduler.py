@@ -76,19 +76,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue seq behind every waiting sequence of its priority or a lower one."""
         seq.status = Status.WAITING
-        place, priority = len(self.waiting), seq.request.priority
-        while place and self.waiting[place - 1].request.priority > priority:
-            place -= 1
-        self.waiting.insert(place, seq)
+        _rank(self.waiting, seq)
 
     def add_started(self, seq: Sequence) -> None:
         """A sequence that already holds pages with computed KV (start_generation): it runs
         from the next step that has a sequence slot for it."""
         seq.status = Status.WAITING
-        place, priority = len(self.started), seq.request.priority
-        while place and self.started[place - 1].request.priority > priority:
-            place -= 1
-        self.started.insert(place, seq)
+        _rank(self.started, seq)
 
     def _admit_started(self) -> None:
         while self.started:
@@ -102,11 +96,8 @@ class Scheduler:
             self._run(seq)
 
     def _run(self, seq: Sequence) -> None:
-        """Rank seq among the running: behind every one of its priority or a lower one."""
-        place, priority = len(self.running), seq.request.priority
-        while place and self.running[place - 1].request.priority > priority:
-            place -= 1
-        self.running.insert(place, seq)
+        """Rank seq among the running."""
+        _rank(self.running, seq)
 
     def make_room(self, pages: int, priority: int) -> None:
         """Free `pages` for a request of `priority` by preempting running sequences of a
@@ -300,6 +291,14 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
                 return
+
+
+def _rank(line: list[Sequence] | deque[Sequence], seq: Sequence) -> None:
+    """Put seq in `line` behind every sequence of its priority or a lower one."""
+    place, priority = len(line), seq.request.priority
+    while place and line[place - 1].request.priority > priority:
+        place -= 1
+    line.insert(place, seq)
 
 
 def _decoding(seq: Sequence) -> bool:

@@ -4,9 +4,9 @@ colocated node.
 Every turn sends the whole conversation so far as `messages` (the `--system` message, then
 user and assistant turns), so the server applies the model's chat template and stops at its
 end of turn; the answer prints as it streams. Every turn carries the session's
-`prompt_cache_key`, so the routers send it to the nodes that hold the turns before. Turns are read by `chat_input.TurnReader`:
-line editing and history on a terminal, `\"\"\"` blocks and pastes as one turn, one line a
-turn from a pipe. Invariants:
+`prompt_cache_key`, so the routers send it to the nodes that hold the turns before. Turns
+are read by `chat_input.TurnReader`: line editing and history on a terminal, `\"\"\"`
+blocks and pastes as one turn, one line a turn from a pipe. Invariants:
 - stdout carries the answers and nothing else (`pdserve chat < turns > answers` gives the
   answers); the rest goes to stderr: the banner, replies to commands, errors, and marks
   where an answer ended early (`[answer cut at --max-tokens N]`, `[answer stopped]`).

@@ -97,9 +97,10 @@ def generate_request(prompt: str | list[int] | None = None, *,
     A message's missing role or content stays unset: the server names it. `cache_salt`:
     only requests with the same salt (and tenant) share cached prompt prefixes; `priority`:
     lower waits less (as vLLM's); `prompt_cache_key`: requests with the same key go to the
-    same nodes, to find each other's cached prefixes (as OpenAI's). `tools` (with messages): OpenAI's chat tools
-    ({"type": "function", "function": {"name", "description", "parameters"}}, or the
-    function alone), `tool_choice` "auto", "none", "required" or a tool's name."""
+    same nodes, to find each other's cached prefixes (as OpenAI's). `tools` (with
+    messages): OpenAI's chat tools ({"type": "function", "function": {"name",
+    "description", "parameters"}}, or the function alone), `tool_choice` "auto", "none",
+    "required" or a tool's name."""
     if (prompt is None) == (messages is None):
         raise TypeError("give exactly one of prompt or messages")
     msg = pdserve_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling),

@@ -42,12 +42,12 @@ from pdserve.router import (anthropic_api, fill_in_middle, http_keys, prompt_bat
                             responses_api, responses_http, tokenize_api, validation)
 from pdserve.router.choice_logprobs import ChoiceLogprobs
 from pdserve.router.conversations import Conversations
-from pdserve.router.peers import Peers, or_peer
 from pdserve.router.echo import echo_of
 from pdserve.router.openai_protocol import (
     OpenAIError, chat_prompt, completion_prompts, flag_of, invalid, now, placement_of,
     sampling_from_body, tools_of)
 from pdserve.router.openai_shape import Shape, encoded, stream_options_of
+from pdserve.router.peers import Peers, or_peer
 from pdserve.router.response_store import ResponseStore
 from pdserve.router.responses_http import StoredResponses
 from pdserve.runtime import auth, http_limits, metrics, tenants
