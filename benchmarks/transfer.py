@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.benchmarks import transfer_tp as tp
+from pdserve.kvtransfer.agent import PROGRESS_DELAY_US
 from pdserve.kvtransfer.layout import LAYOUT_KINDS, PAGE_MAJOR
 from pdserve.kvtransfer.plan import TransferPlan, plan_transfer
 
@@ -104,8 +105,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the page allocation (default 0)")
     p.add_argument("--progress-thread", action="store_true",
                    help="use NIXL's UCX progress thread instead of the agent's own slow poller")
-    p.add_argument("--progress-delay-us", type=int, default=2000,
-                   help="NIXL progress thread poll delay (pthrDelay) in microseconds (default 2000)")
+    p.add_argument("--progress-delay-us", type=int, default=PROGRESS_DELAY_US,
+                   help="NIXL progress thread poll delay (pthrDelay) in microseconds (default "
+                        f"{PROGRESS_DELAY_US}, a decode node's)")
     p.add_argument("--receiver-poll-ms", type=float, default=None,
                    help="poll the receiver agent itself at this interval in ms instead of NIXL's progress "
                         "thread (a decode node's agent); over TCP (--link) the receiver's progress paces "

@@ -6,8 +6,10 @@ generating plus reservations parked) and its free and total KV pages; it lands o
 was asked, so `Endpoint.queue` counts the router's own requests once and adds only what
 other routers sent.
 
-Cheap when idle: while the router has had no request for `idle_after_s`, it polls every
-`idle_interval_s` instead of every `interval_s`. A node that does not implement GetLoad is
+Cheap when idle: while the router serves nothing and has had no request for `idle_after_s`,
+it polls every `idle_interval_s` instead of every `interval_s`, and the first request after
+that wakes it to poll at once (what it routes by is then one poll old, not one idle
+interval). A node that does not implement GetLoad is
 not asked again; one that does not answer keeps its last report (health checks decide
 whether it is used). A prefill node a decode node reports as fenced (decode/quarantine.py)
 is handed to the health check, as if a call to it had failed.
@@ -26,10 +28,12 @@ from pdserve.router.registry import Endpoint, WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
 
+IDLE_AFTER_S = 2.0  # no request for this long: the router is idle
+
 
 class LoadMonitor:
     def __init__(self, registry: WorkerRegistry, interval_s: float = 0.1,
-                 idle_interval_s: float = 1.0, idle_after_s: float = 2.0,
+                 idle_interval_s: float = 5.0, idle_after_s: float = IDLE_AFTER_S,
                  timeout_s: float = 1.0) -> None:
         self.registry = registry
         self.interval_s = interval_s
@@ -38,8 +42,16 @@ class LoadMonitor:
         self.timeout_s = timeout_s
         self.last_request = 0.0  # monotonic; the dispatcher marks each request
         self._unsupported: set[str] = set()
+        self._woken = asyncio.Event()
+
+    @property
+    def idle(self) -> bool:
+        return (time.monotonic() - self.last_request > self.idle_after_s
+                and not any(e.in_flight for e in self.registry.endpoints()))
 
     def mark_busy(self) -> None:
+        if self.idle:
+            self._woken.set()
         self.last_request = time.monotonic()
 
     async def poll_once(self) -> None:
@@ -75,5 +87,11 @@ class LoadMonitor:
                 await self.poll_once()
             except Exception as err:  # never let a bad report stop the monitor
                 log.warning("load poll failed: %s", err)
-            idle = time.monotonic() - self.last_request > self.idle_after_s
-            await asyncio.sleep(self.idle_interval_s if idle else self.interval_s)
+            if not self.idle:
+                await asyncio.sleep(self.interval_s)
+                continue
+            self._woken.clear()
+            try:
+                await asyncio.wait_for(self._woken.wait(), self.idle_interval_s)
+            except asyncio.TimeoutError:
+                pass

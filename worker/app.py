@@ -89,9 +89,9 @@ async def build_node(config: WorkerConfig, gates: Gates | None = None) -> Node:
                                 for r, (p, b) in enumerate(zip(pools, head_begins))),
                           max(b + p.shape[-2] for p, b in zip(pools, head_begins)))
     # A decode node receives: over TCP (another host) each write's bytes land only as its
-    # UCX worker progresses, so NIXL's own thread (asleep in poll() between events: 1.3% of a
-    # core idle) moves them at the link's rate, where the agent's 10 ms poll capped a link
-    # near 3 Gbit/s. Nodes that write keep driving their writes themselves.
+    # UCX worker progresses, so NIXL's own thread (asleep in poll() between events and its
+    # periodic wake-ups, kvtransfer/agent.py) moves them at the link's rate, where the
+    # agent's 10 ms poll capped a link near 3 Gbit/s. Nodes that write drive their writes.
     agent = TransferAgent(agent_name(role), layout.regions() if len(pools) > 1 else kv_cache,
                           progress_thread=role == "decode")
     identity = NodeIdentity(

@@ -21,13 +21,16 @@ import pytest
 from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION
 from pdserve.client import AsyncClient
 from pdserve.procs import NodeProcess
+from pdserve.router.load import IDLE_AFTER_S
 from pdserve.cli import build_parser
 from pdserve.up import UpConfig, kv_share, node_args
 from tests.cluster.nodes import run
 from tests.cluster.test_openai_api import _post
 
-IDLE_WINDOW_S = 3.0
-SETTLE_S = 1.0  # start-up work (imports, first allocations) is not idle time
+IDLE_WINDOW_S = 5.0
+# Not idle time: start-up work (imports, first allocations), and the router's polls at the
+# busy rate for IDLE_AFTER_S after the last request.
+SETTLE_S = IDLE_AFTER_S + 1.0
 
 
 def cpu_seconds(pids: list[int]) -> float:
