@@ -203,7 +203,8 @@ def cmd_up(args) -> int:
 
     _chat_template(args)  # a bad one stops `up` before any node starts
     try:
-        HTTPConfig(allowed_origins=args.allowed_origins, responses_store_mb=args.responses_store_mb).validate()
+        HTTPConfig(allowed_origins=args.allowed_origins, responses_store_mb=args.responses_store_mb,
+                   sse_keepalive_s=args.sse_keepalive_s).validate()
     except ValueError as err:
         raise SystemExit(f"pdserve up: {err}") from None
     config = from_args(UpConfig, args, model=_model(args), extra=args.worker_args,

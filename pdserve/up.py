@@ -98,6 +98,8 @@ class UpConfig:
         metavar="ORIGIN", default_factory=list)
     responses_store_mb: float = option(64.0, "MiB of /v1/responses answers the router keeps for "
                                              "previous_response_id (0: none)")
+    sse_keepalive_s: float = option(15.0, "a streamed answer with nothing to send for this long "
+                                          "sends a keep-alive (0: none)")
     extra: list[str] = field(default_factory=list)  # more flags for both workers
     served_model_name: str | None = None  # --served-model-name, to every node
     chat_template: str | None = None  # --chat-template as given, to the router
@@ -205,6 +207,7 @@ def node_args(config: UpConfig, prefill_port: int, decode_port: int, http_port: 
                    "--tool-call-parser", config.tool_call_parser,
                    *(a for origin in config.allowed_origins for a in ("--allowed-origins", origin)),
                    "--responses-store-mb", f"{config.responses_store_mb:g}",
+                   "--sse-keepalive-s", f"{config.sse_keepalive_s:g}",
                    "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}"],
     }
 

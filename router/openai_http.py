@@ -39,7 +39,7 @@ from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router import (anthropic_api, fill_in_middle, http_keys, prompt_batch, response_history,
-                            responses_api, responses_http, tokenize_api, validation)
+                            responses_api, responses_http, sse, tokenize_api, validation)
 from pdserve.router.choice_logprobs import ChoiceLogprobs
 from pdserve.router.conversations import Conversations
 from pdserve.router.echo import echo_of
@@ -259,21 +259,21 @@ class OpenAIFrontend:
             return await self.stored.start(request, tenant, answer, shape, messages,
                                            response_history.input_items(original), as_error, headers,
                                            body.get("stream"), ended)
+        keep = ended if responses else None
         async with contextlib.aclosing(messages):
-            try:
-                first = await anext(messages, None)
-            except NodeError as err:
-                raise _as_openai_error(err, chat) from None
-            if answer is not None:
-                return await responses_http.respond(request, headers, first, messages, shape, answer,
-                                                    body.get("stream"), as_error, ended if responses else None)
             if body.get("stream"):
-                shape.stream_usage(*stream_usage, sum(map(len, prompts)))
-                return await self._stream(request, headers, first, messages, shape)
+                events = sse.EventStream(request, headers, sse.PING if anthropic else sse.COMMENT)
+                async with contextlib.aclosing(sse.ticking(messages, http_limits.current().sse_keepalive_s,
+                                                           events.keep_alive)) as ticked:
+                    if answer is not None:
+                        return await responses_http.respond(events, ticked, shape, answer, as_error, keep)
+                    shape.stream_usage(*stream_usage, sum(map(len, prompts)))
+                    return await self._stream(events, ticked, shape)
+            if answer is not None:
+                return await responses_http.answer_whole(headers, messages, shape, answer, as_error, keep)
             try:
-                while first is not None:
-                    shape.add(first)
-                    first = await anext(messages, None)
+                async for message in messages:
+                    shape.add(message)
             except NodeError as err:
                 raise _as_openai_error(err, chat) from None
             return web.json_response(shape.whole(), headers=headers)
@@ -294,25 +294,22 @@ class OpenAIFrontend:
             [one(one_id, ids, StreamObserver(self.role, one_id, **observer.fields))
              for one_id, ids in ids_of.items()], sampling.n or 1, observer.request_id)
 
-    async def _stream(self, request, headers, first, messages, shape):
-        response = web.StreamResponse(headers={
-            **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-
+    async def _stream(self, events: sse.EventStream, messages, shape):
+        """`messages` as chat.completion.chunk (or text_completion) events, then [DONE]; a
+        failure before anything was sent is its HTTP status, after that an error event."""
         async def send(obj: dict) -> None:
-            await response.write(f"data: {encoded(obj, shape.obfuscate)}\n\n".encode())
+            await events.write(f"data: {encoded(obj, shape.obfuscate)}\n\n".encode())
 
-        msg = first
         try:
-            while msg is not None:
+            async for msg in messages:
                 for event in shape.chunks(msg):
                     await send(event)
-                msg = await anext(messages, None)
         except NodeError as err:
+            if not events.started:
+                raise _as_openai_error(err, shape.chat) from None
             await send(_as_openai_error(err, shape.chat).body())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        await events.write(b"data: [DONE]\n\n")
+        return await events.end()
 
     async def _body(self, request: web.Request) -> dict:
         try:

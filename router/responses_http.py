@@ -1,5 +1,5 @@
-"""The HTTP half of /v1/responses: an answer sent as OpenAI's named server-sent events or
-whole (`respond`), kept in the router's store once it ended well (router/response_store.py);
+"""The HTTP half of /v1/responses: an answer sent as OpenAI's named server-sent events
+(`respond`) or whole (`answer_whole`), kept in the router's store once it ended well (router/response_store.py);
 the stored responses' own routes and the responses served in the background
 (`StoredResponses`)."""
 
@@ -11,51 +11,58 @@ from collections import OrderedDict
 
 from aiohttp import web
 
+from pdserve.runtime import http_limits
 from pdserve.runtime.errors import NodeError
 
 from .openai_protocol import OpenAIError
 from .peers import Peers, asked_by_peer, or_peer
 from .openai_shape import encoded
 from .response_store import ResponseStore
+from .sse import EventStream
 
 
-async def respond(request, headers: dict, msg, messages, shape, answer, stream: bool, as_error, keep=None):
+def event_bytes(events: list[dict], obfuscate: bool) -> bytes:
+    """Named server-sent events; OpenAI pads the deltas when `obfuscate`."""
+    return b"".join(f"event: {e['type']}\ndata: {encoded(e, obfuscate and e['type'].endswith('.delta'))}\n\n"
+                    .encode() for e in events)
+
+
+async def respond(events: EventStream, messages, shape, answer, as_error, keep=None) -> web.StreamResponse:
     """Send `answer` (a responses_api.ResponseStream, or an anthropic_api.MessageStream) as
-    its named events, or its last state whole. `msg` is the chat answer's first message and
-    `messages` the rest; `as_error` makes a node's failure the API's error; `keep(response)`
-    stores a response that completed or was cut short (not one that failed)."""
-    response = None
-    if stream:
-        response = web.StreamResponse(headers={
-            **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-
-    async def send(events: list[dict]) -> None:
-        for event in events if response is not None else ():
-            padded = answer.obfuscate and event["type"].endswith(".delta")  # OpenAI pads the deltas
-            await response.write(f"event: {event['type']}\ndata: {encoded(event, padded)}\n\n".encode())
-
-    await send(answer.start())
+    its named events on `events`. `messages` is the chat answer's stream; `as_error` makes a
+    node's failure the API's error (its HTTP status while nothing was sent yet);
+    `keep(response)` stores a response that completed or was cut short (not one that failed)."""
+    events.opening = event_bytes(answer.start(), answer.obfuscate)  # with the first write
     try:
-        while msg is not None:
+        async for msg in messages:
             for part in shape.chunks(msg, include_usage=True):
-                await send(answer.feed(part))
-            msg = await anext(messages, None)
+                await events.write(event_bytes(answer.feed(part), answer.obfuscate))
     except NodeError as err:
         error = as_error(err)
-        if response is None:
+        if not events.started:
             raise error from None
-        await send(answer.failed(error))
-        await response.write_eof()
-        return response
+        await events.write(event_bytes(answer.failed(error), answer.obfuscate))
+        return await events.end()
     ended = answer.end()
     if keep is not None:
         keep(answer.response)
-    await send(ended)
-    if response is None:
-        return web.json_response(answer.response, headers=headers)
-    await response.write_eof()
-    return response
+    await events.write(event_bytes(ended, answer.obfuscate))
+    return await events.end()
+
+
+async def answer_whole(headers: dict, messages, shape, answer, as_error, keep=None) -> web.Response:
+    """`respond`'s answer as one JSON body: the response in its last state."""
+    answer.start()
+    try:
+        async for msg in messages:
+            for part in shape.chunks(msg, include_usage=True):
+                answer.feed(part)
+    except NodeError as err:
+        raise as_error(err) from None
+    answer.end()
+    if keep is not None:
+        keep(answer.response)
+    return web.json_response(answer.response, headers=headers)
 
 
 class EventLog:
@@ -75,23 +82,28 @@ class EventLog:
             self._grew.notify_all()
 
     async def follow(self, request, headers: dict, after: int) -> web.StreamResponse:
-        """Send the events numbered past `after`, then each as it comes, until the last."""
-        response = web.StreamResponse(headers={
-            **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        """Send the events numbered past `after`, then each as it comes, until the last;
+        a keep-alive comment whenever `--sse-keepalive-s` passes with none (router/sse.py)."""
+        stream = EventStream(request, headers)
+        await stream.write(b"")  # a GET that resumes answers at once
+        interval_s = http_limits.current().sse_keepalive_s or None
         sent = next((i for i, e in enumerate(self.events) if e["sequence_number"] > after), len(self.events))
         while True:
             async with self._grew:
-                await self._grew.wait_for(lambda: sent < len(self.events) or self.done)
+                try:
+                    await asyncio.wait_for(self._grew.wait_for(lambda: sent < len(self.events) or self.done),
+                                           interval_s)
+                except asyncio.TimeoutError:
+                    pass
                 events, done = self.events[sent:], self.done
+            if not events and not done:
+                await stream.keep_alive()
+                continue
             sent += len(events)
-            for event in events:
-                padded = self.obfuscate and event["type"].endswith(".delta")  # OpenAI pads the deltas
-                await response.write(f"event: {event['type']}\ndata: {encoded(event, padded)}\n\n".encode())
+            await stream.write(event_bytes(events, self.obfuscate))
             if done and sent == len(self.events):
                 break
-        await response.write_eof()
-        return response
+        return await stream.end()
 
 
 class StoredResponses:

@@ -32,6 +32,10 @@ class HTTPConfig:
         64.0, "/v1/responses: MiB of answered responses this server keeps in memory for "
               "previous_response_id and GET/DELETE /v1/responses/ID, and apart as much of "
               "/v1/conversations, least recently used first out (0: none kept)")
+    sse_keepalive_s: float = option(
+        15.0, "HTTP port: a streamed answer with nothing to send for this long sends a "
+              "keep-alive (an SSE comment; Anthropic's ping event), so proxies with a read "
+              "timeout keep it open while it waits for a token; 0: none")
     allowed_origins: list[str] = option(
         help="browser pages from this origin (https://host[:port]; * for any) may call the HTTP "
              "port (CORS; repeat or comma-separate for several; default: none)",
@@ -51,6 +55,8 @@ class HTTPConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got "
                                  f"{getattr(self, name)}")
+        if self.sse_keepalive_s < 0:
+            raise ValueError(f"--sse-keepalive-s must be >= 0 (0: no keep-alives), got {self.sse_keepalive_s}")
         if self.responses_store_mb < 0:
             raise ValueError(f"--responses-store-mb must be >= 0, got {self.responses_store_mb}")
         if self.http_max_connections < 1:

@@ -93,6 +93,7 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
         await self._maybe_fail("StartGeneration", context)
         if self.stream_gate is not None:
             await self.stream_gate.wait()
+        await self._maybe_fail("StartGeneration.stream", context)  # a failure once let through
         for i, t in enumerate(self.tokens):
             await asyncio.sleep(self.token_delay_s)
             last = i == len(self.tokens) - 1
