@@ -33,6 +33,7 @@ events (`MessageStream`). The Anthropic SDK talks to it with `base_url` at the s
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 
 from .openai_protocol import OpenAIError
@@ -58,6 +59,25 @@ def refused(message: str, param: str | None = None) -> OpenAIError:
 def error_body(err: OpenAIError) -> dict:
     kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def model_info(model_id: str, created: int, max_model_len: int) -> dict:
+    """/v1/models/{id} as Anthropic's clients read it (they send `anthropic-version`)."""
+    created_at = datetime.datetime.fromtimestamp(created, datetime.timezone.utc)
+    return {"type": "model", "id": model_id, "display_name": model_id, "lifecycle": "active",
+            "created_at": created_at.isoformat().replace("+00:00", "Z"),
+            "max_input_tokens": max_model_len, "max_tokens": max_model_len}
+
+
+def model_page(info: dict, query) -> dict:
+    """/v1/models as Anthropic's list, paged by `limit`, `after_id` and `before_id`: the one
+    model, or nothing past it."""
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+        raise refused(f"limit must be an integer in [1, 1000], got {limit!r:.40}", "limit")
+    data = [] if query.get("after_id") or query.get("before_id") else [info]
+    ids = [m["id"] for m in data] or [None]
+    return {"data": data, "has_more": False, "first_id": ids[0], "last_id": ids[-1]}
 
 
 def chat_body(body: dict, counting: bool = False) -> dict:

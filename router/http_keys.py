@@ -4,8 +4,9 @@
   <key>` (Anthropic's); it names the caller's tenant (runtime/tenants.py). Without keys
   configured every caller is the tenant `default`; probes and scrapers (/health, /metrics,
   /version) need none. A missing or wrong key is a 401 that never echoes the key.
-- An error is OpenAI's `{"error": {...}}`, or Anthropic's on its /v1/messages routes
-  (router/anthropic_api.py), with the same status.
+- An error is OpenAI's `{"error": {...}}`, or Anthropic's to an Anthropic caller (on its
+  /v1/messages routes, or sending its `anthropic-version` header; router/anthropic_api.py),
+  with the same status.
 """
 
 from __future__ import annotations
@@ -36,5 +37,9 @@ def tenant_of(request: web.Request, api_keys: tenants.KeyRing | None) -> str:
     return tenant
 
 
+def speaks_anthropic(request: web.Request) -> bool:
+    return request.path.startswith("/v1/messages") or "anthropic-version" in request.headers
+
+
 def error_body(request: web.Request, err: OpenAIError) -> dict:
-    return anthropic_api.error_body(err) if request.path.startswith("/v1/messages") else err.body()
+    return anthropic_api.error_body(err) if speaks_anthropic(request) else err.body()

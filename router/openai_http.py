@@ -129,15 +129,20 @@ class OpenAIFrontend:
 
     # ---- simple routes ------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        if http_keys.speaks_anthropic(request):
+            return web.json_response(anthropic_api.model_page(self._model_card(request), request.query))
+        return web.json_response({"object": "list", "data": [self._model_card(request)]})
 
     async def model(self, request: web.Request) -> web.Response:
         if request.match_info["model"] != self.model_id:
             raise OpenAIError(404, f"The model `{request.match_info['model']}` does not exist; this server "
                                    f"serves `{self.model_id}`.", "model", "model_not_found")
-        return web.json_response(self._model_card())
+        return web.json_response(self._model_card(request))
 
-    def _model_card(self) -> dict:
+    def _model_card(self, request: web.Request) -> dict:
+        """The served model, in the shape of the caller's API."""
+        if http_keys.speaks_anthropic(request):
+            return anthropic_api.model_info(self.model_id, self.created, self.tokenizer.card.max_model_len)
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pdserve",
                 "max_model_len": self.tokenizer.card.max_model_len}
 

@@ -247,3 +247,31 @@ def test_any_messages_body_is_an_answer_or_anthropics_400(tmp_path):
     with posting_to(tmp_path, "/v1/messages") as post:
         check()
     assert len(answered) > 30  # the fine bodies are served
+
+
+def test_anthropic_clients_list_the_model_in_their_own_shape_and_openai_clients_in_theirs():
+    import anthropic
+    import openai
+
+    from tests.router.fake_worker import FakeWorker, openai_router, run
+
+    async def go():
+        async with openai_router([FakeWorker("d")]) as url:
+            claude = anthropic.AsyncAnthropic(base_url=url, api_key="none", max_retries=0)
+            listed = [m async for m in claude.models.list()]
+            one = await claude.models.retrieve("fake")
+            with pytest.raises(anthropic.NotFoundError) as missing:
+                await claude.models.retrieve("other")
+            with pytest.raises(anthropic.BadRequestError) as bad_limit:
+                await claude.models.list(limit=0)
+            past = [m async for m in claude.models.list(after_id="fake")]
+            gpt = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            return listed, one, missing.value, bad_limit.value, past, [m async for m in gpt.models.list()]
+
+    listed, one, missing, bad_limit, past, openai_listed = run(go())
+    assert listed == [one] and one.id == "fake" and one.type == "model" and one.lifecycle == "active"
+    assert one.display_name == "fake" and one.max_input_tokens == one.max_tokens == 128
+    assert one.created_at.tzinfo is not None
+    assert missing.body["error"]["type"] == "not_found_error" and "`other` does not exist" in missing.message
+    assert "limit" in bad_limit.message and past == []
+    assert [(m.id, m.object, m.owned_by) for m in openai_listed] == [("fake", "model", "pdserve")]
