@@ -22,10 +22,11 @@ MODEL_HELP = (f"checkpoint directory or known model name ({', '.join(CATALOGUE)}
 def add_model_flag(p: argparse.ArgumentParser) -> None:
     """`--model`, and `--served-model-name`: what a server calls the model to its clients."""
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    p.add_argument("--served-model-name", metavar="NAME",
-                   help="the model's name to clients: in GetModelInfo, OpenAI /v1/models and "
-                        "the `model` an OpenAI request must name (default: the catalogue name, "
-                        "else --model as given)")
+    p.add_argument("--served-model-name", metavar="NAME", nargs="+",
+                   help="the model's name to clients: in GetModelInfo, /v1/models and the `model` "
+                        "an HTTP request must name (default: the catalogue name, else --model as "
+                        "given); as vLLM's, several names are all accepted (and listed), and "
+                        "answers give the first")
 
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic")  # router/tool_dialects.py

@@ -101,7 +101,7 @@ class UpConfig:
     sse_keepalive_s: float = option(15.0, "a streamed answer with nothing to send for this long "
                                           "sends a keep-alive (0: none)")
     extra: list[str] = field(default_factory=list)  # more flags for both workers
-    served_model_name: str | None = None  # --served-model-name, to every node
+    served_model_name: list[str] | None = None  # --served-model-name, to every node
     chat_template: str | None = None  # --chat-template as given, to the router
     tool_call_parser: str = "auto"  # --tool-call-parser, to the router
     api: APIKeyConfig = field(default_factory=APIKeyConfig)  # the router's, if any
@@ -188,8 +188,7 @@ def node_args(config: UpConfig, prefill_port: int, decode_port: int, http_port: 
     """The `pdserve` arguments of each child, by role. `cluster`, `api`: the flags naming
     the key files (every node gets the cluster key, only the router the API key)."""
     extra = [*worker_flags(config), *(a for a in config.extra if a != "--")]
-    name = [] if config.served_model_name is None else ["--served-model-name",
-                                                          config.served_model_name]
+    name = ["--served-model-name", *config.served_model_name] if config.served_model_name else []
     common = ["--model", config.model, *name, "--log-format", config.log_format]
     device = device_flag(config.device, extra)
     worker = [*common, "--host", "127.0.0.1", "--num-threads", str(config.num_threads), *device,

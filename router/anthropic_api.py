@@ -69,15 +69,19 @@ def model_info(model_id: str, created: int, max_model_len: int) -> dict:
             "max_input_tokens": max_model_len, "max_tokens": max_model_len}
 
 
-def model_page(info: dict, query) -> dict:
-    """/v1/models as Anthropic's list, paged by `limit`, `after_id` and `before_id`: the one
-    model, or nothing past it."""
+def model_page(infos: list[dict], query) -> dict:
+    """/v1/models as Anthropic's list of `infos` (the model's names), paged by `limit`,
+    `after_id` and `before_id` (an id not listed: nothing past it)."""
     limit = query.get("limit", "20")
     if not limit.isdigit() or not 1 <= int(limit) <= 1000:
         raise refused(f"limit must be an integer in [1, 1000], got {limit!r:.40}", "limit")
-    data = [] if query.get("after_id") or query.get("before_id") else [info]
-    ids = [m["id"] for m in data] or [None]
-    return {"data": data, "has_more": False, "first_id": ids[0], "last_id": ids[-1]}
+    ids, after, before = [m["id"] for m in infos], query.get("after_id"), query.get("before_id")
+    if after or before:
+        infos = (infos[ids.index(after) + 1:] if after in ids else []) if after else \
+            (infos[:ids.index(before)] if before in ids else [])
+    page = infos[-int(limit):] if before and not after else infos[:int(limit)]
+    return {"data": page, "has_more": len(page) < len(infos),
+            "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
 
 
 def chat_body(body: dict, counting: bool = False) -> dict:

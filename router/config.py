@@ -28,7 +28,8 @@ class RouterConfig:
     """
 
     model: str
-    served_model_name: str | None = None  # what clients call it (None: models.catalogue.served_name)
+    served_model_name: list[str] | None = None  # what clients call it, its own name first (None:
+    # models.catalogue.served_name)
     chat_template: str | None = None  # --chat-template's text, instead of the model's (None: its own)
     tool_call_parser: str = "auto"  # --tool-call-parser: a router/tool_dialects.py dialect, or auto
     server: ServerConfig = field(default_factory=ServerConfig)

@@ -38,8 +38,9 @@ import grpc
 from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router import (anthropic_api, fill_in_middle, http_keys, prompt_batch, response_history,
-                            responses_api, responses_http, sse, tokenize_api, validation)
+from pdserve.router import (anthropic_api, fill_in_middle, http_keys, models_api, prompt_batch,
+                            response_history, responses_api, responses_http, sse, tokenize_api,
+                            validation)
 from pdserve.router.choice_logprobs import ChoiceLogprobs
 from pdserve.router.conversations import Conversations
 from pdserve.router.echo import echo_of
@@ -82,7 +83,8 @@ class OpenAIFrontend:
         self.dispatcher = dispatcher
         self.role, self.refresh = role, refresh
         self.tokenizer = tokenizer  # router.tokenizer.PromptTokenizer
-        self.model_id = model_id
+        self.model_id = model_id  # what answers name it; requests may give any of model_names
+        self.model_names = [model_id, *tokenizer.card.aliases]
         self.registry = registry
         self.created = now()
         kept_mb = http_limits.current().responses_store_mb  # /v1/responses' and /v1/conversations' own
@@ -129,22 +131,13 @@ class OpenAIFrontend:
 
     # ---- simple routes ------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
-        if http_keys.speaks_anthropic(request):
-            return web.json_response(anthropic_api.model_page(self._model_card(request), request.query))
-        return web.json_response({"object": "list", "data": [self._model_card(request)]})
+        return web.json_response(models_api.listing(request, self.model_names, self.created,
+                                                    self.tokenizer.card.max_model_len))
 
     async def model(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] != self.model_id:
-            raise OpenAIError(404, f"The model `{request.match_info['model']}` does not exist; this server "
-                                   f"serves `{self.model_id}`.", "model", "model_not_found")
-        return web.json_response(self._model_card(request))
-
-    def _model_card(self, request: web.Request) -> dict:
-        """The served model, in the shape of the caller's API."""
-        if http_keys.speaks_anthropic(request):
-            return anthropic_api.model_info(self.model_id, self.created, self.tokenizer.card.max_model_len)
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pdserve",
-                "max_model_len": self.tokenizer.card.max_model_len}
+        name = request.match_info["model"]
+        models_api.check(name, self.model_names)
+        return web.json_response(models_api.card(request, name, self.created, self.tokenizer.card.max_model_len))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return web.json_response(tokenize_api.tokenize(await self._body(request), self.tokenizer))
@@ -326,9 +319,7 @@ class OpenAIFrontend:
         model = body.get("model")
         if model is None:
             raise invalid("model is required", "model")
-        if model != self.model_id:
-            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
-                                   f"`{self.model_id}`.", "model", "model_not_found")
+        models_api.check(model, self.model_names)
         return body
 
     def _token_text(self, token_id: int) -> str:

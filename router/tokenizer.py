@@ -12,6 +12,7 @@ for the gRPC and the OpenAI API alike.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ class ModelCard:
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int]
+    aliases: tuple[str, ...] = ()  # more names a request may give the model (--served-model-name)
 
 
 def _load_tokenizer(model_dir: Path):
@@ -41,12 +43,13 @@ def _load_tokenizer(model_dir: Path):
 
 
 class PromptTokenizer:
-    """`served_model_name`: the model's name to clients (`card.model`); None: the catalogue
-    name, else the directory as given (`served_name`). `chat_template`: the one to render
+    """`served_model_name`: the model's names to clients, the first its own (`card.model`)
+    and any more accepted as well (`card.aliases`); None: the catalogue name, else the
+    directory as given (`served_name`). `chat_template`: the one to render
     conversations with, instead of the checkpoint's (`--chat-template`); `tool_call_parser`:
     the dialect of the model's tool calls, or "auto" for the template's."""
 
-    def __init__(self, model_dir: str, served_model_name: str | None = None,
+    def __init__(self, model_dir: str, served_model_name: str | Sequence[str] | None = None,
                  chat_template: str | None = None, tool_call_parser: str = "auto") -> None:
         path = Path(model_dir)
         self.tokenizer = _load_tokenizer(path)
@@ -54,12 +57,14 @@ class PromptTokenizer:
             self.tokenizer.chat_template = chat_template
         config = json.loads((path / "config.json").read_text())
         eos = config.get("eos_token_id", self.tokenizer.eos_token_id)
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
         self.card = ModelCard(
-            model=served_model_name or served_name(model_dir),
+            model=names[0] if names else served_name(model_dir),
             vocab_size=int(config["vocab_size"]),
             max_model_len=int(config.get("max_position_embeddings", 0)),
             eos_token_ids=list(eos) if isinstance(eos, (list, tuple)) else
             ([eos] if eos is not None else []),
+            aliases=tuple(names[1:]),
         )
         # What ends a chat answer; a conversation's request also stops there (validation.py).
         self.end_of_turn_ids = chat.end_of_turn_ids(self.tokenizer, path, config)

@@ -53,7 +53,7 @@ def agent_name(role: str) -> str:
 
 def model_name(config: WorkerConfig) -> str:
     """What clients and peers call the model: --served-model-name, else `served_name`."""
-    return config.served_model_name or served_name(config.engine.model_dir)
+    return config.served_model_name[0] if config.served_model_name else served_name(config.engine.model_dir)
 
 
 async def build_node(config: WorkerConfig, gates: Gates | None = None) -> Node:

@@ -37,7 +37,7 @@ from pdserve.runtime.observe import StreamObserver, outcome_of
 
 class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
     def __init__(self, role: DecodeRole, model_dir: str,
-                 served_model_name: str | None = None, chat_template: str | None = None,
+                 served_model_name: list[str] | None = None, chat_template: str | None = None,
                  tool_call_parser: str = "auto") -> None:
         self.role = role
         self.tokenizer = PromptTokenizer(model_dir, served_model_name, chat_template, tool_call_parser)

@@ -26,7 +26,8 @@ class WorkerConfig:
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: none
     http_port: int | None = None  # role both: the OpenAI API and /metrics; None: none
-    served_model_name: str | None = None  # what clients call it (None: models.catalogue.served_name)
+    served_model_name: list[str] | None = None  # what clients call it, its own name first (None:
+    # models.catalogue.served_name)
     chat_template: str | None = None  # role both: --chat-template's text (None: the model's own)
     tool_call_parser: str = "auto"  # role both: --tool-call-parser
     test_gates: str = ""  # request id prefix stopped at test gates (runtime/gates.py)

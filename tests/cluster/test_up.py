@@ -200,7 +200,8 @@ def test_up_keys_its_nodes_with_a_fresh_private_cluster_key_removed_at_exit(tiny
 
 def test_up_names_both_front_doors_and_gives_both_workers_its_flags_and_the_name(tiny_model, tmp_path):
     """The ready line names the gRPC and the OpenAI address; the OpenAI one serves the model
-    as --served-model-name, refusing the directory's name, renders conversations with
+    as --served-model-name (answering by its first name, taking its second), refusing the
+    directory's name, renders conversations with
     --chat-template's file and reads calls as --tool-call-parser says; both workers built their KV pools in the dtype and pages `up`
     was given, under that name (their own log lines)."""
     from transformers import AutoTokenizer
@@ -209,7 +210,7 @@ def test_up_names_both_front_doors_and_gives_both_workers_its_flags_and_the_name
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
     node = NodeProcess(["up", "--model", tiny_model, "--port", "0", "--http-port", "0",
                         "--device", "cpu", "--dtype", "float32", "--page-size", "8",
-                        "--num-pages", "64", "--served-model-name", "foo", "--chat-template", str(template),
+                        "--num-pages", "64", "--served-model-name", "foo", "bar", "--chat-template", str(template),
                         "--tool-call-parser", "mistral"],
                        log=tmp_path / "up.log")
     try:
@@ -219,8 +220,8 @@ def test_up_names_both_front_doors_and_gives_both_workers_its_flags_and_the_name
         assert doors and doors.group(1) == node.address, node.ready_line
         with openai.OpenAI(base_url=doors.group(2), api_key="unused", max_retries=0,
                            timeout=60) as api:
-            assert [m.id for m in api.models.list().data] == ["foo"]
-            out = api.completions.create(model="foo", prompt="hello", max_tokens=2,
+            assert [m.id for m in api.models.list().data] == ["foo", "bar"]
+            out = api.completions.create(model="bar", prompt="hello", max_tokens=2,
                                          temperature=0, extra_body={"ignore_eos": True})
             with pytest.raises(openai.NotFoundError):
                 api.completions.create(model=tiny_model, prompt="hello", max_tokens=2)

@@ -275,3 +275,35 @@ def test_anthropic_clients_list_the_model_in_their_own_shape_and_openai_clients_
     assert missing.body["error"]["type"] == "not_found_error" and "`other` does not exist" in missing.message
     assert "limit" in bad_limit.message and past == []
     assert [(m.id, m.object, m.owned_by) for m in openai_listed] == [("fake", "model", "pdserve")]
+
+
+def test_every_served_name_is_listed_and_taken_and_answers_give_the_first():
+    import dataclasses
+
+    import anthropic
+    import openai
+
+    from tests.router.fake_worker import CharTokenizer, FakeWorker, openai_router, run
+
+    class Named(CharTokenizer):  # --served-model-name fake sonnet mini
+        card = dataclasses.replace(CharTokenizer.card, aliases=("sonnet", "mini"))
+
+    async def go():
+        async with openai_router([FakeWorker("d")], Named()) as url:
+            claude = anthropic.AsyncAnthropic(base_url=url, api_key="none", max_retries=0)
+            first = await claude.models.list(limit=2)
+            after = await claude.models.list(after_id="sonnet")
+            before = await claude.models.list(before_id="mini", limit=1)
+            gpt = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            listed = [m.id async for m in gpt.models.list()]
+            answer = await gpt.completions.create(model="mini", prompt="hi", max_tokens=2)
+            with pytest.raises(openai.NotFoundError) as missing:
+                await gpt.models.retrieve("haiku")
+            return first, after, before, listed, answer, missing.value
+
+    first, after, before, listed, answer, missing = run(go())
+    assert [m.id for m in first.data] == ["fake", "sonnet"] and first.has_more and first.last_id == "sonnet"
+    assert [m.id for m in after.data] == ["mini"] and not after.has_more
+    assert [m.id for m in before.data] == ["sonnet"] and before.has_more
+    assert listed == ["fake", "sonnet", "mini"] and answer.model == "fake"
+    assert "`fake`, `sonnet`, `mini`" in missing.message
