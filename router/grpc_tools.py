@@ -45,16 +45,21 @@ def tools_of_request(request, dialect) -> Tools | None:
 
 
 def held_to(sampling, tools: Tools | None):
-    """`sampling` with the structure the tool choice holds the answer to, if any."""
+    """`sampling` with the structure the tool choice holds the answer to, if any, and with
+    special tokens kept where the calls' markers are such (unless the request says)."""
     forced = tools.structure() if tools is not None else None
-    if forced is None:
+    markers = tools is not None and tools.reads_special_tokens and not sampling.HasField("skip_special_tokens")
+    if forced is None and not markers:
         return sampling
-    if sampling.HasField("structured_output"):
+    if forced is not None and sampling.HasField("structured_output"):
         raise ValueError(f"tool_choice {tools.mode!r} holds the answer to the tools' arguments, so it cannot "
                          "also follow sampling.structured_output: send one")
     out = type(sampling)()
     out.CopyFrom(sampling)
-    out.structured_output.CopyFrom(forced)
+    if forced is not None:
+        out.structured_output.CopyFrom(forced)
+    if markers:
+        out.skip_special_tokens = False
     return out
 
 

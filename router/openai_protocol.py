@@ -181,6 +181,8 @@ def sampling_from_body(body: dict, *, chat: bool, default_max_tokens: int,
             setattr(pb, name, True)
     if _typed(body, "skip_special_tokens", (bool,), "a boolean") is not None:  # unset: true
         pb.skip_special_tokens = body["skip_special_tokens"]
+    elif tools is not None and tools.reads_special_tokens:  # the calls' markers (tool_dialects.py)
+        pb.skip_special_tokens = False
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pdserve.models.catalogue import served_name
 from pdserve.router import chat, reasoning
-from pdserve.router.tool_dialects import DIALECTS, dialect_of
+from pdserve.router.tool_dialects import dialect_named, dialect_of
 from pdserve.router.tools import Tools, template_inputs
 from pdserve.router.validation import max_prompt_chars
 
@@ -70,7 +70,7 @@ class PromptTokenizer:
         self.end_of_turn_ids = chat.end_of_turn_ids(self.tokenizer, path, config)
         self.thinks = reasoning.thinks(self.tokenizer.chat_template)  # router/reasoning.py
         self.tool_dialect = dialect_of(self.tokenizer.chat_template) if tool_call_parser == "auto" \
-            else DIALECTS[tool_call_parser]  # router/tool_dialects.py
+            else dialect_named(tool_call_parser, self.tokenizer.chat_template)  # router/tool_dialects.py
 
     def opens_thinking(self, prompt_ids: list[int]) -> bool:
         """Whether a chat prompt ends inside an open think block (its last ids are enough)."""

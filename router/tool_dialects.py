@@ -10,6 +10,10 @@
   (Mistral's v3 tokenizer). `[TOOL_CALLS]` is a special token, dropped from the text as the
   others are, so an answer that begins with the array is a call as well. Mistral's
   templates refuse call ids that are not 9 letters or digits, so its calls get such ids.
+  From its v11 tokenizer on (Magistral, Devstral, Mistral Small 3.2: a template that writes
+  `[ARGS]`), each call is `[TOOL_CALLS]name[ARGS]{...}`, after any text, one after another:
+  both markers are special tokens, so such an "auto" request keeps special tokens in its
+  text (`skip_special_tokens: false`, unless the request says otherwise) for them to be read.
 - "pythonic": the answer is a Python list of calls with keyword arguments,
   `[get_weather(city="Paris"), get_time()]` (Llama 4's template, and Llama 3.2's pythonic
   one), each argument a literal; read with `ast`, never run.
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|\Z)", re.S)
-PYTHON_TAG, TOOL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
+PYTHON_TAG, TOOL_CALLS, ARGS, CALL_ID = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class Dialect:
     name: str
     starts: tuple[str, ...]  # what a call begins with ("hermes": anywhere, else the answer)
     anywhere: bool
+    special_tokens: bool = False  # its calls' markers are special tokens the text must keep
 
     def call_id(self) -> str:
         return uuid.uuid4().hex[:9] if self.name == "mistral" else f"call_{uuid.uuid4().hex[:24]}"
@@ -44,6 +49,8 @@ class Dialect:
     def parse(self, text: str, functions: dict) -> tuple[str, list[tuple[str, str]]] | None:
         """(content left, [(name, arguments text)]) of an answer that makes calls to
         `functions`, or None when any part of it does not parse as a call to one of them."""
+        if self.special_tokens:
+            return _marked(text, functions)
         if self.anywhere:
             return _blocks(text, functions)
         if self.name == "pythonic":
@@ -60,6 +67,7 @@ class Dialect:
 
 
 HERMES = Dialect("hermes", (HERMES_OPEN,), anywhere=True)
+MISTRAL_V11 = Dialect("mistral", (TOOL_CALLS,), anywhere=True, special_tokens=True)
 DIALECTS = {d.name: d for d in (HERMES, Dialect("llama3_json", (PYTHON_TAG, "{"), anywhere=False),
                                  Dialect("mistral", (TOOL_CALLS, "["), anywhere=False),
                                  Dialect("pythonic", ("[",), anywhere=False))}
@@ -71,7 +79,7 @@ def dialect_of(chat_template: str | None) -> Dialect:
     if not isinstance(chat_template, str) or "tools" not in chat_template:
         return HERMES
     if TOOL_CALLS in chat_template:
-        return DIALECTS["mistral"]
+        return MISTRAL_V11 if ARGS in chat_template else DIALECTS["mistral"]
     if "[func_name1(" in chat_template:  # "put it in the format of [func_name1(params_name1=...), ...]"
         return DIALECTS["pythonic"]
     if HERMES_OPEN in chat_template:
@@ -79,6 +87,13 @@ def dialect_of(chat_template: str | None) -> Dialect:
     if PYTHON_TAG in chat_template or '"parameters": dictionary' in chat_template:
         return DIALECTS["llama3_json"]
     return HERMES
+
+
+def dialect_named(name: str, chat_template: str | None) -> Dialect:
+    """`--tool-call-parser NAME`'s dialect; "mistral" in the form the template writes."""
+    if name == "mistral" and isinstance(chat_template, str) and ARGS in chat_template:
+        return MISTRAL_V11
+    return DIALECTS[name]
 
 
 def call_of(value, functions: dict) -> tuple[str, str] | None:
@@ -122,6 +137,22 @@ def _blocks(text: str, functions: dict):
         calls.append(call)
     rest.append(text[at:])
     return "".join(rest).strip(), calls
+
+
+def _marked(text: str, functions: dict):
+    """Mistral v11's `text[TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]...` (v13 adds
+    `[CALL_ID]id` before `[ARGS]`, an id it chose and that is not kept)."""
+    content, marker, rest = text.partition(TOOL_CALLS)
+    if not marker:
+        return None
+    calls = []
+    for part in rest.split(TOOL_CALLS):
+        name, marker, arguments = part.partition(ARGS)
+        values, at = _values(arguments.strip(), "")
+        if not marker or len(values) != 1 or arguments.strip()[at:].strip():
+            return None
+        calls.append(call_of({"name": name.partition(CALL_ID)[0].strip(), "arguments": values[0]}, functions))
+    return (content.strip(), calls) if None not in calls else None
 
 
 def _pythonic(text: str, functions: dict):

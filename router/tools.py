@@ -56,6 +56,11 @@ class Tools:
     def for_template(self) -> list[dict]:
         return [{"type": "function", "function": f} for f in self.functions.values()]
 
+    @property
+    def reads_special_tokens(self) -> bool:
+        """Whether the answer's text must keep special tokens for its calls to be read."""
+        return self.mode == "auto" and self.dialect.special_tokens
+
     def structure(self) -> pdserve_pb2.StructuredOutput | None:
         """What the answer is held to, or None for free text."""
         if self.mode == "function":
