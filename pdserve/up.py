@@ -98,6 +98,9 @@ class UpConfig:
         metavar="ORIGIN", default_factory=list)
     responses_store_mb: float = option(64.0, "MiB of /v1/responses answers the router keeps for "
                                              "previous_response_id (0: none)")
+    responses_store_dir: str | None = option(None, "the router keeps its stored responses in this "
+                                                   "directory too, so a restart keeps them",
+                                             type=str, metavar="DIR")
     sse_keepalive_s: float = option(15.0, "a streamed answer with nothing to send for this long "
                                           "sends a keep-alive (0: none)")
     extra: list[str] = field(default_factory=list)  # more flags for both workers
@@ -207,6 +210,7 @@ def node_args(config: UpConfig, prefill_port: int, decode_port: int, http_port: 
                    *(a for origin in config.allowed_origins for a in ("--allowed-origins", origin)),
                    "--responses-store-mb", f"{config.responses_store_mb:g}",
                    "--sse-keepalive-s", f"{config.sse_keepalive_s:g}",
+                   *(["--responses-store-dir", config.responses_store_dir] if config.responses_store_dir else []),
                    "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}"],
     }
 

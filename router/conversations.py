@@ -8,7 +8,8 @@ and the input and the answer's output items are added after it ends).
   /v1/conversations/{id}/items/{item_id}.
 - Items are what a Responses `input` takes (message, function_call, function_call_output,
   reasoning), checked as an input is; each gets an id when added (`msg_…`, `item_…`).
-- Kept as stored responses are: by the router that made them, in memory, each tenant's
+- Kept as stored responses are: by the router that made them, in memory (and in
+  `--responses-store-dir`, router/store_file.py), each tenant's
   own, the least recently used going first past `--responses-store-mb` of their JSON text
   (a bound of their own, beside the responses'); 0 keeps none. Through another router
   that names this one a `--peer-router`, the conversation's routes, and a response that
@@ -149,6 +150,17 @@ class Conversations:
         while self.chars > self.max_chars:
             _, gone = self._entries.popitem(last=False)
             self.chars -= gone["size"]
+
+    def snapshot(self) -> list[list]:
+        """[tenant, conversation, items] of each, the least recently used first."""
+        return [[tenant, e["conversation"], e["items"]] for (tenant, _), e in self._entries.items()]
+
+    def restore(self, entries: list[list]) -> None:
+        """Keep a `snapshot`'s conversations again, within this store's bound."""
+        for tenant, conversation, items in entries:
+            size = len(json.dumps(conversation)) + len(json.dumps(items))
+            if size <= self.max_chars:
+                self._resize(tenant, conversation["id"], conversation, items)
 
     @staticmethod
     def _at(entry: dict, item_id: str) -> int:

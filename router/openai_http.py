@@ -39,8 +39,8 @@ from aiohttp import web
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router import (anthropic_api, fill_in_middle, http_keys, models_api, prompt_batch,
-                            response_history, responses_api, responses_http, sse, tokenize_api,
-                            validation)
+                            response_history, responses_api, responses_http, sse, store_file,
+                            tokenize_api, validation)
 from pdserve.router.choice_logprobs import ChoiceLogprobs
 from pdserve.router.conversations import Conversations
 from pdserve.router.echo import echo_of
@@ -108,6 +108,7 @@ class OpenAIFrontend:
             web.get("/health", self.health),
             web.get("/version", self.version),
         ])
+        store_file.keep(app, http_limits.current().responses_store_dir, self.stored, self.conversations)
         return app
 
     @web.middleware

@@ -2,7 +2,8 @@
 `GET` and `DELETE /v1/responses/{id}` read and remove, and `GET
 /v1/responses/{id}/input_items` lists (`input_page`).
 
-- Kept by the router process that answered, in memory, so a restart forgets them. Another
+- Kept by the router process that answered, in memory (and with `--responses-store-dir`
+  on disk across restarts too, router/store_file.py). Another
   router of the same cluster asks for one it lacks from its `--peer-router`s
   (router/peers.py); without them, a client that spreads one conversation over several
   routers sends the whole conversation in `input` instead.
@@ -81,6 +82,15 @@ class ResponseStore:
         if entry is not None:
             self.chars -= entry[2]
         return entry is not None
+
+    def snapshot(self) -> list[list]:
+        """[tenant, response, inputs] of each entry, the least recently used first."""
+        return [[tenant, response, inputs] for (tenant, _), (response, inputs, _) in self._entries.items()]
+
+    def restore(self, entries: list[list]) -> None:
+        """Keep a `snapshot`'s entries again, within this store's bound."""
+        for tenant, response, inputs in entries:
+            self.put(tenant, response, inputs)
 
 
 def with_ids(items: list[dict]) -> list[dict]:

@@ -172,6 +172,13 @@ class StoredResponses:
                 if log is not None:
                     await log.add(events, done=True)
 
+    async def close(self) -> None:
+        """End the background responses still running, as "cancelled" (the server stops)."""
+        running = list(self._running.values())
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/v1/responses/{id}", or_peer(self.peers, self.get)),
                 web.get("/v1/responses/{id}/input_items", or_peer(self.peers, self.input_items)),
