@@ -189,6 +189,8 @@ class DecodeRole:
                 stream = self.engine.start_generation(lease.engine_key)
             first = True
             async for out in stream:
+                if out.finished:  # out of the load reports before its caller hears it ended, so a
+                    self.generating.pop(req.request_id, None)  # report read after that never counts it
                 yield out
                 if first and self.gates is not None:  # fault tests hold a stream here
                     first = False

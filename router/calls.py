@@ -83,6 +83,9 @@ class NodeCalls:
             cache_salt=state.cache_salt, priority=state.priority)
         state.local = local
         state.holders.add(decode)
+        # On the node from its reservation on: the picks of requests arriving meanwhile, and a
+        # load report that already counts the lease, count it as this router's.
+        decode.in_flight += 1
         try:
             # D may wait in line for pages (decode/page_line.py) up to what this deadline leaves.
             prep = await decode.stub.PrepareReceive(request, timeout=state.timeout(
@@ -97,6 +100,8 @@ class NodeCalls:
                 state.maybe_reserved.add(decode)
                 self.abort_later(decode, state.request_id, settled=True)
             raise self.error(state, decode, "PrepareReceive", err) from None
+        finally:
+            decode.in_flight -= 1  # the dispatcher counts it from here (dispatch.py)
         state.queue_s += prep.queued_ms / 1000
         return Reserved(prep, time.monotonic() + prep.lease_ms / 1000)
 

@@ -33,7 +33,7 @@ IDLE_AFTER_S = 2.0  # no request for this long: the router is idle
 
 class LoadMonitor:
     def __init__(self, registry: WorkerRegistry, interval_s: float = 0.1,
-                 idle_interval_s: float = 5.0, idle_after_s: float = IDLE_AFTER_S,
+                 idle_interval_s: float = 2.0, idle_after_s: float = IDLE_AFTER_S,
                  timeout_s: float = 1.0) -> None:
         self.registry = registry
         self.interval_s = interval_s

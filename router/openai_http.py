@@ -84,7 +84,7 @@ class OpenAIFrontend:
         self.role, self.refresh = role, refresh
         self.tokenizer = tokenizer  # router.tokenizer.PromptTokenizer
         self.model_id = model_id  # what answers name it; requests may give any of model_names
-        self.model_names = [model_id, *tokenizer.card.aliases]
+        self.model_names = [model_id, *(tokenizer.card.aliases if tokenizer is not None else ())]
         self.registry = registry
         self.created = now()
         kept_mb = http_limits.current().responses_store_mb  # /v1/responses' and /v1/conversations' own

@@ -1,7 +1,7 @@
 """The HTTP half of /v1/responses: an answer sent as OpenAI's named server-sent events
-(`respond`) or whole (`answer_whole`), kept in the router's store once it ended well (router/response_store.py);
-the stored responses' own routes and the responses served in the background
-(`StoredResponses`)."""
+(`respond`) or whole (`answer_whole`), kept in the router's store once it ended well
+(router/response_store.py); the stored responses' own routes and the responses served in
+the background (`StoredResponses`)."""
 
 from __future__ import annotations
 
