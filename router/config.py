@@ -94,7 +94,7 @@ class RouterConfig:
     load_interval_s: float = option(
         0.1, "how often every node's load is polled while requests flow (see "
              "--load-idle-interval-s)")
-    load_idle_interval_s: float = 2.0  # the same while the router serves nothing
+    load_idle_interval_s: float = 5.0  # the same while the router serves nothing
     lease_ms: int = option(30_000, "lease of a decode node's reservation")
     prepare_timeout_s: float = 10.0  # deadline of a PrepareReceive (and DeliverWindow)
     remote_send_timeout_s: float = option(

@@ -9,9 +9,8 @@ other routers sent.
 Cheap when idle: while the router serves nothing and has had no request for `idle_after_s`,
 it polls every `idle_interval_s` instead of every `interval_s`, and the first request after
 that wakes it to poll at once (what it routes by is then one poll old, not one idle
-interval). A node that does not implement GetLoad is
-not asked again; one that does not answer keeps its last report (health checks decide
-whether it is used). A prefill node a decode node reports as fenced (decode/quarantine.py)
+interval). A node that does not implement GetLoad is not asked again; one that does not
+answer keeps its last report (health checks decide whether it is used). A prefill node a decode node reports as fenced (decode/quarantine.py)
 is handed to the health check, as if a call to it had failed.
 """
 
@@ -33,7 +32,7 @@ IDLE_AFTER_S = 2.0  # no request for this long: the router is idle
 
 class LoadMonitor:
     def __init__(self, registry: WorkerRegistry, interval_s: float = 0.1,
-                 idle_interval_s: float = 2.0, idle_after_s: float = IDLE_AFTER_S,
+                 idle_interval_s: float = 5.0, idle_after_s: float = IDLE_AFTER_S,
                  timeout_s: float = 1.0) -> None:
         self.registry = registry
         self.interval_s = interval_s

@@ -91,9 +91,10 @@ async def build_node(config: WorkerConfig, gates: Gates | None = None) -> Node:
     # A decode node receives: over TCP (another host) each write's bytes land only as its
     # UCX worker progresses, so NIXL's own thread (asleep in poll() between events and its
     # periodic wake-ups, kvtransfer/agent.py) moves them at the link's rate, where the
-    # agent's 10 ms poll capped a link near 3 Gbit/s. Nodes that write drive their writes.
+    # agent's 10 ms poll capped a link near 3 Gbit/s. Nodes that write drive their writes,
+    # and each send wakes their poller first, so while idle it polls only twice a second.
     agent = TransferAgent(agent_name(role), layout.regions() if len(pools) > 1 else kv_cache,
-                          progress_thread=role == "decode")
+                          progress_thread=role == "decode", idle_poll_interval_s=0.5)
     identity = NodeIdentity(
         model=model_name(config), model_hash=model_hash(config.engine.model_dir),
         dtype=layout.dtype, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
