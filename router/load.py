@@ -10,8 +10,9 @@ Cheap when idle: while the router serves nothing and has had no request for `idl
 it polls every `idle_interval_s` instead of every `interval_s`, and the first request after
 that wakes it to poll at once (what it routes by is then one poll old, not one idle
 interval). A node that does not implement GetLoad is not asked again; one that does not
-answer keeps its last report (health checks decide whether it is used). A prefill node a decode node reports as fenced (decode/quarantine.py)
-is handed to the health check, as if a call to it had failed.
+answer keeps its last report (health checks decide whether it is used). A prefill node a
+decode node reports as fenced (decode/quarantine.py) is handed to the health check, as if a
+call to it had failed.
 """
 
 from __future__ import annotations
