@@ -38,9 +38,8 @@ from .regions import RegionTable, memory_regions
 
 
 # NIXL's progress thread sleeps in poll() on UCX's event fd, so events wake it at once; the
-# delay is only its periodic wake-up (NIXL's guard against a missed event). Each wake-up
-# progresses every worker: at 2 ms that was a decode node's largest idle cost (1.7% of a
-# core), and 20 ms moved KV over a shaped TCP link and locally at the same rate.
+# delay is only its periodic wake-up (NIXL's guard against a missed event), so it sets what
+# an idle node spends, not how fast KV moves (docs/benchmarks.md, transfer).
 PROGRESS_DELAY_US = 20_000
 
 

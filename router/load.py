@@ -50,9 +50,8 @@ class LoadMonitor:
                 and not any(e.in_flight for e in self.registry.endpoints()))
 
     def mark_busy(self) -> None:
-        if self.idle:
-            self._woken.set()
         self.last_request = time.monotonic()
+        self._woken.set()  # ends an idle wait; each poll clears it first, so it never lingers
 
     async def poll_once(self) -> None:
         endpoints = [e for e in self.registry.endpoints()
@@ -83,6 +82,7 @@ class LoadMonitor:
 
     async def run(self) -> None:
         while True:
+            self._woken.clear()  # what woke it is served by this poll; a request during it is kept
             try:
                 await self.poll_once()
             except Exception as err:  # never let a bad report stop the monitor
@@ -90,7 +90,6 @@ class LoadMonitor:
             if not self.idle:
                 await asyncio.sleep(self.interval_s)
                 continue
-            self._woken.clear()
             try:
                 await asyncio.wait_for(self._woken.wait(), self.idle_interval_s)
             except asyncio.TimeoutError:
