@@ -13,7 +13,7 @@ import os
 import random
 from pathlib import Path
 
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -71,7 +71,7 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -112,6 +112,13 @@ def _config(family: str, vocab_size: int, **overrides):
     elif family == "qwen3":
         cls = Qwen3Config
         common.update(head_dim=24, tie_word_embeddings=True)
+    elif family == "phi3":  # q|k|v and gate|up stored fused
+        cls = Phi3Config
+        common.update(sliding_window=None, original_max_position_embeddings=2048)
+    elif family == "granite":  # Granite 3's multipliers, every one away from 1
+        cls = GraniteConfig
+        common.update(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                      logits_scaling=8.0, tie_word_embeddings=True)
     else:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     common.update(overrides)

@@ -15,8 +15,7 @@ KV cache layout: `kv_cache` is one dense tensor, allocated once and registered w
 NIXL by the roles, indexed `[num_pages, num_layers, 2 (K, V), page_size, Hkv, D]` in either
 memory order (`--kv-layout`, engine/kv_pool.py says why each). Slot `s` is offset `s % page_size`
 of page `s // page_size`. Layer i's K and V are the views `kv_cache[:, i, 0]` / `kv_cache[:, i, 1]`,
-`[num_pages, page_size, Hkv, D]`, the attention ops' form. A tensor-parallel engine
-(engine/tp) has one pool per rank, of its KV heads.
+`[num_pages, page_size, Hkv, D]`, the attention ops' form. Tensor-parallel (engine/tp): a pool per rank.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from .intake import new_request
 from .kv_pool import kv_pool
 from .memory import kv_cache_pages
 from .model import ModelRunner
+from .model.arch import served_context
 from .model.weights import load_config, load_tokenizer
 from .native import keep_step_buffers, lazy_zeros
 from .outputs import RequestOutput, Reservation
@@ -71,7 +71,7 @@ class Engine(SingleThreaded):
         self.tokenizer = load_tokenizer(config.model_dir)
         dtype = getattr(torch, config.dtype)
         c = self.model_config
-        self.max_model_len = min(config.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+        self.max_model_len = served_context(c, config.max_model_len)  # refuses a model it cannot run
         self.vocab_size = c.vocab_size
         self.model, shards = load_model(config, c, dtype, self.max_model_len)  # rank 0's share
         self.page_size = config.page_size

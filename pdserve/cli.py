@@ -178,6 +178,7 @@ def _engine_or_exit(args, engine) -> None:
     """Before the model loads: exit 1 with one line, naming the flag, if an engine flag's
     value is bad or its --device is not on this machine (engine/device.py)."""
     from pdserve.engine.device import usable_device
+    from pdserve.models_cli import check_servable
     from pdserve.runtime.options import flag_fields, flag_name
 
     if args.kv_cache_mb is not None and args.kv_cache_mb <= 0:  # the engine sees bytes, not this flag
@@ -185,6 +186,7 @@ def _engine_or_exit(args, engine) -> None:
     try:
         engine.validate()
         usable_device(engine.device)
+        check_servable(engine.model_dir)
     except ValueError as err:
         message = str(err)
         for f in flag_fields(type(engine)):  # the field the message starts with, as its flag
@@ -196,18 +198,21 @@ def _engine_or_exit(args, engine) -> None:
 
 def cmd_up(args) -> int:
     _ports_or_exit(args)
+    from pdserve.models_cli import check_servable
     from pdserve.runtime.http_limits import HTTPConfig
     from pdserve.up import UpConfig, up
     from pdserve.runtime.auth import APIKeyConfig
     from pdserve.runtime.options import from_args
 
     _chat_template(args)  # a bad one stops `up` before any node starts
+    model = _model(args)
     try:
+        check_servable(model)
         HTTPConfig(allowed_origins=args.allowed_origins, responses_store_mb=args.responses_store_mb,
                    sse_keepalive_s=args.sse_keepalive_s).validate()
     except ValueError as err:
         raise SystemExit(f"pdserve up: {err}") from None
-    config = from_args(UpConfig, args, model=_model(args), extra=args.worker_args,
+    config = from_args(UpConfig, args, model=model, extra=args.worker_args,
                        served_model_name=args.served_model_name, chat_template=args.chat_template,
                        tool_call_parser=args.tool_call_parser,
                        api=from_args(APIKeyConfig, args))

@@ -67,6 +67,18 @@ def chat_template_of(value: str | None) -> str | None:
     return text
 
 
+def check_servable(model_dir: str) -> None:
+    """ValueError naming what the checkpoint is, if the engine cannot serve it (its config
+    alone read: the weights may take minutes to load)."""
+    from pdserve.engine.model.arch import architecture
+    from pdserve.engine.model.weights import load_config
+
+    try:
+        architecture(load_config(model_dir))
+    except (ValueError, OSError) as err:
+        raise ValueError(f"{model_dir}: {err}") from None
+
+
 def resolve_model(model: str, source: str | None = None) -> str:
     """The checkpoint directory `model` names, fetched or written first if need be."""
     if os.path.isdir(model):

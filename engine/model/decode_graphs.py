@@ -83,7 +83,7 @@ class DecodeGraphs:
 
         step = StepAttention(slots, triton_ops.store_kv, attend)
         hidden = self.model.forward(ids, pos, self.kv_cache, step)
-        return self.logits[:b].copy_(self.model.lm_head(hidden))  # float32, as `logits()` gives
+        return self.model.logits(hidden, out=self.logits[:b])
 
     @torch.inference_mode()
     def _capture(self) -> None:

@@ -1,10 +1,10 @@
-"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3) as plain tensor code
-over the paged KV cache.
+"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, Phi-3, Granite) as
+plain tensor code over the paged KV cache.
 
 Tokens of all sequences in a step are one flat batch [T]: every linear layer is one
 matmul for the whole step, whatever mix of prefill chunks and decodes it holds. Per
 architecture differences are data, not classes: QKV biases (Qwen2, `attention_bias`),
-q/k RMS norm (Qwen3), tied embeddings, rope scaling. Weights are fused at load time
+q/k RMS norm (Qwen3), tied embeddings, rope scaling, Granite's multipliers (`arch`). Weights are fused at load time
 (q|k|v and gate|up) so each layer runs four matmuls; between them run four fused
 operations (`fused`: add + norm, rotary + KV store, SiLU-and-multiply, add + norm), so a
 layer is about nine calls.
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives
+from .arch import architecture, geometry
 from .fused import FusedOps
 from .linear import Linear
 from .rope import RotaryTables
@@ -64,7 +65,10 @@ class LlamaModel:
             self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.num_layers = c.num_hidden_layers
         self.eps = c.rms_norm_eps
-        self.scale = self.head_dim**-0.5
+        arch = architecture(c)
+        self.scale = arch.attention_scale or self.head_dim**-0.5
+        self.embedding_multiplier, self.residual_multiplier = arch.embedding_multiplier, arch.residual_multiplier
+        self.logits_divisor = arch.logits_divisor
         self.vocab_size = c.vocab_size
         self.dtype = dtype
         self.rope = RotaryTables(c, self.head_dim, max_positions, dtype, device)
@@ -124,6 +128,8 @@ class LlamaModel:
         ops = self.ops
         q_size = self.num_heads * self.head_dim
         residual = F.embedding(input_ids, self.embed)
+        if self.embedding_multiplier != 1:
+            residual = residual * self.embedding_multiplier
         h, residual = ops.add_rms_norm(residual, None, self.layers[0].input_norm if self.layers else self.norm)
         if step.keep is not None and not self.layers:
             return h.index_select(0, step.keep)
@@ -152,24 +158,24 @@ class LlamaModel:
                 collectives.all_reduce(out)
                 if step.layer_hook is not None:
                     step.layer_hook(i)
+            if self.residual_multiplier != 1:  # of the whole sum, as transformers scales it
+                out = out * self.residual_multiplier
             h, residual = ops.add_rms_norm(out, residual, layer.post_norm)
             x = layer.down(ops.silu_mul(layer.gate_up(h)))
             if self.tp:
                 collectives.all_reduce(x)
+            if self.residual_multiplier != 1:
+                x = x * self.residual_multiplier
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h, residual = ops.add_rms_norm(x, residual, following)
         return h
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """float32 logits [S, vocab] of hidden states [S, hidden] (None on a rank > 0)."""
-        return None if self.lm_head is None else self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """float32 logits [S, vocab] of hidden states [S, hidden], into `out` if given (None
+        on a rank > 0)."""
+        if self.lm_head is None:
+            return None
+        raw = self.lm_head(hidden)
+        logits = raw.float() if out is None else out.copy_(raw)
+        return logits if self.logits_divisor == 1 else logits.div_(self.logits_divisor)
 
-
-def geometry(hf_config) -> tuple[int, int, int]:
-    """(query heads, KV heads, head_dim) of the whole model."""
-    c = hf_config
-    heads = c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    if heads % kv_heads:
-        raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    return heads, kv_heads, getattr(c, "head_dim", None) or c.hidden_size // heads

@@ -55,6 +55,7 @@ def main(argv: list[str]) -> int:
     from ..config import EngineConfig
     from ..kv_pool import mapped_pool
     from ..model import LlamaModel, ModelRunner
+    from ..model.arch import to_llama_names
     from ..model.weights import load_config, load_state_dict
     from ..native import keep_step_buffers
     from .. import collectives
@@ -69,6 +70,7 @@ def main(argv: list[str]) -> int:
     dtype = getattr(torch, config.dtype)
     hf = load_config(config.model_dir)
     state = load_state_dict(config.model_dir, dtype, config.device)
+    to_llama_names(state, hf)
     shard_state(state, shard, hf.num_hidden_layers, spec["head_dim"])
     model = LlamaModel(hf, state, dtype, spec["max_model_len"], config.device, shard=shard)
     kv_cache = mapped_pool(config.kv_layout, tuple(spec["pool_shape"]), spec["pool_fd"], dtype)

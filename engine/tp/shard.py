@@ -96,12 +96,14 @@ def shard_state(state: dict[str, torch.Tensor], shard: TPShard, num_layers: int,
 def load_model(config, hf_config, dtype: torch.dtype, max_model_len: int):
     """(rank 0's model, every rank's TPShard): the whole model when one rank."""
     from ..model import LlamaModel
-    from ..model.llama import geometry
+    from ..model.arch import geometry
+    from ..model.arch import to_llama_names
     from ..model.weights import load_state_dict
 
     c = hf_config
     heads, kv_heads, head_dim = geometry(c)
     shards = split_model(heads, kv_heads, c.intermediate_size, config.tensor_parallel_size)
     state = load_state_dict(config.model_dir, dtype, config.device)
+    to_llama_names(state, c)
     shard_state(state, shards[0], c.num_hidden_layers, head_dim)
     return LlamaModel(c, state, dtype, max_model_len, config.device, shard=shards[0]), shards

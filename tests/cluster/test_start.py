@@ -1,6 +1,6 @@
-"""What a user meets when a server starts, as real processes: a taken port or a directory
-that is no checkpoint ends the command with one line and exit status 1 before any model
-loads; a node's C kernels are built before its ready line, and a node on the torch path
+"""What a user meets when a server starts, as real processes: a taken port, a directory
+that is no checkpoint or a model of a kind pdserve does not run ends the command with one
+line and exit status 1 before any model loads; a node's C kernels are built before its ready line, and a node on the torch path
 says so in that line and in `pdserve_c_kernels`."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import pdserve.engine
 from pdserve.procs import NodeProcess, free_port
 from tests.cluster.nodes import WORKER_FLAGS, sample, scrape
+from tests.engine.test_architectures import gemma_checkpoint
 
 ENGINE = Path(pdserve.engine.__file__).parent  # its kernels: every .c file beneath
 MODEL_LOADED = "KV cache:"  # the worker's log line once its model and KV pool are loaded
@@ -92,6 +93,16 @@ def test_an_empty_model_directory_is_one_line_naming_what_is_missing(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # now only the weights and tokenizer are named
     line = one_line(pdserve("serve", "--model", str(tmp_path), "--port", "0").stderr)
     assert "config.json" not in line and "weights" in line and "tokenizer" in line, line
+
+
+@pytest.mark.parametrize("command", ["serve", "up"])
+def test_a_model_pdserve_cannot_run_is_one_line_naming_its_kind(tmp_path, command):
+    out = pdserve(command, "--model", str(gemma_checkpoint(tmp_path)), "--port", "0")
+    assert out.returncode == 1
+    line = one_line(out.stderr)
+    assert line.startswith(f"pdserve {command}: {tmp_path}: model_type 'gemma' (GemmaForCausalLM) is not "
+                           f"supported"), line
+    assert MODEL_LOADED not in out.stderr + out.stdout and "listening" not in out.stdout
 
 
 def start_worker(tmp_path: Path, model: str, env: dict[str, str]) -> tuple[NodeProcess, int]:

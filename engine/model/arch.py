@@ -1,0 +1,119 @@
+"""Which checkpoints the engine serves, and what sets each family apart from Llama.
+
+Every family here is Llama's decoder with data changed (`Architecture`); a checkpoint of any
+other kind is refused before its weights load, naming what it is. Weights of a family and a
+Llama would load alike, so serving one as the other gives wrong text with no error (Gemma's
+norms add one to their weights, Granite's scales its residuals): the refusal is the only
+guard. Where transformers changes how a model attends past some length (a sliding window,
+LongRoPE's second set of frequencies), the engine runs contexts up to that length only,
+where its output is still the model's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    embedding_multiplier: float = 1.0  # the embeddings' scale (Granite)
+    residual_multiplier: float = 1.0  # each block's output's scale before the residual add (Granite)
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    logits_divisor: float = 1.0  # Granite's logits_scaling
+    context_limit: int = 0  # the longest context served
+    why_limited: str = ""  # what sets context_limit below max_position_embeddings, if anything
+
+
+def architecture(hf_config) -> Architecture:
+    """What the engine runs `hf_config`'s model with; UnsupportedModel saying why it cannot."""
+    c = hf_config
+    kind = getattr(c, "model_type", None)
+    names = ", ".join(getattr(c, "architectures", None) or []) or "no architectures listed"
+    if kind not in MODEL_TYPES:
+        raise UnsupportedModel(
+            f"model_type {kind!r} ({names}) is not supported: pdserve serves {', '.join(MODEL_TYPES)} "
+            f"checkpoints; serve this model with a server that implements it")
+    quant = getattr(c, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise UnsupportedModel(f"quantized checkpoints are not supported (quant_method {method!r}); "
+                               f"serve the model's unquantized (bf16, fp16 or fp32) weights")
+    act = getattr(c, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModel(f"hidden_act {act!r} is not supported ({kind} with SiLU only)")
+    limit, why = c.max_position_embeddings, ""
+    window = _sliding_window(c)
+    if window and window < limit:
+        limit, why = window, f"its sliding window ({window} tokens)"
+    params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
+    if factor != 1:
+        raise UnsupportedModel(f"partial rotary embeddings (partial_rotary_factor {factor}) are not supported")
+    if params.get("rope_type", params.get("type")) == "longrope":
+        # Past this length transformers switches every position to the long factors.
+        original = params.get("original_max_position_embeddings") or c.original_max_position_embeddings
+        if original < limit:
+            limit, why = original, f"LongRoPE's original_max_position_embeddings ({original})"
+    if kind != "granite":
+        return Architecture(context_limit=limit, why_limited=why)
+    return Architecture(embedding_multiplier=c.embedding_multiplier, residual_multiplier=c.residual_multiplier,
+                        attention_scale=c.attention_multiplier, logits_divisor=c.logits_scaling,
+                        context_limit=limit, why_limited=why)
+
+
+def _sliding_window(c) -> int | None:
+    """The window of a model whose layers attend to a sliding window, else None."""
+    window = getattr(c, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(c, "layer_types", None)
+    if layer_types is not None:  # Qwen2/3: sliding layers only with use_sliding_window
+        return window if "sliding_attention" in layer_types else None
+    if getattr(c, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
+    """Phi-3's fused qkv_proj and gate_up_proj, split in place into Llama's q/k/v and
+    gate/up names (the model fuses them again; tensor parallelism cuts them apart first)."""
+    heads, kv_heads, head_dim = geometry(hf_config)
+    sizes = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)),
+             "gate_up_proj": (("gate_proj", "up_proj"), (hf_config.intermediate_size,) * 2)}
+    for key in [k for k in state if k.rsplit(".", 2)[-2] in sizes]:
+        prefix, fused, kind = key.rsplit(".", 2)
+        names, split = sizes[fused]
+        for name, part in zip(names, state.pop(key).split(split, dim=0)):
+            state[f"{prefix}.{name}.{kind}"] = part.contiguous()
+
+
+def served_context(hf_config, asked: int | None) -> int:
+    """The longest context served: `asked` (max_model_len, None for the model's own), at
+    most what the model allows; UnsupportedModel before any weight loads if it cannot run."""
+    arch = architecture(hf_config)
+    limit = arch.context_limit
+    if asked and asked > limit and arch.why_limited:
+        log.warning("max_model_len %d is cut to %d, %s: beyond it transformers attends otherwise",
+                    asked, limit, arch.why_limited)
+    return min(asked or limit, limit)
+
+
+def geometry(hf_config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of the whole model."""
+    c = hf_config
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    return heads, kv_heads, getattr(c, "head_dim", None) or c.hidden_size // heads

@@ -1,0 +1,84 @@
+"""Which checkpoints the engine serves (engine/model/arch.py): another kind is refused before
+its weights load, naming what it is; where transformers attends otherwise past some length
+(a sliding window, LongRoPE), contexts stop at it and output up to it is transformers'."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.checkpoint import write_checkpoint, write_tokenizer
+from pdserve.engine.model.arch import UnsupportedModel
+
+
+def greedy_pair(model_dir, prompt, n):
+    """(transformers' greedy continuation, the engine's) of `prompt`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    llm = LLM(str(model_dir), page_size=4, num_pages=64)
+    ours = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0))[0]
+    assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
+    return ref[0, len(prompt):].tolist(), ours.token_ids, llm
+
+
+def gemma_checkpoint(path):
+    """A tiny Gemma: Llama's weight names, but its norms and embeddings differ."""
+    from transformers import AutoModelForCausalLM, GemmaConfig
+
+    write_tokenizer(path)
+    config = GemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+    return path
+
+
+def edit_config(model_dir, **fields):
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def test_a_model_of_another_kind_is_refused_naming_it(tmp_path):
+    with pytest.raises(UnsupportedModel, match=r"model_type 'gemma' \(GemmaForCausalLM\) is not supported"):
+        LLM(str(gemma_checkpoint(tmp_path)), num_pages=8)
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5")])
+def test_a_supported_kind_run_otherwise_is_refused(tmp_path, fields, says):
+    d = write_checkpoint(tmp_path / "m", family="llama")
+    edit_config(d, **fields)
+    with pytest.raises(UnsupportedModel, match=says):
+        LLM(str(d), num_pages=8)
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("mistral", {"sliding_window": 24}),
+    ("qwen2", {"sliding_window": 24, "use_sliding_window": True, "max_window_layers": 1})])
+def test_a_sliding_window_bounds_the_context(tmp_path, family, fields):
+    d = write_checkpoint(tmp_path / family, family=family, **fields)
+    prompt = list(range(3, 21))  # 18 tokens, and 6 more: the whole window
+    ref, ours, llm = greedy_pair(d, prompt, 6)
+    assert ours == ref
+    assert llm.engine.max_model_len == 24
+    with pytest.raises(ValueError, match="25"):
+        llm.generate([prompt + [5] * 7], SamplingParams(max_tokens=1))
+
+
+def test_longrope_runs_within_its_original_context(tmp_path):
+    half = 8  # head_dim 16 / 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 10 for i in range(half)],
+            "long_factor": [4.0 + i for i in range(half)], "original_max_position_embeddings": 32}
+    d = write_checkpoint(tmp_path / "phi", family="phi3", max_position_embeddings=256,
+                         original_max_position_embeddings=32, rope_parameters=rope)
+    ref, ours, llm = greedy_pair(d, list(range(3, 27)), 8)
+    assert ours == ref
+    assert llm.engine.max_model_len == 32
