@@ -13,7 +13,7 @@ import os
 import random
 from pathlib import Path
 
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -71,7 +71,8 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -119,6 +120,9 @@ def _config(family: str, vocab_size: int, **overrides):
         cls = GraniteConfig
         common.update(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                       logits_scaling=8.0, tie_word_embeddings=True)
+    elif family == "smollm3":  # its second layer without rotary embeddings (NoPE)
+        cls = SmolLM3Config
+        common.update(no_rope_layer_interval=2, rope_theta=5000000.0, tie_word_embeddings=True)
     else:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     common.update(overrides)

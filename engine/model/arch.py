@@ -18,7 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3")
 
 
 class UnsupportedModel(ValueError):
@@ -33,6 +33,7 @@ class Architecture:
     logits_divisor: float = 1.0  # Granite's logits_scaling
     context_limit: int = 0  # the longest context served
     why_limited: str = ""  # what sets context_limit below max_position_embeddings, if anything
+    rope_layers: tuple[bool, ...] = ()  # whether each layer rotates q and k (SmolLM3's NoPE); (): all
 
 
 def architecture(hf_config) -> Architecture:
@@ -65,6 +66,8 @@ def architecture(hf_config) -> Architecture:
         original = params.get("original_max_position_embeddings") or c.original_max_position_embeddings
         if original < limit:
             limit, why = original, f"LongRoPE's original_max_position_embeddings ({original})"
+    if kind == "smollm3":
+        return Architecture(context_limit=limit, why_limited=why, rope_layers=tuple(map(bool, c.no_rope_layers)))
     if kind != "granite":
         return Architecture(context_limit=limit, why_limited=why)
     return Architecture(embedding_multiplier=c.embedding_multiplier, residual_multiplier=c.residual_multiplier,

@@ -17,6 +17,8 @@ Interface (x, residual: [T, n]; qkv [T, (H + 2 Hkv) D]):
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,13 @@ class TorchOps:
     def __init__(self, rope: RotaryTables, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
         self.rope = rope
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+
+    def without_rope(self) -> "TorchOps":
+        """The same ops, the rotation of every position the identity: a layer without rotary
+        embeddings stores its K and computes its q through the same kernels."""
+        ops = copy.copy(self)
+        ops.rope = self.rope.identity()
+        return ops
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)

@@ -1,10 +1,11 @@
-"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, Phi-3, Granite) as
+"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3) as
 plain tensor code over the paged KV cache.
 
 Tokens of all sequences in a step are one flat batch [T]: every linear layer is one
 matmul for the whole step, whatever mix of prefill chunks and decodes it holds. Per
 architecture differences are data, not classes: QKV biases (Qwen2, `attention_bias`),
-q/k RMS norm (Qwen3), tied embeddings, rope scaling, Granite's multipliers (`arch`). Weights are fused at load time
+q/k RMS norm (Qwen3), tied embeddings, rope scaling, Granite's multipliers, SmolLM3's
+layers without rope (`arch`). Weights are fused at load time
 (q|k|v and gate|up) so each layer runs four matmuls; between them run four fused
 operations (`fused`: add + norm, rotary + KV store, SiLU-and-multiply, add + norm), so a
 layer is about nine calls.
@@ -35,6 +36,7 @@ class Layer:
     post_norm: torch.Tensor
     gate_up: Linear  # gate | up
     down: Linear
+    rope: bool = True  # False: no rotary embedding (a NoPE layer)
 
 
 @dataclass
@@ -69,6 +71,7 @@ class LlamaModel:
         self.scale = arch.attention_scale or self.head_dim**-0.5
         self.embedding_multiplier, self.residual_multiplier = arch.embedding_multiplier, arch.residual_multiplier
         self.logits_divisor = arch.logits_divisor
+        rope_layers = arch.rope_layers or (True,) * self.num_layers
         self.vocab_size = c.vocab_size
         self.dtype = dtype
         self.rope = RotaryTables(c, self.head_dim, max_positions, dtype, device)
@@ -108,9 +111,11 @@ class LlamaModel:
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=fused(m, ("gate_proj", "up_proj")),
                     down=Linear(take(m + "down_proj.weight"), maybe(m + "down_proj.bias")),
+                    rope=rope_layers[i],
                 )
             )
         self.norm = take("model.norm.weight")
+        self.nope_ops = None if all(rope_layers) else self.ops.without_rope()
         lm_head = maybe("lm_head.weight")
         tied = lm_head is None or getattr(c, "tie_word_embeddings", False)
         # Only rank 0 samples: another rank holds no LM head.
@@ -136,7 +141,7 @@ class LlamaModel:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # [pages, page_size, Hkv, D]
-            q = ops.rope_store(layer.qkv(h), positions, layer.q_norm, layer.k_norm, k_cache, v_cache,
+            q = (ops if layer.rope else self.nope_ops).rope_store(layer.qkv(h), positions, layer.q_norm, layer.k_norm, k_cache, v_cache,
                                step.slot_mapping, step.store_kv)
             # Tensor-parallel: the layer's KV is in every rank's pool only once the o
             # projection's all-reduce returned, so the hook (which may send it) waits for that.

@@ -36,6 +36,13 @@ class RotaryTables:
         self.cos = (freqs.cos() * scaling).to(dtype=dtype, device=device)
         self.sin = (freqs.sin() * scaling).to(dtype=dtype, device=device)
 
+    def identity(self) -> "RotaryTables":
+        """Tables of the same shape that rotate nothing (cos 1, sin 0: x * 1 + y * 0 is x
+        exactly), for layers without rotary embeddings (SmolLM3's NoPE layers)."""
+        tables = object.__new__(RotaryTables)
+        tables.cos, tables.sin = torch.ones_like(self.cos), torch.zeros_like(self.sin)
+        return tables
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D/2] for positions [T], broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
