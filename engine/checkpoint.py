@@ -202,3 +202,27 @@ def ensure_demo_model(target: str | os.PathLike, extra_files: dict[str, str] | N
 
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_lora_adapter(base_dir: str | os.PathLike, out_dir: str | os.PathLike, seed: int = 0, rank: int = 4,
+                       alpha: float = 8.0, targets: tuple[str, ...] = LORA_TARGETS, **lora_config) -> Path:
+    """Write a PEFT LoRA adapter of the checkpoint in `base_dir` with random weights (both
+    A and B, so it changes the output) into `out_dir`, as PEFT saves one; needs `peft`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                        **lora_config)
+    model = get_peft_model(base, config)
+    with torch.no_grad():  # PEFT's own random init is small: make the adapter matter
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(str(out_dir))
+    return Path(out_dir)

@@ -67,6 +67,10 @@ class EngineConfig:
     tensor_parallel_size: int = _flag(1, "ranks (processes) the model is split over, Megatron-style, "
                                          "each holding its share of the weights and KV heads", type=int)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    lora_modules: list[str] = field(default_factory=list, metadata={
+        "help": "LoRA adapters served beside the model, as vLLM's flag: NAME=DIR, a PEFT adapter "
+                "directory; a request names the adapter as its model", "nargs": "+",
+        "metavar": "NAME=DIR"})
 
     @property
     def resolved_attention_backend(self) -> str:
@@ -109,3 +113,10 @@ class EngineConfig:
                 f"1 on device {self.device!r}: tensor parallelism runs on the CPU only so far")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", self.max_model_len, "None or >= 2")
+        if self.lora_modules:
+            from .lora import parse_modules, read_config  # its settings, before any weight loads
+
+            if self.tensor_parallel_size > 1:
+                bad("tensor_parallel_size", self.tensor_parallel_size, "1 with lora_modules (adapters are not split)")
+            for name, path in parse_modules(self.lora_modules):
+                read_config(name, path)

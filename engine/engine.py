@@ -34,6 +34,7 @@ from .detokenizer import detokenizer_factory
 from .device import usable_device
 from .intake import new_request
 from .kv_pool import kv_pool
+from .lora import load_adapters
 from .memory import kv_cache_pages
 from .model import ModelRunner
 from .model.arch import served_context
@@ -74,6 +75,7 @@ class Engine(SingleThreaded):
         self.max_model_len = served_context(c, config.max_model_len)  # refuses a model it cannot run
         self.vocab_size = c.vocab_size
         self.model, shards = load_model(config, c, dtype, self.max_model_len)  # rank 0's share
+        self.adapters = load_adapters(config.lora_modules, self.model, c, dtype, config.device)
         self.page_size = config.page_size
         m = self.model
         pool_heads = sum(s.num_kv_heads for s in shards)  # the ranks share this host's memory
@@ -98,18 +100,14 @@ class Engine(SingleThreaded):
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)  # structured outputs
         self.bans = BanRules(self.tokenizer, self.eos_token_ids)  # min_tokens, bad_words
         self.requests: dict[str, Request] = {}
-        # hook(layer_idx, [(request_id, begin, end, slots int64 array), ...]) after each layer
-        # of a step, for the step's prefill-only requests (`_layer_hook_for`).
-        self.layer_hook = None
+        self.layer_hook = None  # (layer, [(request id, begin, end, slots)]) of prefill-only requests
         self._arrivals = 0
         self.last_step_scheduled = 0  # sequences the last step ran (0: blocked or idle)
-        # On a GPU a step's text (detokenizing, stop strings, outputs) is done during the
-        # next step's forward, which the host would otherwise only wait for: each step
-        # returns the previous step's tokens. (sequence, token, is stop token) to finish.
+        # GPU: a step's text (detokenizing, stop strings) is done during the next step's forward,
+        # which the host would only wait for. (sequence, token, is stop token) to finish.
         self.overlap_output = config.overlap_output and self.runner.on_gpu
         self._text_pending: list[tuple[Sequence, int, bool]] = []
-        # On a GPU a step that sampled nothing may still have KV stores queued; a remote
-        # writer's copies are not ordered after them, so `prepare_receive` waits first.
+        # GPU: a step sampling nothing may leave KV stores queued, which remote writes must follow.
         self._stores_queued = False
 
     # ---- accounting -------------------------------------------------------------------
@@ -129,11 +127,11 @@ class Engine(SingleThreaded):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._text_pending)
 
-    # ---- entering requests -------------------------------------------------------------
+    # ---- entering requests (`lora`: a LoRA adapter's name, "" for the base model) ------
     @entry_point
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prefill_only: bool = False, cache_salt: str = "", priority: int = 0) -> None:
-        request = self._new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt)
+                    prefill_only: bool = False, cache_salt: str = "", priority: int = 0, lora: str = "") -> None:
+        request = self._new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt, lora)
         request.priority, self.requests[request_id] = priority, request
         # Samples after the first wait for its prefill, then find the prompt's full pages
         # in the prefix cache instead of computing them again.
@@ -141,7 +139,7 @@ class Engine(SingleThreaded):
 
     @entry_point
     def prepare_receive(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                        kv_window_end: int, cache_salt: str = "", priority: int = 0) -> Reservation:
+                        kv_window_end: int, cache_salt: str = "", priority: int = 0, lora: str = "") -> Reservation:
         """Reserve slots for the KV of positions [matched, kv_window_end) and park the request
         (`matched` from the prefix cache, at most end-1 tokens: one position always comes).
         Running sequences of a worse `priority` give pages if theirs suffice; else OutOfPages."""
@@ -149,14 +147,14 @@ class Engine(SingleThreaded):
             raise ValueError(f"kv_window_end must be in [0, {len(prompt_token_ids or [])}), got {kv_window_end!r}")
         if params.prompt_logprobs is not None and kv_window_end > 0:  # (engine/prompt_logprobs.py)
             raise ValueError(f"prompt_logprobs needs kv_window_end 0 (the whole prompt computed here), got {kv_window_end}")
-        request = self._new_request(request_id, prompt_token_ids, params, False, cache_salt)
+        request = self._new_request(request_id, prompt_token_ids, params, False, cache_salt, lora)
         if self._stores_queued:
             torch.cuda.current_stream(self.runner.device).synchronize()
             self._stores_queued = False
         seq = request.seqs[0]
         ps = self.page_size
         max_pages = max(0, kv_window_end - 1) // ps
-        extend_page_keys(seq.page_keys, seq.token_ids, ps, max_pages, cache_salt)
+        extend_page_keys(seq.page_keys, seq.token_ids, ps, max_pages, request.cache_salt)
         seq.pages = self.prefix_cache.match(seq.page_keys[:max_pages])
         matched = len(seq.pages) * ps
         self.scheduler.make_room(need := ceil_div(kv_window_end, ps) - len(seq.pages), priority)
@@ -210,12 +208,13 @@ class Engine(SingleThreaded):
         seq = request.seqs[0]
         return seq.slots(0, seq.num_tokens, self.page_size)
 
-    def _new_request(self, request_id, prompt_token_ids, params, prefill_only, cache_salt="") -> Request:
+    def _new_request(self, request_id, prompt_token_ids, params, prefill_only, cache_salt="", lora="") -> Request:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._arrivals += 1
         return new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt, self.capacity,
-                           self.vocab_size, self.new_detokenizer, self._arrivals, self.grammars, self.bans)
+                           self.vocab_size, self.new_detokenizer, self._arrivals, self.grammars, self.bans,
+                           self.adapters, lora)
 
     # ---- one step ----------------------------------------------------------------------
     @entry_point

@@ -23,7 +23,7 @@ from .sequence import Request, Sequence
 
 def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefill_only: bool, cache_salt,
                 capacity: KVCapacity, vocab_size: int, new_detokenizer, arrival: int, grammars,
-                bans: BanRules) -> Request:
+                bans: BanRules, adapters=None, lora: str = "") -> Request:
     prompt = list(prompt_token_ids or [])
     if not prompt:
         raise ValueError("prompt must not be empty, got 0 tokens")
@@ -40,10 +40,13 @@ def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefi
     params.validate(vocab_size, max_len)
     if not isinstance(cache_salt, str):
         raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+    adapter = adapters.index(lora) if adapters is not None else -1  # ValueError naming an unknown one
     # A structured output that does not compile is refused here, before anything is made.
     structured = params.structured_output is not None and not prefill_only
     constraints = grammars.constraints(params.structured_output, params.n) if structured else None
-    request = Request(request_id, prompt, params, prefill_only, arrival, cache_salt=cache_salt)
+    # An adapter's KV is its own: its pages are cached under a salt of its own.
+    salt = f"{cache_salt}\0lora:{lora}" if adapter >= 0 else cache_salt
+    request = Request(request_id, prompt, params, prefill_only, arrival, cache_salt=salt, lora=adapter)
     if params.prompt_logprobs is not None and not prefill_only:
         request.prompt_logprobs = []
     for i in range(1 if prefill_only else params.n):

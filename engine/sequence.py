@@ -97,6 +97,7 @@ class Request:
     kv_window_end: int | None = None  # set by prepare_receive
     cache_salt: str = ""  # seeds its page keys: it shares cached pages only with its salt
     priority: int = 0  # lower waits less (vLLM's): its place among the waiting (engine/scheduler.py)
+    lora: int = -1  # its LoRA adapter's index (engine/lora.py `Adapters`); -1: the base model
     other_samples_started: bool = False  # samples 1..n-1 queued (after sample 0's prefill)
     # perf_counter times: added, first scheduled, first token (or prefilled); 0: not yet
     added_at: float = field(default_factory=time.perf_counter)

@@ -64,7 +64,10 @@ def add_options(parser, cls, *, defaults: dict | None = None) -> None:
         kind = meta.get("type") or type(default)
         text = meta["help"] + ("" if default is None else " (default: %(default)s)")
         extra = {k: meta[k] for k in ("choices", "metavar") if k in meta}
-        if isinstance(default, list):
+        if isinstance(default, list) and "nargs" in meta:  # several values, the flag given once or more
+            parser.add_argument(name, dest=f.name, action="extend", nargs=meta["nargs"], default=default,
+                                type=meta.get("type", str), help=meta["help"], **extra)
+        elif isinstance(default, list):
             parser.add_argument(name, dest=f.name, action="append", default=default,
                                 type=meta.get("type", str), help=meta["help"], **extra)
         else:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives
+from ..lora import add_deltas
 from .arch import architecture, geometry
 from .fused import FusedOps
 from .linear import Linear
@@ -51,6 +52,10 @@ class StepAttention:
     # them alone, each row the last query of its sequence; None: every row.
     keep: torch.Tensor | None = None
     attend_kept: Callable | None = None
+    # LoRA adapters' rows (engine/lora.py `row_groups`), of every row and of the kept rows;
+    # None: no row has an adapter.
+    lora: list | None = None
+    lora_kept: list | None = None
 
 
 class LlamaModel:
@@ -116,6 +121,7 @@ class LlamaModel:
             )
         self.norm = take("model.norm.weight")
         self.nope_ops = None if all(rope_layers) else self.ops.without_rope()
+        self.adapters: list = []  # LoRA adapters, by the index a request's rows carry (engine/lora.py)
         lm_head = maybe("lm_head.weight")
         tied = lm_head is None or getattr(c, "tie_word_embeddings", False)
         # Only rank 0 samples: another rank holds no LM head.
@@ -132,6 +138,14 @@ class LlamaModel:
         chunk keeps one row, or none before its last chunk)."""
         ops = self.ops
         q_size = self.num_heads * self.head_dim
+        lora = step.lora
+
+        def project(linear, x, i, name):  # the projection, plus the LoRA deltas of its rows
+            y = linear(x)
+            if lora:
+                add_deltas(y, x, i, name, lora)
+            return y
+
         residual = F.embedding(input_ids, self.embed)
         if self.embedding_multiplier != 1:
             residual = residual * self.embedding_multiplier
@@ -141,8 +155,9 @@ class LlamaModel:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # [pages, page_size, Hkv, D]
-            q = (ops if layer.rope else self.nope_ops).rope_store(layer.qkv(h), positions, layer.q_norm, layer.k_norm, k_cache, v_cache,
-                               step.slot_mapping, step.store_kv)
+            q = (ops if layer.rope else self.nope_ops).rope_store(
+                project(layer.qkv, h, i, "qkv"), positions, layer.q_norm, layer.k_norm, k_cache, v_cache,
+                step.slot_mapping, step.store_kv)
             # Tensor-parallel: the layer's KV is in every rank's pool only once the o
             # projection's all-reduce returned, so the hook (which may send it) waits for that.
             if step.layer_hook is not None and not self.tp:
@@ -156,9 +171,9 @@ class LlamaModel:
                             step.layer_hook(i)
                     return h[:0]
                 q, residual = q.index_select(0, step.keep), residual.index_select(0, step.keep)
-                attend = step.attend_kept
+                attend, lora = step.attend_kept, step.lora_kept
             attn = attend(q, k_cache, v_cache, self.scale)
-            out = layer.o(attn.view(-1, q_size))
+            out = project(layer.o, attn.view(-1, q_size), i, "o")
             if self.tp:
                 collectives.all_reduce(out)
                 if step.layer_hook is not None:
@@ -166,7 +181,7 @@ class LlamaModel:
             if self.residual_multiplier != 1:  # of the whole sum, as transformers scales it
                 out = out * self.residual_multiplier
             h, residual = ops.add_rms_norm(out, residual, layer.post_norm)
-            x = layer.down(ops.silu_mul(layer.gate_up(h)))
+            x = project(layer.down, ops.silu_mul(project(layer.gate_up, h, i, "gate_up")), i, "down")
             if self.tp:
                 collectives.all_reduce(x)
             if self.residual_multiplier != 1:
@@ -174,6 +189,12 @@ class LlamaModel:
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h, residual = ops.add_rms_norm(x, residual, following)
         return h
+
+    def lora_sizes(self) -> dict[str, list[int]]:
+        """The output parts of each fused projection, as LoRA adapters target them."""
+        D, hidden, inter = self.head_dim, self.hidden_size, self.intermediate_size
+        return {"qkv": [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], "o": [hidden],
+                "gate_up": [inter, inter], "down": [hidden]}
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """float32 logits [S, vocab] of hidden states [S, hidden], into `out` if given (None

@@ -19,6 +19,7 @@ import torch
 from pdserve.arith import ceil_div
 
 from ..attention import cpu_ops
+from ..lora import row_groups
 from .decode_graphs import DecodeGraphs
 from .llama import LlamaModel, StepAttention
 
@@ -80,6 +81,7 @@ class ModelRunner:
             if kept:  # each kept row is the last query of its sequence: a decode's shape
                 step.attend_kept = self._attend_fn(
                     [1] * len(kept), [seqs[j].num_computed + num_new[j] for j in kept], [seqs[j].pages for j in kept])
+        self._lora(step, seqs, num_new, order, rows.numpy())
         hidden = self.model.forward(ids_t, pos_t, self.kv_cache, step)
         if not kept:
             return torch.empty(0, self.model.vocab_size)
@@ -87,7 +89,9 @@ class ModelRunner:
         return self.model.logits(picked)
 
     def _run_gpu(self, seqs, num_new, wants_logits, layer_hook) -> torch.Tensor:
-        decodes_only = layer_hook is None and all(n == 1 for n in num_new) and all(wants_logits)
+        # A graph runs the base model alone: a step with a LoRA adapter's rows runs eagerly.
+        decodes_only = (layer_hook is None and all(n == 1 for n in num_new) and all(wants_logits)
+                        and all(seq.request.lora < 0 for seq in seqs))
         if self.graphs is not None and decodes_only and len(seqs) <= self.graphs.max_batch:
             return self.graphs.run(seqs)
         ps, total = self.page_size, sum(num_new)
@@ -120,10 +124,20 @@ class ModelRunner:
             step.keep = rows_t
             if kept:
                 step.attend_kept = self._device_attend(dev[3:], 1)
+        self._lora(step, seqs, num_new, range(len(seqs)), rows)
         hidden = self.model.forward(ids_t, pos_t, self.kv_cache, step)
         if not kept:
             return torch.empty(0, self.model.vocab_size, device=self.device)
         return self.model.logits(hidden if step.keep is not None else hidden.index_select(0, rows_t))
+
+    def _lora(self, step: StepAttention, seqs, num_new, order, kept_rows: np.ndarray) -> None:
+        """The step's LoRA rows (`order`: the sequences' order in the rows), if any has one."""
+        if not self.model.adapters or all(seq.request.lora < 0 for seq in seqs):
+            return
+        of_row = np.repeat([seqs[j].request.lora for j in order], [num_new[j] for j in order])
+        step.lora = row_groups(of_row, self.model.adapters, self.device)
+        if step.keep is not None:
+            step.lora_kept = row_groups(of_row[kept_rows], self.model.adapters, self.device)
 
     def _attention_inputs(self, query_lens, seq_lens, page_lists) -> list[np.ndarray]:
         """Block tables, query start offsets and context lengths, as host arrays."""

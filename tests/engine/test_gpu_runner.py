@@ -62,6 +62,25 @@ def test_gpu_step_path_generates_transformers_greedy_tokens(checkpoint_dirs, hf_
     assert engine.num_free_pages() == engine.num_total_pages()
 
 
+def test_gpu_step_path_runs_lora_rows_eagerly_beside_graphed_base_steps(checkpoint_dirs, tmp_path):
+    from pdserve.engine.checkpoint import write_lora_adapter
+    from tests.engine.test_lora import peft_greedy, run_all
+
+    model = checkpoint_dirs("llama")
+    adapter = write_lora_adapter(model, tmp_path / "a", seed=1)
+    llm = gpu_path_llm(model, max_num_seqs=4, page_size=3, max_num_batched_tokens=16, lora_modules=[f"a={adapter}"])
+    graphs, replays = llm.engine.runner.graphs, []
+    run = graphs.run
+    graphs.run = lambda seqs: replays.append([s.request.lora for s in seqs]) or run(seqs)
+    # The base prompt's first token comes a step after the adapter's, so its last decode
+    # runs alone and replays the graph; the steps with the adapter's rows run eagerly.
+    requests = [([10, 11, 12], "a"), ([5, 6, 7, 8, 9] * 4, "")]
+    outs = run_all(llm.engine, requests)
+    for (prompt, lora), out in zip(requests, outs):
+        assert out == peft_greedy(model, adapter if lora else None, prompt)
+    assert replays and all(row == -1 for rows in replays for row in rows)
+
+
 def test_gpu_step_path_scores_a_prompt_as_transformers_does(checkpoint_dirs, hf_greedy, hf_logprobs):
     model = checkpoint_dirs("llama")
     # A 16-token budget cuts the 20-token prompt in two; the other request shares the steps.
