@@ -46,6 +46,7 @@ class Lease:
     local_params: object = None
     local_cache_salt: str = ""
     local_priority: int = 0
+    local_lora: str = ""
     writer_address: str = ""  # the prefill node that may write it (asked for proof on free)
     num_pages: int = 0        # pages its window reserved
     caller: str = ""          # who reserved it (runtime/auth.py caller_of)

@@ -20,6 +20,7 @@ class PrepareReceive:
     timeout_s: float | None = None  # what the caller's deadline leaves: bounds its wait in line
     cache_salt: str = ""  # whose cached pages it may match and join (engine/prefix_cache.py)
     priority: int = 0  # lower waits less in the line for pages (decode/page_line.py)
+    lora: str = ""  # the LoRA adapter it generates with (engine/lora.py); "": none
 
 
 @dataclass
@@ -32,6 +33,7 @@ class LocalPrefill:
     lease_ms: int = 0
     cache_salt: str = ""  # as in PrepareReceive
     priority: int = 0  # lower waits less in the engine's line
+    lora: str = ""  # as in PrepareReceive
 
 
 @dataclass

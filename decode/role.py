@@ -107,7 +107,7 @@ class DecodeRole:
                                      "for KV pages")
             return await self._reserve(
                 key, lambda e: e.prepare_receive(key, req.prompt_token_ids, req.params, end,
-                                                 req.cache_salt, req.priority))
+                                                 req.cache_salt, req.priority, req.lora))
         pages, passed = ceil_div(end, self.page_size), False
         try:
             await self._within_quota(req, pages)
@@ -157,7 +157,8 @@ class DecodeRole:
             req.request_id, lease_ms / 1000, lease_id=lease_id,
             engine_key=engine_key_for(req.request_id, lease_id), prompt_len=len(req.prompt_token_ids),
             prefix_matched_length=0, kv_window_end=0, local_prompt=list(req.prompt_token_ids),
-            local_params=req.params, local_cache_salt=req.cache_salt, local_priority=req.priority)
+            local_params=req.params, local_cache_salt=req.cache_salt, local_priority=req.priority,
+            local_lora=req.lora)
         self.requests_total += 1
         return Prepared(lease, encode_append_metadata([]))
 
@@ -184,7 +185,8 @@ class DecodeRole:
             # From here the engine's stream owns the request: it aborts it if we stop early.
             if lease.local_prompt is not None:
                 stream = self.engine.generate(lease.engine_key, lease.local_prompt, lease.local_params,
-                                              cache_salt=lease.local_cache_salt, priority=lease.local_priority)
+                                              cache_salt=lease.local_cache_salt, priority=lease.local_priority,
+                                              lora=lease.local_lora)
             else:
                 stream = self.engine.start_generation(lease.engine_key)
             first = True

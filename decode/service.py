@@ -33,14 +33,14 @@ def local_from_pb(pb: pdserve_pb2.PrepareReceiveRequest) -> LocalPrefill:
     if pb.kv_window_end != 0:
         raise ValueError(f"local_prefill needs kv_window_end 0, got {pb.kv_window_end}")
     return LocalPrefill(pb.request_id, list(pb.prompt_token_ids), sampling_from_pb(pb.sampling),
-                        pb.lease_ms, pb.cache_salt, pb.priority)
+                        pb.lease_ms, pb.cache_salt, pb.priority, pb.lora)
 
 
 def prepare_from_pb(pb: pdserve_pb2.PrepareReceiveRequest, caller: str = "",
                     timeout_s: float | None = None) -> PrepareReceive:
     return PrepareReceive(pb.request_id, list(pb.prompt_token_ids), sampling_from_pb(pb.sampling),
                           pb.kv_window_end, pb.lease_ms, pb.writer_address, caller, timeout_s,
-                          pb.cache_salt, pb.priority)
+                          pb.cache_salt, pb.priority, pb.lora)
 
 
 class DecodeService:

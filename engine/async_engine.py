@@ -97,13 +97,13 @@ class AsyncEngine:
         self._submit(_logged(fn), args, None, None)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       prefill_only: bool = False, cache_salt: str = "", priority: int = 0):
+                       prefill_only: bool = False, cache_salt: str = "", priority: int = 0, lora: str = ""):
         """Deltas of a new request, ending with its finished output; `cache_salt`: whose
         cached pages it may share (engine/prefix_cache.py); `priority`: lower is served
-        first among the waiting."""
+        first among the waiting; `lora`: its LoRA adapter (engine/lora.py), "" for none."""
         def add(engine):
             engine.add_request(request_id, prompt_ids, params, prefill_only=prefill_only,
-                               cache_salt=cache_salt, priority=priority)
+                               cache_salt=cache_salt, priority=priority, lora=lora)
 
         async for out in self._stream(request_id, add):
             yield out

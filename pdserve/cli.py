@@ -207,7 +207,7 @@ def cmd_up(args) -> int:
     _chat_template(args)  # a bad one stops `up` before any node starts
     model = _model(args)
     try:
-        check_servable(model)
+        check_servable(model, args.lora_modules)
         HTTPConfig(allowed_origins=args.allowed_origins, responses_store_mb=args.responses_store_mb,
                    sse_keepalive_s=args.sse_keepalive_s).validate()
     except ValueError as err:

@@ -92,7 +92,7 @@ def generate_request(prompt: str | list[int] | None = None, *,
                      kv_window_end: int | None = None, cache_salt: str = "", priority: int = 0,
                      tools: list[dict] | None = None, tool_choice: str = "",
                      parallel_tool_calls: bool | None = None, prompt_cache_key: str = "",
-                     **sampling) -> pdserve_pb2.GenerateRequest:
+                     model: str = "", **sampling) -> pdserve_pb2.GenerateRequest:
     """A GenerateRequest of exactly one of `prompt` (text or token ids) or `messages`.
     A message's missing role or content stays unset: the server names it. `cache_salt`:
     only requests with the same salt (and tenant) share cached prompt prefixes; `priority`:
@@ -100,12 +100,13 @@ def generate_request(prompt: str | list[int] | None = None, *,
     same nodes, to find each other's cached prefixes (as OpenAI's). `tools` (with
     messages): OpenAI's chat tools ({"type": "function", "function": {"name",
     "description", "parameters"}}, or the function alone), `tool_choice` "auto", "none",
-    "required" or a tool's name."""
+    "required" or a tool's name. `model`: a LoRA adapter's name runs the request with it
+    ("" or the model's own name: the model alone)."""
     if (prompt is None) == (messages is None):
         raise TypeError("give exactly one of prompt or messages")
     msg = pdserve_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling),
                                       cache_salt=cache_salt, priority=priority, tool_choice=tool_choice,
-                                      prompt_cache_key=prompt_cache_key,
+                                      prompt_cache_key=prompt_cache_key, model=model,
                                       tools=[tool_of(t) for t in tools or ()])
     if parallel_tool_calls is not None:
         msg.parallel_tool_calls = parallel_tool_calls

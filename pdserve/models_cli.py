@@ -67,9 +67,10 @@ def chat_template_of(value: str | None) -> str | None:
     return text
 
 
-def check_servable(model_dir: str) -> None:
-    """ValueError naming what the checkpoint is, if the engine cannot serve it (its config
-    alone read: the weights may take minutes to load)."""
+def check_servable(model_dir: str, lora_modules=()) -> None:
+    """ValueError naming what the checkpoint is, if the engine cannot serve it, or what is
+    wrong with a LoRA adapter (configs alone read: the weights may take minutes to load)."""
+    from pdserve.engine.lora import parse_modules, read_config
     from pdserve.engine.model.arch import architecture
     from pdserve.engine.model.weights import load_config
 
@@ -77,6 +78,8 @@ def check_servable(model_dir: str) -> None:
         architecture(load_config(model_dir))
     except (ValueError, OSError) as err:
         raise ValueError(f"{model_dir}: {err}") from None
+    for name, path in parse_modules(lora_modules):
+        read_config(name, path)
 
 
 def resolve_model(model: str, source: str | None = None) -> str:

@@ -103,6 +103,10 @@ class UpConfig:
                                              type=str, metavar="DIR")
     sse_keepalive_s: float = option(15.0, "a streamed answer with nothing to send for this long "
                                           "sends a keep-alive (0: none)")
+    lora_modules: list[str] = option(
+        help="LoRA adapters served beside the model, on every node: NAME=DIR, a PEFT adapter "
+             "directory; a request names the adapter as its model", metavar="NAME=DIR", nargs="+",
+        default_factory=list)
     extra: list[str] = field(default_factory=list)  # more flags for both workers
     served_model_name: list[str] | None = None  # --served-model-name, to every node
     chat_template: str | None = None  # --chat-template as given, to the router
@@ -192,7 +196,8 @@ def node_args(config: UpConfig, prefill_port: int, decode_port: int, http_port: 
     the key files (every node gets the cluster key, only the router the API key)."""
     extra = [*worker_flags(config), *(a for a in config.extra if a != "--")]
     name = ["--served-model-name", *config.served_model_name] if config.served_model_name else []
-    common = ["--model", config.model, *name, "--log-format", config.log_format]
+    loras = ["--lora-modules", *config.lora_modules] if config.lora_modules else []
+    common = ["--model", config.model, *name, *loras, "--log-format", config.log_format]
     device = device_flag(config.device, extra)
     worker = [*common, "--host", "127.0.0.1", "--num-threads", str(config.num_threads), *device,
               *gpu_dtype(device, extra), *cluster, *extra]

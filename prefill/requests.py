@@ -34,6 +34,7 @@ class RemoteSend:
     timeout_s: float | None = None  # the caller's deadline
     cache_salt: str = ""  # whose cached pages its prefill may use (engine/prefix_cache.py)
     priority: int = 0  # lower waits less in the engine's line
+    lora: str = ""  # the LoRA adapter its prefill runs with (engine/lora.py); "": none
 
 
 @dataclass
@@ -44,6 +45,7 @@ class OverlappedSend:
     timeout_s: float | None = None
     cache_salt: str = ""
     priority: int = 0
+    lora: str = ""
 
 
 @dataclass

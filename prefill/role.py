@@ -156,7 +156,7 @@ class PrefillRole:
         if len(self.in_flight) >= self.config.max_in_flight:
             raise NodeOverloaded(f"prefill node is at its limit of {self.config.max_in_flight} "
                                  "RemoteSends")
-        sending = self.in_flight[request_id] = Sending(cache_salt=req.cache_salt, priority=req.priority)
+        sending = self.in_flight[request_id] = Sending(cache_salt=req.cache_salt, priority=req.priority, lora=req.lora)
         self._ended.pop(request_id, None)
         return sending
 
@@ -292,8 +292,8 @@ class PrefillRole:
         if sending.aborted:
             raise RequestAborted(f"RemoteSend of {request_id!r} aborted before prefill")
         last, params = None, SamplingParams(max_tokens=1, temperature=0.0)
-        async for out in self.engine.generate(request_id, prompt, params, prefill_only=True,
-                                              cache_salt=sending.cache_salt, priority=sending.priority):
+        async for out in self.engine.generate(request_id, prompt, params, prefill_only=True, cache_salt=sending.cache_salt,
+                                              priority=sending.priority, lora=sending.lora):
             last = out
         if last is None or last.finish_reason != "prefilled":
             if sending.aborted:

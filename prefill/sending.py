@@ -32,6 +32,7 @@ class Sending:
     stream: object = None  # its prefill/layer_stream.LayerStream, once aimed at the window
     cache_salt: str = ""  # the request's: its prefill matches and publishes pages under it
     priority: int = 0  # the request's: its place in the engine's line
+    lora: str = ""  # the request's LoRA adapter: its prefill runs with it
 
 
 def writer_threads(device: str) -> ThreadPoolExecutor:

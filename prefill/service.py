@@ -55,14 +55,14 @@ class PrefillService:
             if request.window_follows:
                 result = await self.role.remote_send_overlapped(OverlappedSend(
                     request.request_id, prompt, request.kv_window_end, context.time_remaining(),
-                    request.cache_salt, request.priority))
+                    request.cache_salt, request.priority, request.lora))
             else:
                 info = PeerInfo.from_pb(request.decode_transfer_info) \
                     if request.HasField("decode_transfer_info") else None
                 result = await self.role.remote_send(RemoteSend(
                     request.request_id, prompt, request.kv_window_end,
                     window_from_pb(request, info), context.time_remaining(), request.cache_salt,
-                    request.priority))
+                    request.priority, request.lora))
         except BaseException as err:
             outcome = record_failure("prefill", request.request_id, err,
                                      remote_send_s=time.perf_counter() - started)

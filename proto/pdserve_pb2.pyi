@@ -226,7 +226,7 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "kv_window_end", "cache_salt", "priority", "tools", "tool_choice", "parallel_tool_calls", "prompt_cache_key")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "kv_window_end", "cache_salt", "priority", "tools", "tool_choice", "parallel_tool_calls", "prompt_cache_key", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -251,28 +252,31 @@ class GenerateRequest(_message.Message):
     tool_choice: str
     parallel_tool_calls: bool
     prompt_cache_key: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., prompt_cache_key: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., prompt_cache_key: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "role")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "role", "lora_names")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     role: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ...) -> None: ...
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrepareReceiveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_window_end", "lease_ms", "local_prefill", "writer_address", "cache_salt", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_window_end", "lease_ms", "local_prefill", "writer_address", "cache_salt", "priority", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +286,7 @@ class PrepareReceiveRequest(_message.Message):
     WRITER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -291,7 +296,8 @@ class PrepareReceiveRequest(_message.Message):
     writer_address: str
     cache_salt: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., lease_ms: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., writer_address: _Optional[str] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_window_end: _Optional[int] = ..., lease_ms: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., writer_address: _Optional[str] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class PrepareReceiveResponse(_message.Message):
     __slots__ = ("request_id", "prefix_matched_length", "kv_window_end", "kv_append_metadata", "lease_id", "lease_ms", "decode_agent_name", "lease_expires_unix_ms", "capability", "issued_unix_ms", "queued_ms")
@@ -384,7 +390,7 @@ class TransferInfo(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., model_hash: _Optional[str] = ..., host_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[KVShard, _Mapping]]] = ..., total_kv_heads: _Optional[int] = ...) -> None: ...
 
 class RemoteSendRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "decode_transfer_info", "lease_expires_unix_ms", "window_follows", "lease_remaining_ms", "capability", "lease_ms", "issued_unix_ms", "cache_salt", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "decode_transfer_info", "lease_expires_unix_ms", "window_follows", "lease_remaining_ms", "capability", "lease_ms", "issued_unix_ms", "cache_salt", "priority", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +408,7 @@ class RemoteSendRequest(_message.Message):
     ISSUED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_window_begin: int
@@ -419,7 +426,8 @@ class RemoteSendRequest(_message.Message):
     issued_unix_ms: int
     cache_salt: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_transfer_info: _Optional[_Union[TransferInfo, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., window_follows: _Optional[bool] = ..., lease_remaining_ms: _Optional[int] = ..., capability: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., issued_unix_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., decode_agent_name: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_transfer_info: _Optional[_Union[TransferInfo, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., window_follows: _Optional[bool] = ..., lease_remaining_ms: _Optional[int] = ..., capability: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., issued_unix_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class RemoteSendWindow(_message.Message):
     __slots__ = ("request_id", "kv_window_begin", "kv_append_metadata", "lease_id", "decode_agent_name", "decode_address", "lease_expires_unix_ms", "lease_remaining_ms", "capability", "lease_ms", "issued_unix_ms")

@@ -52,7 +52,7 @@ async def run_router(config: RouterConfig) -> None:
     dispatcher.load_monitor = monitor
     server = new_server()
     tokenizer = PromptTokenizer(config.model, config.served_model_name, config.chat_template,
-                                config.tool_call_parser)
+                                config.tool_call_parser, config.lora_modules)
     pdserve_pb2_grpc.add_GenerationServicer_to_server(GenerationService(dispatcher, tokenizer), server)
     http = await start_router_http(config, dispatcher, tokenizer, registry)
 

@@ -15,6 +15,8 @@ Invariants:
   open cluster (no API keys) caches as it did before tenants.
 - `--shared-prefix-cache` (the operator's choice) drops the tenant: the salt is the
   client's alone, and tenants sharing one see each other's cached prefixes.
+- A request of a LoRA adapter ends its salt with NUL, `lora:` and the adapter's name: the
+  same tokens have other KV under another adapter (the engine salts its pages so too).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from __future__ import annotations
 from pdserve.runtime.tenants import DEFAULT
 
 
-def effective_salt(tenant: str, cache_salt: str = "", shared: bool = False) -> str:
+def effective_salt(tenant: str, cache_salt: str = "", shared: bool = False, lora: str = "") -> str:
     """The salt the nodes match and publish the request's pages under."""
     if not isinstance(cache_salt, str):
         raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+    adapter = f"\x00lora:{lora}" if lora else ""
     if shared or (tenant == DEFAULT and not cache_salt):
-        return cache_salt
-    return f"{tenant}\x00{cache_salt}"
+        return cache_salt + adapter
+    return f"{tenant}\x00{cache_salt}{adapter}"

@@ -80,7 +80,7 @@ class NodeCalls:
             request_id=state.request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             kv_window_end=kv_window_end, lease_ms=self.config.lease_ms, local_prefill=local,
             writer_address=writer.address if writer is not None else "",
-            cache_salt=state.cache_salt, priority=state.priority)
+            cache_salt=state.cache_salt, priority=state.priority, lora=state.lora)
         state.local = local
         state.holders.add(decode)
         # On the node from its reservation on: the picks of requests arriving meanwhile, and a
@@ -116,7 +116,7 @@ class NodeCalls:
             kv_window_begin=prep.prefix_matched_length, kv_window_end=prep.kv_window_end,
             kv_append_metadata=prep.kv_append_metadata, lease_id=prep.lease_id,
             decode_agent_name=prep.decode_agent_name, decode_address=decode.address,
-            cache_salt=state.cache_salt, priority=state.priority, **_lease_fields(reserved))
+            cache_salt=state.cache_salt, priority=state.priority, lora=state.lora, **_lease_fields(reserved))
         # Never past the lease: D no longer waits for the KV after it ends.
         timeout = min(state.timeout(self.config.remote_send_timeout_s),
                       reserved.lease_ends - time.monotonic())
@@ -159,7 +159,7 @@ class NodeCalls:
         prefill.in_flight += 1
         request = pdserve_pb2.RemoteSendRequest(
             request_id=state.request_id, prompt_token_ids=prompt_token_ids, kv_window_end=end,
-            window_follows=True, cache_salt=state.cache_salt, priority=state.priority)
+            window_follows=True, cache_salt=state.cache_salt, priority=state.priority, lora=state.lora)
         call = prefill.stub.RemoteSend(
             request, timeout=state.timeout(self.config.remote_send_timeout_s))
         return EarlySend(prefill, asyncio.ensure_future(call), prefill.send_started())
@@ -236,7 +236,7 @@ class NodeCalls:
         prepare = pdserve_pb2.PrepareReceiveRequest(
             request_id=state.request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             kv_window_end=0, lease_ms=self.config.lease_ms, local_prefill=True,
-            cache_salt=state.cache_salt, priority=state.priority)
+            cache_salt=state.cache_salt, priority=state.priority, lora=state.lora)
         return pdserve_pb2.StartGenerationRequest(request_id=state.request_id, prepare=prepare)
 
     async def start(self, decode: Endpoint, state: RequestState,

@@ -33,6 +33,10 @@ class RouterConfig:
     chat_template: str | None = None  # --chat-template's text, instead of the model's (None: its own)
     tool_call_parser: str = "auto"  # --tool-call-parser: a router/tool_dialects.py dialect, or auto
     server: ServerConfig = field(default_factory=ServerConfig)
+    lora_modules: list[str] = option(
+        help="LoRA adapters the workers serve (their --lora-modules, NAME=DIR): a request may name "
+             "one as its model, and /v1/models lists them", metavar="NAME=DIR", nargs="+",
+        default_factory=list)
     prefill: list[str] = option(
         help="prefill worker endpoint (repeat or comma-separate for several)",
         metavar="HOST:PORT", default_factory=list)

@@ -58,17 +58,19 @@ class Dispatcher:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: pdserve_pb2.SamplingParams, kv_window_end: int | None,
                        timeout_s: float | None = None, *, cache_salt: str = "",
-                       tenant: str = "default", priority: int = 0, cache_key: str = ""
+                       tenant: str = "default", priority: int = 0, cache_key: str = "", lora: str = ""
                        ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """`tenant`'s request (runtime/tenants.py): its id is scoped to the tenant, and it
         waits for the tenant's turn (router/admission.py), ahead of the tenant's requests
-        of a higher `priority`; `cache_key` (prompt_cache_key) picks its nodes."""
+        of a higher `priority`; `cache_key` (prompt_cache_key) picks its nodes; `lora`: the
+        LoRA adapter it runs with (checked by the caller: router/validation.py `lora_of`)."""
         state = self.admission.admit(request_id, timeout_s, tenant,
                                      admission_tokens(prompt_token_ids, sampling))
-        state.priority, state.cache_key = priority, cache_key
+        state.priority, state.cache_key, state.lora = priority, cache_key, lora
         try:
-            state.cache_salt = effective_salt(state.tenant, cache_salt,
-                                              self.config.shared_prefix_cache)
+            # An adapter's prompts have KV of their own: the prefix index keeps them apart too.
+            state.cache_salt = effective_salt(state.tenant, cache_salt, self.config.shared_prefix_cache,
+                                              lora)
             async with self.admission.turn(state):
                 state.check_aborted()
                 async for msg in self._run(state, prompt_token_ids, sampling, kv_window_end):

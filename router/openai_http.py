@@ -84,7 +84,9 @@ class OpenAIFrontend:
         self.role, self.refresh = role, refresh
         self.tokenizer = tokenizer  # router.tokenizer.PromptTokenizer
         self.model_id = model_id  # what answers name it; requests may give any of model_names
-        self.model_names = [model_id, *(tokenizer.card.aliases if tokenizer is not None else ())]
+        card = tokenizer.card if tokenizer is not None else None
+        self.loras = card.loras if card is not None else ()  # LoRA adapters, named as models
+        self.model_names = [model_id, *(card.aliases if card is not None else ()), *self.loras]
         self.registry = registry
         self.created = now()
         kept_mb = http_limits.current().responses_store_mb  # /v1/responses' and /v1/conversations' own
@@ -133,12 +135,13 @@ class OpenAIFrontend:
     # ---- simple routes ------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(models_api.listing(request, self.model_names, self.created,
-                                                    self.tokenizer.card.max_model_len))
+                                                    self.tokenizer.card.max_model_len, self.loras))
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         models_api.check(name, self.model_names)
-        return web.json_response(models_api.card(request, name, self.created, self.tokenizer.card.max_model_len))
+        parent = self.model_id if name in self.loras else None
+        return web.json_response(models_api.card(request, name, self.created, self.tokenizer.card.max_model_len, parent))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return web.json_response(tokenize_api.tokenize(await self._body(request), self.tokenizer))
@@ -217,6 +220,7 @@ class OpenAIFrontend:
                 else COMPLETIONS_DEFAULT_MAX_TOKENS
             sampling = sampling_from_body(body, chat=chat, default_max_tokens=default_max, tools=tools)
             placement, stream_usage = placement_of(body), stream_options_of(body)
+            placement["lora"] = lora = original["model"] if original["model"] in self.loras else ""
             want_ids, as_ids = flag_of(body, "return_token_ids"), flag_of(body, "return_tokens_as_token_ids")
             for name in ("user", "safety_identifier", "prompt_cache_key"):  # on the request's log line
                 if body.get(name):
@@ -237,7 +241,8 @@ class OpenAIFrontend:
             observer.finish("not_found" if err.status == 404 else err.code or "invalid_argument",
                             error=err.message)
             raise
-        shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", self.model_id,
+        model = lora or self.model_id  # what the answer names: the adapter, as vLLM's does
+        shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", model,
                       ChoiceLogprobs(self._token_text, chat, as_ids),
                       None if chat else echo_of(body, prompts, self.tokenizer, sampling.HasField("logprobs")),
                       tools, self.tokenizer.opens_thinking(prompts[0]) if chat and self.tokenizer.thinks else None)
@@ -246,8 +251,8 @@ class OpenAIFrontend:
             shape.return_token_ids(prompts, sampling.n or 1)
         headers, tenant = {"X-Request-Id": request_id}, request[TENANT]
         keep = responses and original.get("store") is not False and self.stored.store.max_chars > 0
-        answer = responses_api.ResponseStream(request_id, self.model_id, original, keep) if responses else \
-            anthropic_api.MessageStream(request_id, self.model_id, original, len(prompts[0])) if anthropic else None
+        answer = responses_api.ResponseStream(request_id, model, original, keep) if responses else \
+            anthropic_api.MessageStream(request_id, model, original, len(prompts[0])) if anthropic else None
 
         def as_error(err):  # a node's failure, in the API's own names
             error = _as_openai_error(err, chat=True)

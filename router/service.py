@@ -16,7 +16,7 @@ from pdserve.router import validation
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.runtime import auth
-from pdserve.runtime.errors import abort_with
+from pdserve.runtime.errors import NodeError, abort_with
 from pdserve.runtime.observe import StreamObserver
 
 
@@ -32,14 +32,15 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
             observer.fields["prompt_cache_key"] = request.prompt_cache_key
         try:
             ids, sampling, calls = validation.checked(request, self.tokenizer)
-        except ValueError as err:
+            lora = self.tokenizer.card.lora_of(request.model)
+        except (ValueError, NodeError) as err:
             observer.finish("invalid_argument", error=str(err))
             await abort_with(context, err)
         window_end = request.kv_window_end if request.HasField("kv_window_end") else None
         stream = self.dispatcher.generate(request_id, ids, sampling, window_end,
                                           timeout_s=context.time_remaining(),
                                           cache_salt=request.cache_salt, priority=request.priority,
-                                          cache_key=request.prompt_cache_key,
+                                          cache_key=request.prompt_cache_key, lora=lora,
                                           tenant=auth.tenant_of(context.invocation_metadata()))
         try:
             async for msg in observer.watch(stream):
@@ -62,7 +63,7 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
         card = self.tokenizer.card
         return pdserve_pb2.ModelInfo(
             model=card.model, vocab_size=card.vocab_size, max_model_len=card.max_model_len,
-            eos_token_ids=card.eos_token_ids, role="router")
+            eos_token_ids=card.eos_token_ids, role="router", lora_names=card.loras)
 
 
 def name_logprob_tokens(msg: pdserve_pb2.GenerateResponse,

@@ -57,6 +57,7 @@ class RequestState:
     cache_salt: str = ""  # the nodes' prefix-cache salt for it (router/cache_salt.py)
     cache_key: str = ""  # its prompt_cache_key: the nodes it goes to (router/policies.py)
     priority: int = 0  # lower waits less, here and on the nodes (GenerateRequest.priority)
+    lora: str = ""  # the LoRA adapter it runs with on the nodes (GenerateRequest.model); "": none
     arrived: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # the client's, on the monotonic clock
     holders: set = field(default_factory=set)  # router.registry.Endpoint that may hold it

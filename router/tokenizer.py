@@ -14,9 +14,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import grpc
 from pathlib import Path
 
 from pdserve.models.catalogue import served_name
+from pdserve.runtime.errors import NodeError
 from pdserve.router import chat, reasoning
 from pdserve.router.tool_dialects import dialect_named, dialect_of
 from pdserve.router.tools import Tools, template_inputs
@@ -30,6 +33,27 @@ class ModelCard:
     max_model_len: int
     eos_token_ids: list[int]
     aliases: tuple[str, ...] = ()  # more names a request may give the model (--served-model-name)
+    loras: tuple[str, ...] = ()  # LoRA adapters a request may name as its model (--lora-modules)
+
+    @property
+    def names(self) -> list[str]:
+        """Every name a request may give: the model's, then its adapters'."""
+        return [self.model, *self.aliases, *self.loras]
+
+    def lora_of(self, model: str) -> str:
+        """The LoRA adapter a request naming `model` runs with: "" for the model itself (or
+        no name given); NOT_FOUND naming what is served for any other name."""
+        if not model or model in (self.model, *self.aliases):
+            return ""
+        if model in self.loras:
+            return model
+        raise NodeError(f"model {model!r} is not served here; this server serves "
+                        f"{', '.join(map(repr, self.names))}", grpc.StatusCode.NOT_FOUND)
+
+
+def lora_names(entries) -> tuple[str, ...]:
+    """The adapter names of `--lora-modules NAME=DIR` entries (the nodes load the directories)."""
+    return tuple(str(entry).partition("=")[0].strip() for entry in entries)
 
 
 def _load_tokenizer(model_dir: Path):
@@ -50,7 +74,8 @@ class PromptTokenizer:
     the dialect of the model's tool calls, or "auto" for the template's."""
 
     def __init__(self, model_dir: str, served_model_name: str | Sequence[str] | None = None,
-                 chat_template: str | None = None, tool_call_parser: str = "auto") -> None:
+                 chat_template: str | None = None, tool_call_parser: str = "auto",
+                 lora_modules: Sequence[str] = ()) -> None:
         path = Path(model_dir)
         self.tokenizer = _load_tokenizer(path)
         if chat_template is not None:  # before anything below reads the template
@@ -65,6 +90,7 @@ class PromptTokenizer:
             eos_token_ids=list(eos) if isinstance(eos, (list, tuple)) else
             ([eos] if eos is not None else []),
             aliases=tuple(names[1:]),
+            loras=lora_names(lora_modules),
         )
         # What ends a chat answer; a conversation's request also stops there (validation.py).
         self.end_of_turn_ids = chat.end_of_turn_ids(self.tokenizer, path, config)

@@ -70,11 +70,21 @@ def _ucx_tls() -> tuple[str, set[str]]:
 _UCX_MEMORY_TRANSPORTS = {"all", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "cuda_ipc"}
 
 
-def model_hash(model_dir: str | Path) -> str:
-    """A short hex digest of the checkpoint in `model_dir` (see the module docstring)."""
-    root = Path(model_dir)
+def model_hash(model_dir: str | Path, lora_modules=()) -> str:
+    """A short hex digest of the checkpoint in `model_dir` (see the module docstring) and of
+    the LoRA adapters served with it (`--lora-modules NAME=DIR`): nodes that exchange KV
+    must run the same adapters under the same names."""
     digest = hashlib.sha256()
-    config = root / "config.json"
+    _digest_dir(digest, Path(model_dir), "config.json")
+    for entry in lora_modules:
+        name, _, path = str(entry).partition("=")
+        digest.update(f"lora {name}".encode())
+        _digest_dir(digest, Path(path), "adapter_config.json")
+    return digest.hexdigest()[:16]
+
+
+def _digest_dir(digest, root: Path, config_name: str) -> None:
+    config = root / config_name
     if config.exists():
         digest.update(config.read_bytes())
     for path in sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES):
@@ -85,7 +95,6 @@ def model_hash(model_dir: str | Path) -> str:
             if size > 2 * _EDGE_BYTES:
                 f.seek(size - _EDGE_BYTES)
                 digest.update(f.read())
-    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

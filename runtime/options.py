@@ -19,9 +19,10 @@ from typing import Any
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
            type=None, choices=None, metavar: str | None = None,
-           default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field that is also a command-line flag."""
-    meta = {"help": help, "flag": flag, "type": type, "choices": choices, "metavar": metavar}
+           default_factory: Any = dataclasses.MISSING, nargs: str | None = None) -> Any:
+    """A dataclass field that is also a command-line flag (`nargs`: a list field's flag
+    takes several values at once)."""
+    meta = {"help": help, "flag": flag, "type": type, "choices": choices, "metavar": metavar, "nargs": nargs}
     return dataclasses.field(default=default, default_factory=default_factory,
                              metadata={k: v for k, v in meta.items() if v is not None})
 

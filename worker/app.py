@@ -96,7 +96,7 @@ async def build_node(config: WorkerConfig, gates: Gates | None = None) -> Node:
     agent = TransferAgent(agent_name(role), layout.regions() if len(pools) > 1 else kv_cache,
                           progress_thread=role == "decode", idle_poll_interval_s=0.5)
     identity = NodeIdentity(
-        model=model_name(config), model_hash=model_hash(config.engine.model_dir),
+        model=model_name(config), model_hash=model_hash(config.engine.model_dir, config.engine.lora_modules),
         dtype=layout.dtype, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim, page_size=layout.page_size, role=role)
     prefill = decode = None
@@ -124,7 +124,7 @@ async def run_worker(config: WorkerConfig) -> None:
         from pdserve.worker.colocated import ColocatedService
 
         colocated = ColocatedService(node.decode, config.engine.model_dir, config.served_model_name,
-                                     config.chat_template, config.tool_call_parser)
+                                     config.chat_template, config.tool_call_parser, config.engine.lora_modules)
         pdserve_pb2_grpc.add_GenerationServicer_to_server(colocated, server)
         names.append(GENERATION)
     if gates is not None:

@@ -38,9 +38,10 @@ from pdserve.runtime.observe import StreamObserver, outcome_of
 class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
     def __init__(self, role: DecodeRole, model_dir: str,
                  served_model_name: list[str] | None = None, chat_template: str | None = None,
-                 tool_call_parser: str = "auto") -> None:
+                 tool_call_parser: str = "auto", lora_modules=()) -> None:
         self.role = role
-        self.tokenizer = PromptTokenizer(model_dir, served_model_name, chat_template, tool_call_parser)
+        self.tokenizer = PromptTokenizer(model_dir, served_model_name, chat_template, tool_call_parser,
+                                         lora_modules)
         self.active: set[str] = set()  # ids `generate` streams (the HTTP /metrics in_flight)
 
     async def Generate(self, request, context):
@@ -51,9 +52,10 @@ class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
             check_request_id(request_id)
             ids, sampling, calls = checked(request, self.tokenizer)  # the router's front-door checks
             tenant = auth.tenant_of(context.invocation_metadata())
+            lora = self.tokenizer.card.lora_of(request.model)
             salt = effective_salt(tenant, request.cache_salt)
-            local = LocalPrefill(node_request_id(tenant, request_id), ids,
-                                 sampling_from_pb(sampling), cache_salt=salt, priority=request.priority)
+            local = LocalPrefill(node_request_id(tenant, request_id), ids, sampling_from_pb(sampling),
+                                 cache_salt=salt, priority=request.priority, lora=lora)
             outputs = self.role.generate_local(local, context.time_remaining())
             async for msg in observer.watch(stream_responses(request_id, outputs, arrived)):
                 msg = name_logprob_tokens(msg, self.tokenizer)
@@ -67,7 +69,8 @@ class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling,
                        kv_window_end: int | None = None, timeout_s: float | None = None,
-                       tenant: str = "default", cache_salt: str = "", priority: int = 0, cache_key: str = ""):
+                       tenant: str = "default", cache_salt: str = "", priority: int = 0, cache_key: str = "",
+                       lora: str = ""):
         """The router Dispatcher's `generate` (router/dispatch.py), for the OpenAI front:
         ids and sampling (pdserve_pb2.SamplingParams) come checked; this node serves the
         request whole (`kv_window_end` means nothing here). A ValueError the role finds is
@@ -80,7 +83,7 @@ class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
             check_request_id(request_id)
             local = LocalPrefill(node_request_id(tenant, request_id), prompt_token_ids,
                                  sampling_from_pb(sampling),
-                                 cache_salt=effective_salt(tenant, cache_salt), priority=priority)
+                                 cache_salt=effective_salt(tenant, cache_salt), priority=priority, lora=lora)
             outputs = self.role.generate_local(local, timeout_s)
             async for msg in stream_responses(request_id, outputs, arrived):
                 if msg.HasField("usage"):
@@ -109,7 +112,7 @@ class ColocatedService(pdserve_pb2_grpc.GenerationServicer):
         card = self.tokenizer.card
         return pdserve_pb2.ModelInfo(
             model=card.model, vocab_size=card.vocab_size, max_model_len=card.max_model_len,
-            eos_token_ids=card.eos_token_ids, role="both")
+            eos_token_ids=card.eos_token_ids, role="both", lora_names=card.loras)
 
 
 async def start_openai_http(service: ColocatedService, host: str, port: int, refresh):

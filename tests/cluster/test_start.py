@@ -61,7 +61,9 @@ def test_a_taken_port_ends_a_worker_with_one_line_before_its_model_loads(tiny_mo
     (["--device", "cuda:99"], ["--device cuda:99", "--device cpu" if not torch.cuda.is_available() else "pass one"]),
     (["--device", "gpu"], ["--device must be cpu, cuda or cuda:N, got 'gpu'"]),
     (["--page-size", "0"], ["--page-size must be an integer >= 1, got 0"]),
-    (["--kv-cache-mb", "-5"], ["--kv-cache-mb must be > 0, got -5"])])
+    (["--kv-cache-mb", "-5"], ["--kv-cache-mb must be > 0, got -5"]),
+    (["--lora-modules", "nodir"], ["--lora-modules entry 'nodir' is not NAME=DIR"]),
+    (["--lora-modules", "a=/nonexistent"], ["LoRA adapter 'a': /nonexistent/adapter_config.json does not exist"])])
 def test_a_bad_engine_flag_ends_a_worker_with_one_line_before_its_model_loads(tiny_model, flags, says):
     out = pdserve("serve", "--model", tiny_model, "--host", "127.0.0.1", "--port", "0", *flags)
     assert out.returncode == 1

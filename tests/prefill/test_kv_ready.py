@@ -38,8 +38,8 @@ class ReadyLater(PrefillWatch):
         super().__init__(engine)
         self.ready = event
 
-    async def generate(self, request_id, prompt, params, prefill_only=False, cache_salt="", priority=0):
-        async for out in super().generate(request_id, prompt, params, prefill_only, cache_salt, priority):
+    async def generate(self, request_id, prompt, params, **options):
+        async for out in super().generate(request_id, prompt, params, **options):
             if out.finish_reason == "prefilled":
                 out.kv_ready = self.ready
             yield out

@@ -188,9 +188,8 @@ class PrefillWatch:
     def event(self, request_id: str) -> asyncio.Event:
         return self.prefilled.setdefault(request_id, asyncio.Event())
 
-    async def generate(self, request_id, prompt, params, prefill_only=False, cache_salt="", priority=0):
-        async for out in self._engine.generate(request_id, prompt, params, prefill_only=prefill_only,
-                                               cache_salt=cache_salt, priority=priority):
+    async def generate(self, request_id, prompt, params, **options):
+        async for out in self._engine.generate(request_id, prompt, params, **options):
             yield out
         self.event(request_id).set()
         if request_id in self.resume:
