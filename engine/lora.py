@@ -48,7 +48,7 @@ class LoraAdapter:
     name: str
     path: str
     rank: int
-    scale: float
+    scale: float  # applied after B (1: none, or folded into B: a power of two)
     # (layer, projection) -> [(A [r, in], B [out part, r], first column, end column)]
     deltas: dict[tuple[int, str], list] = field(default_factory=dict)
     digest: str = ""  # of its config and weights, for nodes' compatibility check
@@ -107,7 +107,10 @@ def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], d
             tensor = f.get_tensor(key)
             digest.update(key.encode() + tensor.float().numpy().tobytes())
             pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor.to(device=device, dtype=dtype)
-    adapter = LoraAdapter(name, path, rank, scale, digest=digest.hexdigest()[:16])
+    # A power of two scales every product and partial sum exactly, so it can go into B once
+    # (a step saves a multiply per target); any other scaling is applied after, as PEFT does.
+    folded = math.frexp(scale)[0] == 0.5
+    adapter = LoraAdapter(name, path, rank, 1.0 if folded else scale, digest=digest.hexdigest()[:16])
     for (layer, module), ab in sorted(pairs.items()):
         projection, part = _TARGETS[module]
         edges = np.cumsum([0, *sizes[projection]])
@@ -117,7 +120,7 @@ def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], d
             got = "missing" if A is None or B is None else f"A {tuple(A.shape)}, B {tuple(B.shape)}"
             raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module} does not fit this model "
                             f"(rank {rank}, {hi - lo} outputs; got {got}): it was made for another base model")
-        adapter.deltas.setdefault((layer, projection), []).append((A, B, int(lo), int(hi)))
+        adapter.deltas.setdefault((layer, projection), []).append((A, B * scale if folded else B, int(lo), int(hi)))
     return adapter
 
 
@@ -155,11 +158,16 @@ def row_groups(adapter_of_row: np.ndarray, adapters: list[LoraAdapter], device) 
 
 
 def add_deltas(out: torch.Tensor, x: torch.Tensor, layer: int, projection: str, groups: list) -> None:
-    """out[rows] += lora_B(lora_A(x[rows])) * scaling for each adapter's rows (in place)."""
+    """out[rows] += lora_B(lora_A(x[rows])) * scaling for each adapter's rows (in place).
+    Each target is its own two products, as PEFT runs them: stacking q's, k's and v's A
+    into one product would round some sums otherwise, and greedy output would drift from PEFT's."""
     for adapter, rows in groups:
-        for A, B, lo, hi in adapter.deltas.get((layer, projection), ()):
-            xs = x if rows is None else x.index_select(0, rows)
-            delta = F.linear(F.linear(xs, A), B) * adapter.scale
+        targets = adapter.deltas.get((layer, projection), ())
+        xs = x if rows is None or not targets else x.index_select(0, rows)  # once for q, k and v
+        for A, B, lo, hi in targets:
+            delta = F.linear(F.linear(xs, A), B)
+            if adapter.scale != 1:
+                delta.mul_(adapter.scale)
             if rows is None:
                 out[:, lo:hi] += delta
             else:

@@ -38,7 +38,8 @@ BENCHMARKS = {"engine": "pdserve.benchmarks.engine", "transfer": "pdserve.benchm
               "chaos": "pdserve.benchmarks.chaos", "trust": "pdserve.benchmarks.trust", "ttft": "pdserve.benchmarks.ttft",
               "gpu": "pdserve.benchmarks.gpu", "host": "pdserve.benchmarks.host_step",
               "score": "pdserve.benchmarks.score", "constrained": "pdserve.benchmarks.constrained",
-              "priority": "pdserve.benchmarks.priority", "cache-key": "pdserve.benchmarks.cache_key"}
+              "priority": "pdserve.benchmarks.priority", "cache-key": "pdserve.benchmarks.cache_key",
+              "lora": "pdserve.benchmarks.lora"}
 WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 
