@@ -8,8 +8,8 @@ subcommand included, so a flag added later gets its variable without any extra c
 
 Values are read the way the flag reads them: through the flag's `type` and checked
 against its `choices`; a switch (`store_true`) takes 1/true/yes/on or 0/false/no/off; a
-repeatable flag (`append`) takes a comma-separated list, which the flag's values on the
-command line replace. A variable that sets a required flag makes the flag optional. An
+repeatable flag (`append`, or one of several values at once: `extend`) takes a
+comma-separated list, which the flag's values on the command line replace. A variable that sets a required flag makes the flag optional. An
 empty variable is as if unset (a compose override file can clear one that way).
 """
 
@@ -63,6 +63,15 @@ class _AppendReplacingEnv(argparse._AppendAction):
         super().__call__(parser, namespace, values, option_string)
 
 
+class _ExtendReplacingEnv(argparse._ExtendAction):
+    """As `_AppendReplacingEnv`, for a flag that takes several values at once."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is self.default:
+            setattr(namespace, self.dest, [])
+        super().__call__(parser, namespace, values, option_string)
+
+
 def apply_env_defaults(parser: argparse.ArgumentParser,
                        environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """Give every `--flag` of `parser` and its subcommands a `PDSERVE_FLAG` default."""
@@ -82,4 +91,6 @@ def apply_env_defaults(parser: argparse.ArgumentParser,
             action.required = False
             if type(action) is argparse._AppendAction:
                 action.__class__ = _AppendReplacingEnv
+            elif type(action) is argparse._ExtendAction:
+                action.__class__ = _ExtendReplacingEnv
     return parser

@@ -74,3 +74,10 @@ def test_command_line_replaces_a_repeatable_flag_from_environment(monkeypatch):
     args = parse(["router", "--decode", "c:3", "--decode", "d:4"], monkeypatch,
                  PDSERVE_DECODE="a:1,b:2")
     assert args.decode == ["c:3", "d:4"]
+
+
+def test_command_line_replaces_a_several_valued_flag_from_environment(monkeypatch):
+    env = {"PDSERVE_LORA_MODULES": "a=/x,b=/y"}
+    assert parse(["decode"], monkeypatch, **env).lora_modules == ["a=/x", "b=/y"]
+    args = parse(["decode", "--lora-modules", "c=/z", "d=/w", "--lora-modules", "e=/v"], monkeypatch, **env)
+    assert args.lora_modules == ["c=/z", "d=/w", "e=/v"]
