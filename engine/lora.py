@@ -146,14 +146,20 @@ class Adapters:
 
 
 def row_groups(adapter_of_row: np.ndarray, adapters: list[LoraAdapter], device) -> list | None:
-    """[(adapter, rows: int64 tensor, or None for every row)] of a step's rows, from each
-    row's adapter index (-1: none); None when no row has one."""
+    """[(adapter, rows)] of a step's rows, from each row's adapter index (-1: none); None
+    when no row has one. `rows`: None for every row; a slice where the adapters' rows lie
+    in few runs (the runner orders them so: a view costs no copy); else an int64 tensor."""
     used = np.unique(adapter_of_row)
     used = used[used >= 0]
     if not len(used):
         return None
     if len(used) == 1 and (adapter_of_row == used[0]).all():
         return [(adapters[used[0]], None)]
+    starts = np.flatnonzero(np.diff(adapter_of_row, prepend=-2))  # where each run begins
+    if len(starts) <= 2 * len(used) + 1:
+        ends = [*starts[1:], len(adapter_of_row)]
+        return [(adapters[adapter_of_row[b]], slice(int(b), int(e))) for b, e in zip(starts, ends)
+                if adapter_of_row[b] >= 0]
     return [(adapters[a], torch.from_numpy(np.flatnonzero(adapter_of_row == a)).to(device)) for a in used]
 
 
@@ -163,13 +169,18 @@ def add_deltas(out: torch.Tensor, x: torch.Tensor, layer: int, projection: str, 
     into one product would round some sums otherwise, and greedy output would drift from PEFT's."""
     for adapter, rows in groups:
         targets = adapter.deltas.get((layer, projection), ())
-        xs = x if rows is None or not targets else x.index_select(0, rows)  # once for q, k and v
+        if rows is None or isinstance(rows, slice):
+            xs = x if rows is None else x[rows]
+        elif targets:
+            xs = x.index_select(0, rows)  # once for q, k and v
         for A, B, lo, hi in targets:
             delta = F.linear(F.linear(xs, A), B)
             if adapter.scale != 1:
                 delta.mul_(adapter.scale)
             if rows is None:
                 out[:, lo:hi] += delta
+            elif isinstance(rows, slice):
+                out[rows, lo:hi] += delta
             else:
                 out[:, lo:hi].index_add_(0, rows, delta)
 

@@ -52,7 +52,11 @@ class ModelRunner:
         if self.on_gpu and self.backend == "triton":
             return self._run_gpu(seqs, num_new, wants_logits, layer_hook)
         ps = self.page_size
-        order = sorted(range(len(seqs)), key=lambda j: (num_new[j] != 1, seqs[j].num_computed + num_new[j]))
+        # Decodes, then prefills; each by its LoRA adapter (its rows one run: engine/lora.py),
+        # then by context length. (A tensor-parallel follower's sequences carry no request:
+        # adapters run on one rank only.)
+        lora = [seq.request.lora for seq in seqs] if self.model.adapters else [-1] * len(seqs)
+        order = sorted(range(len(seqs)), key=lambda j: (num_new[j] != 1, lora[j], seqs[j].num_computed + num_new[j]))
         input_ids, positions, slots = [], [], []
         query_lens, seq_lens, page_lists = [], [], []
         last_row = [0] * len(seqs)
@@ -91,7 +95,7 @@ class ModelRunner:
     def _run_gpu(self, seqs, num_new, wants_logits, layer_hook) -> torch.Tensor:
         # A graph runs the base model alone: a step with a LoRA adapter's rows runs eagerly.
         decodes_only = (layer_hook is None and all(n == 1 for n in num_new) and all(wants_logits)
-                        and all(seq.request.lora < 0 for seq in seqs))
+                        and not (self.model.adapters and any(seq.request.lora >= 0 for seq in seqs)))
         if self.graphs is not None and decodes_only and len(seqs) <= self.graphs.max_batch:
             return self.graphs.run(seqs)
         ps, total = self.page_size, sum(num_new)
