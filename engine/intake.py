@@ -23,7 +23,7 @@ from .sequence import Request, Sequence
 
 def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefill_only: bool, cache_salt,
                 capacity: KVCapacity, vocab_size: int, new_detokenizer, arrival: int, grammars,
-                bans: BanRules, adapters=None, lora: str = "") -> Request:
+                bans: BanRules, adapters, lora: str = "") -> Request:
     prompt = list(prompt_token_ids or [])
     if not prompt:
         raise ValueError("prompt must not be empty, got 0 tokens")
@@ -40,7 +40,7 @@ def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefi
     params.validate(vocab_size, max_len)
     if not isinstance(cache_salt, str):
         raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
-    adapter = adapters.index(lora) if adapters is not None else -1  # ValueError naming an unknown one
+    adapter = adapters.index(lora)  # engine/lora.py Adapters: -1 for none; ValueError naming an unknown one
     # A structured output that does not compile is refused here, before anything is made.
     structured = params.structured_output is not None and not prefill_only
     constraints = grammars.constraints(params.structured_output, params.n) if structured else None

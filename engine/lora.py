@@ -15,7 +15,6 @@ same tokens under another adapter have other KV.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -51,7 +50,6 @@ class LoraAdapter:
     scale: float  # applied after B (1: none, or folded into B: a power of two)
     # (layer, projection) -> [(A [r, in], B [out part, r], first column, end column)]
     deltas: dict[tuple[int, str], list] = field(default_factory=dict)
-    digest: str = ""  # of its config and weights, for nodes' compatibility check
 
 
 def parse_modules(entries) -> list[tuple[str, str]]:
@@ -96,7 +94,6 @@ def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], d
                         f"not read: save the adapter with safetensors)")
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(weights), framework="pt", device="cpu") as f:
         for key in sorted(f.keys()):
@@ -104,13 +101,11 @@ def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], d
             if m is None or m.group(2) not in _TARGETS or int(m.group(1)) >= hf_config.num_hidden_layers:
                 raise LoraError(f"LoRA adapter {name!r}: weight {key!r} is not a LoRA of an attention or "
                                 f"MLP projection of this model's layers")
-            tensor = f.get_tensor(key)
-            digest.update(key.encode() + tensor.float().numpy().tobytes())
-            pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor.to(device=device, dtype=dtype)
+            pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(key).to(device=device, dtype=dtype)
     # A power of two scales every product and partial sum exactly, so it can go into B once
     # (a step saves a multiply per target); any other scaling is applied after, as PEFT does.
     folded = math.frexp(scale)[0] == 0.5
-    adapter = LoraAdapter(name, path, rank, 1.0 if folded else scale, digest=digest.hexdigest()[:16])
+    adapter = LoraAdapter(name, path, rank, 1.0 if folded else scale)
     for (layer, module), ab in sorted(pairs.items()):
         projection, part = _TARGETS[module]
         edges = np.cumsum([0, *sizes[projection]])
@@ -139,10 +134,6 @@ class Adapters:
             have = ", ".join(self._index) or "none (start the server with --lora-modules NAME=DIR)"
             raise ValueError(f"lora {name!r} is not an adapter of this engine; it has: {have}")
         return self._index[name]
-
-    def digest(self) -> str:
-        """Names and contents of every adapter ("" with none): nodes that exchange KV must agree."""
-        return ",".join(f"{a.name}:{a.digest}" for a in self.all)
 
 
 def row_groups(adapter_of_row: np.ndarray, adapters: list[LoraAdapter], device) -> list | None:
