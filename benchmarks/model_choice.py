@@ -6,6 +6,9 @@ cache) and also the random-weight checkpoints of the benchmarks, written once in
 cache on first use:
 - `bench-random-100m`: a Llama of about 100M parameters (hidden 1024, 8 layers, 16 query /
   4 KV heads, intermediate 2816, vocabulary 8192), the model of the first engine figures;
+- `bench-random-moe`: a Mixtral of 8 experts, 2 a token (hidden 512, 8 layers, 8 query / 2
+  KV heads, expert intermediate 1024, vocabulary 8192: about 110M parameters, 30M of them
+  run a token), for the mixture-of-experts path;
 - `bench-random-tiny`: 2 layers of hidden 128 and a vocabulary of 1024, for tests and
   smoke runs, never for a figure.
 Their tokenizer is the small one `engine.checkpoint` trains, with far fewer entries than
@@ -32,6 +35,10 @@ RANDOM_MODELS = {
     "bench-random-100m": dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816,
                               num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                               max_position_embeddings=2048, initializer_range=0.02),
+    "bench-random-moe": dict(family="mixtral", vocab_size=8192, hidden_size=512, intermediate_size=1024,
+                             num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                             num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=2048,
+                             initializer_range=0.02),
     "bench-random-tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=344,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                               max_position_embeddings=512, initializer_range=0.02),
@@ -119,7 +126,8 @@ def ensure_random(name: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
-    write_checkpoint(tmp, family="llama", seed=0, **RANDOM_MODELS[name])
+    geometry = dict(RANDOM_MODELS[name])
+    write_checkpoint(tmp, family=geometry.pop("family", "llama"), seed=0, **geometry)
     try:
         os.rename(tmp, target)
     except OSError:  # another process won the race; its copy is identical

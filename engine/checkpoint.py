@@ -13,7 +13,8 @@ import os
 import random
 from pathlib import Path
 
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "mixtral", "qwen2_moe",
+            "qwen3_moe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -71,8 +72,8 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              SmolLM3Config)
+    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -123,6 +124,17 @@ def _config(family: str, vocab_size: int, **overrides):
     elif family == "smollm3":  # its second layer without rotary embeddings (NoPE)
         cls = SmolLM3Config
         common.update(no_rope_layer_interval=2, rope_theta=5000000.0, tie_word_embeddings=True)
+    elif family == "mixtral":  # 4 experts, 2 a token
+        cls = MixtralConfig
+        common.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    elif family == "qwen2_moe":  # a shared expert beside 4 routed ones, their weights not renormalised
+        cls = Qwen2MoeConfig
+        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=96, norm_topk_prob=False)
+    elif family == "qwen3_moe":  # its first layer's MLP dense (mlp_only_layers), 8 experts after
+        cls = Qwen3MoeConfig
+        common.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, mlp_only_layers=[0],
+                      head_dim=24, norm_topk_prob=True)
     else:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     common.update(overrides)

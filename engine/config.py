@@ -116,7 +116,5 @@ class EngineConfig:
         if self.lora_modules:
             from .lora import parse_modules, read_config  # its settings, before any weight loads
 
-            if self.tensor_parallel_size > 1:
-                bad("tensor_parallel_size", self.tensor_parallel_size, "1 with lora_modules (adapters are not split)")
             for name, path in parse_modules(self.lora_modules):
                 read_config(name, path)

@@ -75,7 +75,7 @@ class Engine(SingleThreaded):
         self.max_model_len = served_context(c, config.max_model_len)  # refuses a model it cannot run
         self.vocab_size = c.vocab_size
         self.model, shards = load_model(config, c, dtype, self.max_model_len)  # rank 0's share
-        self.adapters = load_adapters(config.lora_modules, self.model, c, dtype, config.device)
+        self.adapters = load_adapters(config.lora_modules, self.model, c, dtype, config.device, shards[0])
         self.page_size = config.page_size
         m = self.model
         pool_heads = sum(s.num_kv_heads for s in shards)  # the ranks share this host's memory

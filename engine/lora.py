@@ -10,7 +10,8 @@ biases, modules saved whole, per-module ranks, adapters of the embeddings or the
 head) is refused when the adapter loads, naming it.
 
 Requests of an adapter cache their prompt's pages under their own prefix-cache salt: the
-same tokens under another adapter have other KV.
+same tokens under another adapter have other KV. Under tensor parallelism each rank holds
+its share of every adapter (`_rank_share`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def read_config(name: str, path: str) -> dict:
     config = json.loads(config_file.read_text())
     if config.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"LoRA adapter {name!r}: peft_type {config.get('peft_type')!r} is not LORA")
+    if config.get("target_parameters"):  # PEFT's LoRA of weights that are no Linear: a MoE's experts
+        raise LoraError(f"LoRA adapter {name!r}: target_parameters {config['target_parameters']!r:.80} (an "
+                        f"adapter of a mixture of experts' expert weights) is not supported; serve an adapter "
+                        f"of the attention projections (q, k, v, o) alone")
     for key, neutral in _UNUSED.items():
         if key in config and config[key] not in neutral:
             raise LoraError(f"LoRA adapter {name!r}: {key} {config[key]!r:.80} is not supported "
@@ -82,9 +87,11 @@ def read_config(name: str, path: str) -> dict:
 
 
 def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], dtype: torch.dtype,
-                 device="cpu") -> LoraAdapter:
+                 device="cpu", shard=None, head_dim: int = 0) -> LoraAdapter:
     """Adapter `name` from PEFT directory `path`, for a base model whose fused projections
-    have output parts `sizes` ({"qkv": [q, k, v], "o": [hidden], ...})."""
+    have output parts `sizes` ({"qkv": [q, k, v], "o": [hidden], ...}, the whole model's), or
+    for a tensor-parallel rank's share of it (`shard`: engine/tp/shard.py, None for the whole;
+    its heads of `head_dim`)."""
     from safetensors import safe_open
 
     config = read_config(name, path)
@@ -108,6 +115,10 @@ def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], d
     adapter = LoraAdapter(name, path, rank, 1.0 if folded else scale)
     for (layer, module), ab in sorted(pairs.items()):
         projection, part = _TARGETS[module]
+        if projection not in sizes:
+            raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module} is an MLP projection, and this "
+                            f"model's MLPs are mixtures of experts, which adapters are not run on here; "
+                            f"serve an adapter of the attention projections (q, k, v, o) alone")
         edges = np.cumsum([0, *sizes[projection]])
         lo, hi = (edges[0], edges[-1]) if part is None else (edges[part], edges[part + 1])
         A, B = ab.get("A"), ab.get("B")
@@ -115,8 +126,35 @@ def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], d
             got = "missing" if A is None or B is None else f"A {tuple(A.shape)}, B {tuple(B.shape)}"
             raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module} does not fit this model "
                             f"(rank {rank}, {hi - lo} outputs; got {got}): it was made for another base model")
-        adapter.deltas.setdefault((layer, projection), []).append((A, B * scale if folded else B, int(lo), int(hi)))
+        target = (A, B * scale if folded else B, int(lo), int(hi))
+        if shard is not None and shard.world > 1:
+            target = _rank_share(target, projection, sizes, shard, head_dim)
+        adapter.deltas.setdefault((layer, projection), []).append(target)
     return adapter
+
+
+def _rank_share(target, projection: str, sizes: dict[str, list[int]], shard, D: int) -> tuple:
+    """A target of the whole model cut to a rank's share, as its projection is cut
+    (engine/tp/shard.py): a column-parallel one's B keeps the rank's output rows, a
+    row-parallel one's A the rank's input columns (the layer's all-reduce sums the ranks'
+    deltas, as it sums their outputs)."""
+    A, B, lo, hi = target
+    q_size, kv_size = sizes["qkv"][0], sizes["qkv"][1]
+    inter = sizes.get("gate_up", [0])[0]  # 0: no MLP adapters (a mixture of experts)
+    q = np.arange(shard.q_begin * D, shard.q_end * D)
+    mine = np.arange(inter)[shard.share(inter)]  # the rank's part of the MLP's intermediate dimension
+    if projection in ("o", "down"):
+        cols = torch.from_numpy(q if projection == "o" else mine).to(A.device)
+        return A[:, cols].contiguous(), B, lo, hi
+    # The whole projection's rows this rank holds, in the rank's order (q | k | v, or gate | up).
+    if projection == "qkv":
+        kv = np.arange(shard.kv_begin * D, shard.kv_end * D)
+        held = np.concatenate([q, q_size + kv, q_size + kv_size + kv])
+    else:
+        held = np.concatenate([mine, inter + mine])
+    inside = np.flatnonzero((held >= lo) & (held < hi))  # one run: the target's parts are adjacent
+    rows = torch.from_numpy(held[inside] - lo).to(B.device)
+    return A, B[rows].contiguous(), int(inside[0]), int(inside[-1]) + 1
 
 
 class Adapters:
@@ -176,10 +214,10 @@ def add_deltas(out: torch.Tensor, x: torch.Tensor, layer: int, projection: str, 
                 out[:, lo:hi].index_add_(0, rows, delta)
 
 
-def load_adapters(entries, model, hf_config, dtype: torch.dtype, device) -> Adapters:
-    """The adapters of `--lora-modules` entries (NAME=DIR), loaded for `model`, which its
-    rows then reach (`model.adapters`)."""
-    adapters = Adapters([load_adapter(name, path, hf_config, model.lora_sizes(), dtype, device)
+def load_adapters(entries, model, hf_config, dtype: torch.dtype, device, shard=None) -> Adapters:
+    """The adapters of `--lora-modules` entries (NAME=DIR), loaded for `model` (a
+    tensor-parallel rank's: `shard`), which its rows then reach (`model.adapters`)."""
+    adapters = Adapters([load_adapter(name, path, hf_config, model.lora_sizes(), dtype, device, shard, model.head_dim)
                          for name, path in parse_modules(entries)])
     model.adapters = adapters.all
     return adapters

@@ -1,6 +1,8 @@
 """Which checkpoints the engine serves, and what sets each family apart from Llama.
 
-Every family here is Llama's decoder with data changed (`Architecture`); a checkpoint of any
+Every family here is Llama's decoder with data changed (`Architecture`); in the
+mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) a layer's MLP is a set of
+experts, a few of which each token runs (`moe.Experts`). A checkpoint of any
 other kind is refused before its weights load, naming what it is. Weights of a family and a
 Llama would load alike, so serving one as the other gives wrong text with no error (Gemma's
 norms add one to their weights, Granite's scales its residuals): the refusal is the only
@@ -18,7 +20,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "mixtral", "qwen2_moe",
+               "qwen3_moe")
 
 
 class UnsupportedModel(ValueError):
@@ -34,6 +37,27 @@ class Architecture:
     context_limit: int = 0  # the longest context served
     why_limited: str = ""  # what sets context_limit below max_position_embeddings, if anything
     rope_layers: tuple[bool, ...] = ()  # whether each layer rotates q and k (SmolLM3's NoPE); (): all
+    moe: MoE | None = None  # the experts, in a mixture-of-experts model
+
+
+@dataclass(frozen=True)
+class MoE:
+    experts: int
+    top_k: int  # experts each token runs
+    normalize: bool  # the top-k probabilities scaled to sum to 1
+    weights_fp32: bool  # Mixtral weighs expert outputs in float32; Qwen's in the model's dtype
+    layers: tuple[bool, ...]  # whether each layer's MLP is the experts (Qwen's mlp_only_layers are not)
+
+
+def _moe(c, kind: str) -> MoE | None:
+    if kind == "mixtral":
+        return MoE(c.num_local_experts, c.num_experts_per_tok, True, True, (True,) * c.num_hidden_layers)
+    if kind not in ("qwen2_moe", "qwen3_moe"):
+        return None
+    # As transformers builds the layers: sparse every decoder_sparse_step-th, but not those listed.
+    layers = tuple(i not in c.mlp_only_layers and c.num_experts > 0 and (i + 1) % c.decoder_sparse_step == 0
+                   for i in range(c.num_hidden_layers))
+    return MoE(c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), False, layers)
 
 
 def architecture(hf_config) -> Architecture:
@@ -69,7 +93,7 @@ def architecture(hf_config) -> Architecture:
     if kind == "smollm3":
         return Architecture(context_limit=limit, why_limited=why, rope_layers=tuple(map(bool, c.no_rope_layers)))
     if kind != "granite":
-        return Architecture(context_limit=limit, why_limited=why)
+        return Architecture(context_limit=limit, why_limited=why, moe=_moe(c, kind))
     return Architecture(embedding_multiplier=c.embedding_multiplier, residual_multiplier=c.residual_multiplier,
                         attention_scale=c.attention_multiplier, logits_divisor=c.logits_scaling,
                         context_limit=limit, why_limited=why)
@@ -88,9 +112,20 @@ def _sliding_window(c) -> int | None:
     return window
 
 
+_MIXTRAL = (("block_sparse_moe.gate.", "mlp.gate."), ("block_sparse_moe.experts.", "mlp.experts."),
+            (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+
 def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
     """Phi-3's fused qkv_proj and gate_up_proj, split in place into Llama's q/k/v and
-    gate/up names (the model fuses them again; tensor parallelism cuts them apart first)."""
+    gate/up names (the model fuses them again; tensor parallelism cuts them apart first);
+    Mixtral's experts renamed as Qwen's (`mlp.experts.N.gate_proj`, ..., `mlp.gate`)."""
+    if hf_config.model_type == "mixtral":
+        for key in [k for k in state if ".block_sparse_moe." in k]:
+            new = key
+            for old, name in _MIXTRAL:
+                new = new.replace(old, name)
+            state[new] = state.pop(key)
     heads, kv_heads, head_dim = geometry(hf_config)
     sizes = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)),
              "gate_up_proj": (("gate_proj", "up_proj"), (hf_config.intermediate_size,) * 2)}

@@ -1,11 +1,11 @@
-"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3) as
-plain tensor code over the paged KV cache.
+"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, and
+the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) as plain tensor code over the paged KV cache.
 
 Tokens of all sequences in a step are one flat batch [T]: every linear layer is one
 matmul for the whole step, whatever mix of prefill chunks and decodes it holds. Per
 architecture differences are data, not classes: QKV biases (Qwen2, `attention_bias`),
 q/k RMS norm (Qwen3), tied embeddings, rope scaling, Granite's multipliers, SmolLM3's
-layers without rope (`arch`). Weights are fused at load time
+layers without rope, experts in place of the MLP (`arch`, `moe`). Weights are fused at load time
 (q|k|v and gate|up) so each layer runs four matmuls; between them run four fused
 operations (`fused`: add + norm, rotary + KV store, SiLU-and-multiply, add + norm), so a
 layer is about nine calls.
@@ -24,6 +24,7 @@ from ..lora import add_deltas
 from .arch import architecture, geometry
 from .fused import FusedOps
 from .linear import Linear
+from .moe import Experts
 from .rope import RotaryTables
 
 
@@ -35,9 +36,10 @@ class Layer:
     k_norm: torch.Tensor | None
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # gate | up
-    down: Linear
+    gate_up: Linear | None  # gate | up; None where experts are the MLP
+    down: Linear | None
     rope: bool = True  # False: no rotary embedding (a NoPE layer)
+    experts: Experts | None = None
 
 
 @dataclass
@@ -103,9 +105,11 @@ class LlamaModel:
 
         self.embed = take("model.embed_tokens.weight")
         self.layers = []
+        moe = arch.moe
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
+            sparse = moe is not None and moe.layers[i]
             self.layers.append(
                 Layer(
                     input_norm=take(p + "input_layernorm.weight"),
@@ -114,9 +118,10 @@ class LlamaModel:
                     k_norm=maybe(a + "k_norm.weight"),
                     o=Linear(take(a + "o_proj.weight"), maybe(a + "o_proj.bias")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=fused(m, ("gate_proj", "up_proj")),
-                    down=Linear(take(m + "down_proj.weight"), maybe(m + "down_proj.bias")),
+                    gate_up=None if sparse else fused(m, ("gate_proj", "up_proj")),
+                    down=None if sparse else Linear(take(m + "down_proj.weight"), maybe(m + "down_proj.bias")),
                     rope=rope_layers[i],
+                    experts=Experts.load(moe, m, take, maybe, fused) if sparse else None,
                 )
             )
         self.norm = take("model.norm.weight")
@@ -126,7 +131,7 @@ class LlamaModel:
         tied = lm_head is None or getattr(c, "tie_word_embeddings", False)
         # Only rank 0 samples: another rank holds no LM head.
         self.lm_head = None if shard is not None and shard.rank else Linear(self.embed if tied else lm_head)
-        self.intermediate_size = self.layers[0].down.in_features if self.layers else 0
+        self.moe = moe
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """Final hidden states [T, hidden] of `input_ids` [T] at `positions` [T] (only the
@@ -181,7 +186,10 @@ class LlamaModel:
             if self.residual_multiplier != 1:  # of the whole sum, as transformers scales it
                 out = out * self.residual_multiplier
             h, residual = ops.add_rms_norm(out, residual, layer.post_norm)
-            x = project(layer.down, ops.silu_mul(project(layer.gate_up, h, i, "gate_up")), i, "down")
+            if layer.experts is not None:
+                x = layer.experts(h, ops.silu_mul)
+            else:
+                x = project(layer.down, ops.silu_mul(project(layer.gate_up, h, i, "gate_up")), i, "down")
             if self.tp:
                 collectives.all_reduce(x)
             if self.residual_multiplier != 1:
@@ -191,10 +199,13 @@ class LlamaModel:
         return h
 
     def lora_sizes(self) -> dict[str, list[int]]:
-        """The output parts of each fused projection, as LoRA adapters target them."""
-        D, hidden, inter = self.head_dim, self.hidden_size, self.intermediate_size
-        return {"qkv": [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], "o": [hidden],
-                "gate_up": [inter, inter], "down": [hidden]}
+        """The output parts of each of the whole model's fused projections (every rank's
+        together), as LoRA adapters target them: the attention's alone in a mixture of
+        experts, whose experts adapters are not run on."""
+        heads, kv_heads, D = geometry(self.config)
+        inter = self.config.intermediate_size
+        sizes = {"qkv": [heads * D, kv_heads * D, kv_heads * D], "o": [self.hidden_size]}
+        return sizes if self.moe else {**sizes, "gate_up": [inter, inter], "down": [self.hidden_size]}
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """float32 logits [S, vocab] of hidden states [S, hidden], into `out` if given (None

@@ -40,7 +40,9 @@ class ModelRunner:
             self.ops = cpu_ops
         self.on_gpu = self.device.type == "cuda"
         self.graphs = None
-        if self.on_gpu and cuda_graphs and attention_backend == "triton" and max_batch > 0:
+        # A mixture of experts reads how many tokens each expert got on the host, which a
+        # graph cannot: its steps run eagerly.
+        if self.on_gpu and cuda_graphs and attention_backend == "triton" and max_batch > 0 and model.moe is None:
             self.graphs = DecodeGraphs(model, kv_cache, page_size, max_batch, max_model_len)
 
     @torch.inference_mode()
@@ -53,8 +55,8 @@ class ModelRunner:
             return self._run_gpu(seqs, num_new, wants_logits, layer_hook)
         ps = self.page_size
         # Decodes, then prefills; each by its LoRA adapter (its rows one run: engine/lora.py),
-        # then by context length. (A tensor-parallel follower's sequences carry no request:
-        # adapters run on one rank only.)
+        # then by context length; on every tensor-parallel rank alike, as the all-reduces
+        # sum their rows.
         lora = [seq.request.lora for seq in seqs] if self.model.adapters else [-1] * len(seqs)
         order = sorted(range(len(seqs)), key=lambda j: (num_new[j] != 1, lora[j], seqs[j].num_computed + num_new[j]))
         input_ids, positions, slots = [], [], []

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+from types import SimpleNamespace
 
 PR_SET_PDEATHSIG = 1
 
@@ -40,11 +41,13 @@ class _Tokens:
 
 
 class _StepSequence:
-    """What `ModelRunner.run` reads of a sequence."""
+    """What `ModelRunner.run` reads of a sequence (of its request, the LoRA adapter: every
+    rank orders the step's rows alike, by adapter, and adds its share of each delta)."""
 
-    def __init__(self, num_computed: int, ids: list[int], pages: list[int]) -> None:
+    def __init__(self, num_computed: int, ids: list[int], pages: list[int], lora: int) -> None:
         self.num_computed, self.pages = num_computed, pages
         self.token_ids = _Tokens(num_computed, ids)
+        self.request = SimpleNamespace(lora=lora)
 
 
 def main(argv: list[str]) -> int:
@@ -54,6 +57,7 @@ def main(argv: list[str]) -> int:
 
     from ..config import EngineConfig
     from ..kv_pool import mapped_pool
+    from ..lora import load_adapters
     from ..model import LlamaModel, ModelRunner
     from ..model.arch import to_llama_names
     from ..model.weights import load_config, load_state_dict
@@ -71,8 +75,9 @@ def main(argv: list[str]) -> int:
     hf = load_config(config.model_dir)
     state = load_state_dict(config.model_dir, dtype, config.device)
     to_llama_names(state, hf)
-    shard_state(state, shard, hf.num_hidden_layers, spec["head_dim"])
+    shard_state(state, shard, spec["head_dim"])
     model = LlamaModel(hf, state, dtype, spec["max_model_len"], config.device, shard=shard)
+    load_adapters(config.lora_modules, model, hf, dtype, config.device, shard)
     kv_cache = mapped_pool(config.kv_layout, tuple(spec["pool_shape"]), spec["pool_fd"], dtype)
     os.close(spec["pool_fd"])
     runner = ModelRunner(model, kv_cache, config.page_size, config.resolved_attention_backend, config.device)

@@ -5,7 +5,8 @@ KV heads go to ranks in contiguous, nearly equal ranges (rank r holds
 ranks: 1 and 2). Each rank computes the query heads of its KV heads, so attention never
 crosses ranks. With fewer KV heads than ranks, each KV head is replicated on N/Hkv ranks,
 which split its query heads (as vLLM does). The MLP's intermediate dimension splits the
-same way. q|k|v and gate|up are column-parallel (rows of the weight), o and down
+same way, and so does each expert's of a mixture of experts (whose router every rank holds
+whole, so all route alike). q|k|v and gate|up are column-parallel (rows of the weight), o and down
 row-parallel (columns), each followed by one all-reduce; their biases stay on rank 0 so
 the sum adds them once. The embedding is held whole by every rank, the LM head by rank 0,
 which alone samples.
@@ -26,8 +27,6 @@ class TPShard:
     kv_end: int
     q_begin: int
     q_end: int
-    inter_begin: int
-    inter_end: int
 
     @property
     def num_kv_heads(self) -> int:
@@ -37,9 +36,14 @@ class TPShard:
     def num_heads(self) -> int:
         return self.q_end - self.q_begin
 
+    def share(self, size: int) -> slice:
+        """This rank's part of an MLP's intermediate dimension of `size`."""
+        return slice(self.rank * size // self.world, (self.rank + 1) * size // self.world)
+
 
 def split_model(num_heads: int, num_kv_heads: int, intermediate: int, world: int) -> list[TPShard]:
-    """Every rank's share; ValueError, naming the numbers, where the heads cannot split."""
+    """Every rank's share; ValueError, naming the numbers, where the heads cannot split.
+    `intermediate`: the narrowest MLP's (each splits by `TPShard.share`)."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
     group = num_heads // num_kv_heads  # query heads per KV head
@@ -63,32 +67,28 @@ def split_model(num_heads: int, num_kv_heads: int, intermediate: int, world: int
             per = group // replicas
             q0 = kv0 * group + (r % replicas) * per
             q1 = q0 + per
-        shards.append(TPShard(r, world, kv0, kv1, q0, q1, r * intermediate // world,
-                              (r + 1) * intermediate // world))
+        shards.append(TPShard(r, world, kv0, kv1, q0, q1))
     return shards
 
 
-def shard_state(state: dict[str, torch.Tensor], shard: TPShard, num_layers: int, head_dim: int) -> None:
+def shard_state(state: dict[str, torch.Tensor], shard: TPShard, head_dim: int) -> None:
     """Cut `state` (Hugging Face names) in place down to `shard`'s rows and columns."""
     D = head_dim
-    q, kv, i = (slice(shard.q_begin * D, shard.q_end * D), slice(shard.kv_begin * D, shard.kv_end * D),
-                slice(shard.inter_begin, shard.inter_end))
-    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": i, "up_proj": i}
-    cols = {"o_proj": q, "down_proj": i}
-    for layer in range(num_layers):
-        for part in ("self_attn", "mlp"):
-            prefix = f"model.layers.{layer}.{part}."
-            for name, cut in rows.items():
-                for kind in ("weight", "bias"):
-                    key = f"{prefix}{name}.{kind}"
-                    if key in state:
-                        state[key] = state[key][cut].contiguous()
-            for name, cut in cols.items():
-                key = prefix + name + ".weight"
-                if key in state:
-                    state[key] = state[key][:, cut].contiguous()
-                if shard.rank and prefix + name + ".bias" in state:
-                    del state[prefix + name + ".bias"]  # added once, by rank 0
+    q, kv = slice(shard.q_begin * D, shard.q_end * D), slice(shard.kv_begin * D, shard.kv_end * D)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": None, "up_proj": None}
+    cols = {"o_proj": q, "down_proj": None}
+    # An MLP's cut (None above) is the rank's share of its own intermediate size: a dense
+    # MLP's, each expert's and a shared expert's may all differ.
+    for key in [k for k in state if k.startswith("model.layers.")]:
+        *_, name, kind = key.rsplit(".", 2)
+        if name in rows and kind in ("weight", "bias"):
+            cut = rows[name] or shard.share(state[key].shape[0])
+            state[key] = state[key][cut].contiguous()
+        elif name in cols and kind == "weight":
+            cut = cols[name] or shard.share(state[key].shape[1])
+            state[key] = state[key][:, cut].contiguous()
+        elif name in cols and shard.rank:
+            del state[key]  # the bias: added once, by rank 0
     if shard.rank:
         state.pop("lm_head.weight", None)
 
@@ -102,8 +102,9 @@ def load_model(config, hf_config, dtype: torch.dtype, max_model_len: int):
 
     c = hf_config
     heads, kv_heads, head_dim = geometry(c)
-    shards = split_model(heads, kv_heads, c.intermediate_size, config.tensor_parallel_size)
+    widths = (c.intermediate_size, getattr(c, "moe_intermediate_size", 0), getattr(c, "shared_expert_intermediate_size", 0))
+    shards = split_model(heads, kv_heads, min(w for w in widths if w), config.tensor_parallel_size)
     state = load_state_dict(config.model_dir, dtype, config.device)
     to_llama_names(state, c)
-    shard_state(state, shards[0], c.num_hidden_layers, head_dim)
+    shard_state(state, shards[0], head_dim)
     return LlamaModel(c, state, dtype, max_model_len, config.device, shard=shards[0]), shards

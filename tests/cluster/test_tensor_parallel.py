@@ -1,7 +1,8 @@
 """Tensor-parallel nodes through router + prefill + decode: a prefill node of TP = a writes
 into a decode node of TP = b, each rank's head slice straight into the ranks that hold
 those heads, for (a, b) = (1, 2), (2, 1) and (2, 2). On SmolLM2 (3 KV heads: two ranks
-hold 1 and 2) and on a checkpoint with 4 KV heads, fp32 greedy output equals
+hold 1 and 2) and on a Qwen2-MoE checkpoint with 4 KV heads (each rank its slice of every
+expert), fp32 greedy output equals
 transformers', every request went remote, the KV bytes the prefill node counted equal the
 windows', and every pool is full again afterwards; SmolLM2's KV goes as whole windows, the
 other's layer by layer, between page-major and layer-major pools (`--kv-layout`).
@@ -48,7 +49,7 @@ def four_heads(tmp_path_factory) -> str:
     from pdserve.engine.checkpoint import write_checkpoint
 
     path = tmp_path_factory.mktemp("four-kv-heads")
-    write_checkpoint(path, family="qwen2", seed=3, vocab_size=512, hidden_size=64, intermediate_size=96,
+    write_checkpoint(path, family="qwen2_moe", seed=3, vocab_size=512, hidden_size=64, intermediate_size=96,
                      num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4,
                      max_position_embeddings=512)
     return str(path)
@@ -130,7 +131,7 @@ def test_smollm2_with_three_kv_heads_over_one_and_two_ranks_equals_transformers(
                    MAX_NEW, ignore_eos=False)
 
 
-def test_four_kv_heads_over_one_and_two_ranks_equals_transformers(tp_clusters, four_heads):
+def test_a_mixture_of_experts_with_four_kv_heads_over_one_and_two_ranks_equals_transformers(tp_clusters, four_heads):
     prompts = [[(i * 37 + j * 11) % 500 + 5 for j in range(n)] for i, n in enumerate([5, 17, 40, 96])]
     expected = transformers_greedy(four_heads, prompts, 12)
     check_pairings(tp_clusters["four_heads"], four_heads, prompts, expected, 12, ignore_eos=True)

@@ -123,3 +123,35 @@ def test_phi3s_fused_projections_take_their_adapters(tmp_path, prompts_of_length
     llm = served(base, {"fused": adapter}, page_size=4, num_pages=64)
     prompt = prompts_of_lengths([17], seed=5)[0]
     assert run_all(llm.engine, [(prompt, "fused")]) == [peft_greedy(base, adapter, prompt)]
+
+
+def test_a_mixture_of_experts_takes_attention_adapters_and_refuses_mlp_ones(tmp_path, prompts_of_lengths):
+    base = write_checkpoint(tmp_path / "moe", family="qwen3_moe")  # layer 0's MLP dense, layer 1's experts
+    attention = write_lora_adapter(base, tmp_path / "attn", targets=("q_proj", "v_proj", "o_proj"))
+    llm = served(base, {"attn": attention}, page_size=4, num_pages=64)
+    prompt = prompts_of_lengths([13], seed=6)[0]
+    assert run_all(llm.engine, [(prompt, "attn")]) == [peft_greedy(base, attention, prompt)]
+    experts = write_lora_adapter(base, tmp_path / "experts", targets=("q_proj", "down_proj"))
+    with pytest.raises(LoraError, match=r"target_parameters \['down_proj'\] \(an adapter of a mixture of experts'"):
+        served(base, {"experts": experts}, num_pages=8)
+    dense = write_checkpoint(tmp_path / "dense", family="qwen3")  # the same shapes, its MLPs dense
+    mlp = write_lora_adapter(dense, tmp_path / "mlp", targets=("q_proj", "down_proj"))
+    with pytest.raises(LoraError, match="layer 0 down_proj is an MLP projection, and this model's MLPs are mixtures"):
+        served(base, {"mlp": mlp}, num_pages=8)
+
+
+@pytest.mark.parametrize("family, geometry, targets", [
+    ("llama", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3), None),  # 1 and 2 KV heads a rank
+    ("phi3", dict(num_key_value_heads=1), ("qkv_proj", "gate_up_proj", "o_proj", "down_proj"))])  # one head on both
+def test_tensor_parallel_ranks_each_add_their_share_of_an_adapter(tmp_path, prompts_of_lengths, family, geometry,
+                                                                   targets):
+    base = write_checkpoint(tmp_path / "base", family=family, **geometry)
+    adapter = write_lora_adapter(base, tmp_path / "a", seed=3, **({"targets": targets} if targets else {}))
+    llm = served(base, {"a": adapter}, page_size=4, num_pages=64, tensor_parallel_size=2, num_threads=1)
+    try:
+        prompts = prompts_of_lengths([9, 17, 5], seed=7)
+        requests = [(prompts[0], "a"), (prompts[1], ""), (prompts[2], "a")]  # one step holds both kinds of rows
+        assert run_all(llm.engine, requests) == [peft_greedy(base, adapter if lora else None, prompt)
+                                                 for prompt, lora in requests]
+    finally:
+        llm.close()

@@ -1,0 +1,78 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's
+top-k experts, each a SiLU MLP of its own, and their outputs are summed, weighted by the
+router's probabilities; Qwen2-MoE adds a shared expert every token runs, gated by a sigmoid.
+
+As transformers runs it: the experts in order, each on its tokens alone (gathered, then
+added back with `index_add_`), the weights applied in float32 for Mixtral and in the
+model's dtype for Qwen, so that a half-precision model rounds where transformers' does.
+
+Tensor-parallel: every rank routes alike (the router is whole on each) and runs each
+expert's slice of the intermediate dimension; the layer's all-reduce sums the slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .arch import MoE
+from .linear import Linear
+
+
+@dataclass
+class SharedExpert:
+    gate_up: Linear
+    down: Linear
+    gate: torch.Tensor  # [1, hidden]: sigmoid(h @ gate.T) scales the shared expert's output
+
+
+@dataclass
+class Experts:
+    moe: MoE
+    router: torch.Tensor  # [experts, hidden]
+    gate_up: list[Linear]  # each expert's gate | up
+    down: list[Linear]
+    shared: SharedExpert | None = None
+
+    @classmethod
+    def load(cls, moe: MoE, prefix: str, take, maybe, fused) -> "Experts":
+        """The experts under `prefix` (`model.layers.N.mlp.`), Qwen's names (arch.to_llama_names)."""
+        experts = range(moe.experts)
+        shared = None
+        gate = maybe(prefix + "shared_expert_gate.weight")
+        if gate is not None:
+            shared = SharedExpert(fused(prefix + "shared_expert.", ("gate_proj", "up_proj")),
+                                  Linear(take(prefix + "shared_expert.down_proj.weight")), gate)
+        return cls(moe, take(prefix + "gate.weight"),
+                   [fused(f"{prefix}experts.{e}.", ("gate_proj", "up_proj")) for e in experts],
+                   [Linear(take(f"{prefix}experts.{e}.down_proj.weight")) for e in experts], shared)
+
+    def __call__(self, h: torch.Tensor, silu_mul) -> torch.Tensor:
+        """The layer's MLP output [T, hidden] of normed hidden states h [T, hidden]."""
+        k = self.moe.top_k
+        probs = torch.softmax(F.linear(h, self.router), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, k, dim=-1)
+        if self.moe.normalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if not self.moe.weights_fp32:
+            weights = weights.to(h.dtype)
+        weights = weights.view(-1)
+        # (token, slot) pairs grouped by expert: one host read of the counts a step.
+        order = torch.argsort(chosen.view(-1), stable=True)
+        counts = torch.bincount(chosen.view(-1), minlength=self.moe.experts).tolist()
+        out = torch.zeros_like(h)
+        begin = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            pairs = order[begin:begin + n]
+            begin += n
+            tokens = pairs // k
+            y = self.down[e](silu_mul(self.gate_up[e](h.index_select(0, tokens))))
+            out.index_add_(0, tokens, (y * weights[pairs, None]).to(out.dtype))
+        if self.shared is not None:
+            s = self.shared
+            out = out + torch.sigmoid(F.linear(h, s.gate)) * s.down(silu_mul(s.gate_up(h)))
+        return out
