@@ -71,16 +71,20 @@ _UCX_MEMORY_TRANSPORTS = {"all", "sm", "shm", "posix", "sysv", "cma", "knem", "x
 
 
 def model_hash(model_dir: str | Path, lora_modules=()) -> str:
-    """A short hex digest of the checkpoint in `model_dir` (see the module docstring) and of
-    the LoRA adapters served with it (`--lora-modules NAME=DIR`): nodes that exchange KV
-    must run the same adapters under the same names."""
+    """A short hex digest of the checkpoint in `model_dir` (see the module docstring), then,
+    with LoRA adapters (`--lora-modules NAME=DIR`), `+` and one of the adapters: nodes that
+    exchange KV must run the same adapters under the same names, and two whose checkpoints
+    agree are told that it is their adapters that differ."""
     digest = hashlib.sha256()
     _digest_dir(digest, Path(model_dir), "config.json")
+    if not lora_modules:
+        return digest.hexdigest()[:16]
+    adapters = hashlib.sha256()
     for entry in lora_modules:
         name, _, path = str(entry).partition("=")
-        digest.update(f"lora {name}".encode())
-        _digest_dir(digest, Path(path), "adapter_config.json")
-    return digest.hexdigest()[:16]
+        adapters.update(f"lora {name}".encode())
+        _digest_dir(adapters, Path(path), "adapter_config.json")
+    return f"{digest.hexdigest()[:16]}+{adapters.hexdigest()[:8]}"
 
 
 def _digest_dir(digest, root: Path, config_name: str) -> None:
@@ -118,7 +122,10 @@ class NodeIdentity:
             a, b = getattr(self, name), getattr(other, name)
             if name == "model_hash" and (not a or not b):
                 continue
-            if a != b:
+            if a != b and name == "model_hash" and a.partition("+")[0] == b.partition("+")[0]:
+                problems.append(f"LoRA adapters: {a} vs {b} (the same checkpoint, other adapters): start both "
+                                f"nodes with the same --lora-modules, the same names for the same directories")
+            elif a != b:
                 label = f"model ({self.model} vs {other.model})" if name == "model_hash" else name
                 problems.append(f"{label}: {a} vs {b}")
         return problems

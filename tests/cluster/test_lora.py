@@ -87,6 +87,7 @@ def test_nodes_with_other_adapters_have_other_model_hashes(lora_up, tiny_model):
     alpha, beta = (f"{n}={d}" for n, d in adapters.items())
     hashes = [model_hash(tiny_model, mods) for mods in ([], [alpha], [alpha, beta], [f"beta={adapters['alpha']}"])]
     assert len(set(hashes)) == 4 and model_hash(tiny_model, [alpha]) == hashes[1]
+    assert all(h.partition("+")[0] == hashes[0] for h in hashes)  # the checkpoint's part is the model alone's
 
 
 def test_a_colocated_node_serves_its_adapters_too(lora_up, tiny_model, tmp_path):

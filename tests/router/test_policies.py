@@ -162,6 +162,11 @@ def test_identity_differences_name_each_field():
     diffs = a.differences(b)
     assert diffs == ["model (m vs m2): h1 vs h2", "dtype: float32 vs bfloat16", "num_kv_heads: 2 vs 4"]
     assert a.differences(NodeIdentity("m", "", "float32", 2, 2, 16, 32)) == []  # page size may differ
+    # The same checkpoint (the hash before "+"), other LoRA adapters: said so, with what to do.
+    lora = NodeIdentity("m", "h1+a1", "float32", 2, 2, 16, 8)
+    assert lora.differences(NodeIdentity("m", "h1+b2", "float32", 2, 2, 16, 8))[0].startswith("LoRA adapters: ")
+    assert lora.differences(a)[0].startswith("LoRA adapters: h1+a1 vs h1 (the same checkpoint, other adapters): "
+                                             "start both nodes with the same --lora-modules")
 
 
 def test_a_key_names_one_endpoint_in_any_order_and_only_its_own_keys_move_when_it_leaves():
