@@ -13,8 +13,8 @@ import os
 import random
 from pathlib import Path
 
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "mixtral", "qwen2_moe",
-            "qwen3_moe")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "mixtral",
+            "qwen2_moe", "qwen3_moe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -72,7 +72,7 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
+    from transformers import (GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
                               Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(
@@ -124,6 +124,9 @@ def _config(family: str, vocab_size: int, **overrides):
     elif family == "smollm3":  # its second layer without rotary embeddings (NoPE)
         cls = SmolLM3Config
         common.update(no_rope_layer_interval=2, rope_theta=5000000.0, tie_word_embeddings=True)
+    elif family == "gemma":  # norms of 1 + weight, GeLU (tanh), embeddings scaled; q wider than hidden
+        cls = GemmaConfig
+        common.update(head_dim=24, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
     elif family == "mixtral":  # 4 experts, 2 a token
         cls = MixtralConfig
         common.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
@@ -166,6 +169,11 @@ def write_checkpoint(
     config = _config(family, vocab_size, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "gemma":  # its norms' weights start at 0, where a scale of 1 + weight hides no mistake
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
     model.eval().to(getattr(torch, weights_dtype))
     kwargs = {"safe_serialization": True}
     if max_shard_size:

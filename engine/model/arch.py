@@ -5,7 +5,7 @@ mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) a layer's MLP is a s
 experts, a few of which each token runs (`moe.Experts`). A checkpoint of any
 other kind is refused before its weights load, naming what it is. Weights of a family and a
 Llama would load alike, so serving one as the other gives wrong text with no error (Gemma's
-norms add one to their weights, Granite's scales its residuals): the refusal is the only
+Gemma 2's attention caps its scores, Granite's scales its residuals): the refusal is the only
 guard. Where transformers changes how a model attends past some length (a sliding window,
 LongRoPE's second set of frequencies), the engine runs contexts up to that length only,
 where its output is still the model's.
@@ -20,8 +20,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "mixtral", "qwen2_moe",
-               "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "mixtral",
+               "qwen2_moe", "qwen3_moe")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's, as transformers names them
 
 
 class UnsupportedModel(ValueError):
@@ -30,7 +31,10 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True)
 class Architecture:
-    embedding_multiplier: float = 1.0  # the embeddings' scale (Granite)
+    embedding_multiplier: float = 1.0  # the embeddings' scale (Granite; Gemma's sqrt(hidden_size))
+    multiplier_in_dtype: bool = False  # Gemma rounds its embeddings' scale to the model's dtype first
+    norm_offset: float = 0.0  # added to every RMS norm's weight (Gemma's norms scale by 1 + weight)
+    activation: str = "silu"  # the MLP's gate activation: one of ACTIVATIONS
     residual_multiplier: float = 1.0  # each block's output's scale before the residual add (Granite)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     logits_divisor: float = 1.0  # Granite's logits_scaling
@@ -75,8 +79,9 @@ def architecture(hf_config) -> Architecture:
         raise UnsupportedModel(f"quantized checkpoints are not supported (quant_method {method!r}); "
                                f"serve the model's unquantized (bf16, fp16 or fp32) weights")
     act = getattr(c, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModel(f"hidden_act {act!r} is not supported ({kind} with SiLU only)")
+    if act not in ACTIVATIONS:
+        raise UnsupportedModel(f"hidden_act {act!r} is not supported (the MLP's activation must be one of "
+                               f"{', '.join(ACTIVATIONS)})")
     limit, why = c.max_position_embeddings, ""
     window = _sliding_window(c)
     if window and window < limit:
@@ -90,13 +95,16 @@ def architecture(hf_config) -> Architecture:
         original = params.get("original_max_position_embeddings") or c.original_max_position_embeddings
         if original < limit:
             limit, why = original, f"LongRoPE's original_max_position_embeddings ({original})"
+    if kind == "gemma":
+        return Architecture(embedding_multiplier=c.hidden_size**0.5, multiplier_in_dtype=True, norm_offset=1.0,
+                            activation=act, context_limit=limit, why_limited=why)
     if kind == "smollm3":
         return Architecture(context_limit=limit, why_limited=why, rope_layers=tuple(map(bool, c.no_rope_layers)))
     if kind != "granite":
-        return Architecture(context_limit=limit, why_limited=why, moe=_moe(c, kind))
+        return Architecture(activation=act, context_limit=limit, why_limited=why, moe=_moe(c, kind))
     return Architecture(embedding_multiplier=c.embedding_multiplier, residual_multiplier=c.residual_multiplier,
                         attention_scale=c.attention_multiplier, logits_divisor=c.logits_scaling,
-                        context_limit=limit, why_limited=why)
+                        activation=act, context_limit=limit, why_limited=why)
 
 
 def _sliding_window(c) -> int | None:

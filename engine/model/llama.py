@@ -1,11 +1,13 @@
-"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, and
-the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) as plain tensor code over the paged KV cache.
+"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Gemma,
+and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) as plain tensor code over the paged KV
+cache.
 
 Tokens of all sequences in a step are one flat batch [T]: every linear layer is one
 matmul for the whole step, whatever mix of prefill chunks and decodes it holds. Per
 architecture differences are data, not classes: QKV biases (Qwen2, `attention_bias`),
 q/k RMS norm (Qwen3), tied embeddings, rope scaling, Granite's multipliers, SmolLM3's
-layers without rope, experts in place of the MLP (`arch`, `moe`). Weights are fused at load time
+layers without rope, Gemma's norms (1 + weight, added at load), GeLU and scaled embeddings,
+experts in place of the MLP (`arch`, `moe`). Weights are fused at load time
 (q|k|v and gate|up) so each layer runs four matmuls; between them run four fused
 operations (`fused`: add + norm, rotary + KV store, SiLU-and-multiply, add + norm), so a
 layer is about nine calls.
@@ -60,6 +62,13 @@ class StepAttention:
     lora_kept: list | None = None
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeLU (tanh approximation: transformers' gelu_pytorch_tanh) of the gate times the up
+    projection, as `silu_mul` (Gemma's MLP)."""
+    inter = gate_up.shape[1] // 2
+    return F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
+
+
 class LlamaModel:
     def __init__(self, hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int, device="cpu",
                  shard=None):
@@ -77,6 +86,8 @@ class LlamaModel:
         arch = architecture(c)
         self.scale = arch.attention_scale or self.head_dim**-0.5
         self.embedding_multiplier, self.residual_multiplier = arch.embedding_multiplier, arch.residual_multiplier
+        if arch.multiplier_in_dtype:
+            self.embedding_multiplier = torch.tensor(arch.embedding_multiplier, dtype=dtype).item()
         self.logits_divisor = arch.logits_divisor
         rope_layers = arch.rope_layers or (True,) * self.num_layers
         self.vocab_size = c.vocab_size
@@ -91,6 +102,10 @@ class LlamaModel:
         def maybe(name):
             t = state.pop(name, None)
             return t.contiguous() if t is not None else None
+
+        def norm(name):  # Gemma's norms scale by 1 + weight: the sum, once, in float32
+            t = maybe(name)
+            return t if t is None or not arch.norm_offset else (t.float() + arch.norm_offset).to(dtype)
 
         def fused(prefix: str, names: tuple[str, ...]) -> Linear:
             """One matmul of several: their weights stacked, and their biases (zeros for
@@ -112,19 +127,19 @@ class LlamaModel:
             sparse = moe is not None and moe.layers[i]
             self.layers.append(
                 Layer(
-                    input_norm=take(p + "input_layernorm.weight"),
+                    input_norm=norm(p + "input_layernorm.weight"),
                     qkv=fused(a, ("q_proj", "k_proj", "v_proj")),
-                    q_norm=maybe(a + "q_norm.weight"),
-                    k_norm=maybe(a + "k_norm.weight"),
+                    q_norm=norm(a + "q_norm.weight"),
+                    k_norm=norm(a + "k_norm.weight"),
                     o=Linear(take(a + "o_proj.weight"), maybe(a + "o_proj.bias")),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    post_norm=norm(p + "post_attention_layernorm.weight"),
                     gate_up=None if sparse else fused(m, ("gate_proj", "up_proj")),
                     down=None if sparse else Linear(take(m + "down_proj.weight"), maybe(m + "down_proj.bias")),
                     rope=rope_layers[i],
                     experts=Experts.load(moe, m, take, maybe, fused) if sparse else None,
                 )
             )
-        self.norm = take("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         self.nope_ops = None if all(rope_layers) else self.ops.without_rope()
         self.adapters: list = []  # LoRA adapters, by the index a request's rows carry (engine/lora.py)
         lm_head = maybe("lm_head.weight")
@@ -132,6 +147,7 @@ class LlamaModel:
         # Only rank 0 samples: another rank holds no LM head.
         self.lm_head = None if shard is not None and shard.rank else Linear(self.embed if tied else lm_head)
         self.moe = moe
+        self.activation = arch.activation
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """Final hidden states [T, hidden] of `input_ids` [T] at `positions` [T] (only the
@@ -142,6 +158,7 @@ class LlamaModel:
         there: its attention, o projection and MLP run for the kept rows alone (a prefill
         chunk keeps one row, or none before its last chunk)."""
         ops = self.ops
+        act_mul = ops.silu_mul if self.activation == "silu" else gelu_tanh_mul
         q_size = self.num_heads * self.head_dim
         lora = step.lora
 
@@ -187,9 +204,9 @@ class LlamaModel:
                 out = out * self.residual_multiplier
             h, residual = ops.add_rms_norm(out, residual, layer.post_norm)
             if layer.experts is not None:
-                x = layer.experts(h, ops.silu_mul)
+                x = layer.experts(h, act_mul)
             else:
-                x = project(layer.down, ops.silu_mul(project(layer.gate_up, h, i, "gate_up")), i, "down")
+                x = project(layer.down, act_mul(project(layer.gate_up, h, i, "gate_up")), i, "down")
             if self.tp:
                 collectives.all_reduce(x)
             if self.residual_multiplier != 1:

@@ -28,13 +28,14 @@ def greedy_pair(model_dir, prompt, n):
     return ref[0, len(prompt):].tolist(), ours.token_ids, llm
 
 
-def gemma_checkpoint(path):
-    """A tiny Gemma: Llama's weight names, but its norms and embeddings differ."""
-    from transformers import AutoModelForCausalLM, GemmaConfig
+def gemma2_checkpoint(path):
+    """A tiny Gemma 2: Llama's weight names, but its attention scores are capped and its
+    layers have four norms."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
 
     write_tokenizer(path)
-    config = GemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
     return path
 
@@ -45,12 +46,12 @@ def edit_config(model_dir, **fields):
 
 
 def test_a_model_of_another_kind_is_refused_naming_it(tmp_path):
-    with pytest.raises(UnsupportedModel, match=r"model_type 'gemma' \(GemmaForCausalLM\) is not supported"):
-        LLM(str(gemma_checkpoint(tmp_path)), num_pages=8)
+    with pytest.raises(UnsupportedModel, match=r"model_type 'gemma2' \(Gemma2ForCausalLM\) is not supported"):
+        LLM(str(gemma2_checkpoint(tmp_path)), num_pages=8)
 
 
 @pytest.mark.parametrize("fields, says", [
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5")])
 def test_a_supported_kind_run_otherwise_is_refused(tmp_path, fields, says):
