@@ -13,8 +13,8 @@ import os
 import random
 from pathlib import Path
 
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "mixtral",
-            "qwen2_moe", "qwen3_moe")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "olmo2",
+            "mixtral", "qwen2_moe", "qwen3_moe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -72,8 +72,8 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import (GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+    from transformers import (GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -127,6 +127,8 @@ def _config(family: str, vocab_size: int, **overrides):
     elif family == "gemma":  # norms of 1 + weight, GeLU (tanh), embeddings scaled; q wider than hidden
         cls = GemmaConfig
         common.update(head_dim=24, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
+    elif family == "olmo2":  # norms after attention and the MLP, none before; q and k normed whole
+        cls = Olmo2Config
     elif family == "mixtral":  # 4 experts, 2 a token
         cls = MixtralConfig
         common.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
@@ -169,7 +171,7 @@ def write_checkpoint(
     config = _config(family, vocab_size, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if family == "gemma":  # its norms' weights start at 0, where a scale of 1 + weight hides no mistake
+    if family in ("gemma", "olmo2"):  # norms' weights start at 0 (Gemma: 1 + weight) or 1: random ones show more
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):

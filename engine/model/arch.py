@@ -20,7 +20,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "mixtral",
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "olmo2", "mixtral",
                "qwen2_moe", "qwen3_moe")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's, as transformers names them
 
@@ -35,6 +35,9 @@ class Architecture:
     multiplier_in_dtype: bool = False  # Gemma rounds its embeddings' scale to the model's dtype first
     norm_offset: float = 0.0  # added to every RMS norm's weight (Gemma's norms scale by 1 + weight)
     activation: str = "silu"  # the MLP's gate activation: one of ACTIVATIONS
+    # OLMo 2: no norm before attention or the MLP; each one's output normed before the
+    # residual add; q and k normed over all their heads at once, not head by head.
+    post_norms: bool = False
     residual_multiplier: float = 1.0  # each block's output's scale before the residual add (Granite)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     logits_divisor: float = 1.0  # Granite's logits_scaling
@@ -98,6 +101,8 @@ def architecture(hf_config) -> Architecture:
     if kind == "gemma":
         return Architecture(embedding_multiplier=c.hidden_size**0.5, multiplier_in_dtype=True, norm_offset=1.0,
                             activation=act, context_limit=limit, why_limited=why)
+    if kind == "olmo2":
+        return Architecture(post_norms=True, activation=act, context_limit=limit, why_limited=why)
     if kind == "smollm3":
         return Architecture(context_limit=limit, why_limited=why, rope_layers=tuple(map(bool, c.no_rope_layers)))
     if kind != "granite":

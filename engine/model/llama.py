@@ -1,5 +1,5 @@
 """The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Gemma,
-and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) as plain tensor code over the paged KV
+OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) as plain tensor code over the paged KV
 cache.
 
 Tokens of all sequences in a step are one flat batch [T]: every linear layer is one
@@ -7,7 +7,8 @@ matmul for the whole step, whatever mix of prefill chunks and decodes it holds. 
 architecture differences are data, not classes: QKV biases (Qwen2, `attention_bias`),
 q/k RMS norm (Qwen3), tied embeddings, rope scaling, Granite's multipliers, SmolLM3's
 layers without rope, Gemma's norms (1 + weight, added at load), GeLU and scaled embeddings,
-experts in place of the MLP (`arch`, `moe`). Weights are fused at load time
+OLMo 2's norms after attention and the MLP instead of before, experts in place of the MLP
+(`arch`, `moe`). Weights are fused at load time
 (q|k|v and gate|up) so each layer runs four matmuls; between them run four fused
 operations (`fused`: add + norm, rotary + KV store, SiLU-and-multiply, add + norm), so a
 layer is about nine calls.
@@ -32,16 +33,18 @@ from .rope import RotaryTables
 
 @dataclass
 class Layer:
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # before attention; None: it reads the residual stream as is
     qkv: Linear  # q | k | v
-    q_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [D]: each head's; [H * D]: all heads' at once (OLMo 2)
     k_norm: torch.Tensor | None
     o: Linear
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor | None  # before the MLP; None as input_norm
     gate_up: Linear | None  # gate | up; None where experts are the MLP
     down: Linear | None
     rope: bool = True  # False: no rotary embedding (a NoPE layer)
     experts: Experts | None = None
+    attn_out_norm: torch.Tensor | None = None  # of the attention's output, before the residual add
+    mlp_out_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -125,18 +128,24 @@ class LlamaModel:
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             sparse = moe is not None and moe.layers[i]
+            # OLMo 2 names the norms of the attention's and the MLP's outputs as Llama names
+            # the norm before its MLP.
+            before_mlp, after_attn, after_mlp = ((None, "post_attention_layernorm", "post_feedforward_layernorm")
+                                                 if arch.post_norms else ("post_attention_layernorm", None, None))
             self.layers.append(
                 Layer(
-                    input_norm=norm(p + "input_layernorm.weight"),
+                    input_norm=norm(p + "input_layernorm.weight"),  # absent in OLMo 2
                     qkv=fused(a, ("q_proj", "k_proj", "v_proj")),
                     q_norm=norm(a + "q_norm.weight"),
                     k_norm=norm(a + "k_norm.weight"),
                     o=Linear(take(a + "o_proj.weight"), maybe(a + "o_proj.bias")),
-                    post_norm=norm(p + "post_attention_layernorm.weight"),
+                    post_norm=before_mlp and norm(p + before_mlp + ".weight"),
                     gate_up=None if sparse else fused(m, ("gate_proj", "up_proj")),
                     down=None if sparse else Linear(take(m + "down_proj.weight"), maybe(m + "down_proj.bias")),
                     rope=rope_layers[i],
                     experts=Experts.load(moe, m, take, maybe, fused) if sparse else None,
+                    attn_out_norm=after_attn and norm(p + after_attn + ".weight"),
+                    mlp_out_norm=after_mlp and norm(p + after_mlp + ".weight"),
                 )
             )
         self.norm = norm("model.norm.weight")
@@ -168,18 +177,32 @@ class LlamaModel:
                 add_deltas(y, x, i, name, lora)
             return y
 
+        def add_norm(x, residual, weight):  # ops.add_rms_norm; without a weight, (the sum, the sum)
+            if weight is not None:
+                return ops.add_rms_norm(x, residual, weight)
+            total = x if residual is None else residual + x
+            return total, total
+
+        def out_norm(x, weight):  # a block's output normed, in float32 as transformers does (OLMo 2)
+            return x if weight is None else F.rms_norm(x.float(), (x.shape[-1],), weight.float(), self.eps).to(x.dtype)
+
         residual = F.embedding(input_ids, self.embed)
         if self.embedding_multiplier != 1:
             residual = residual * self.embedding_multiplier
-        h, residual = ops.add_rms_norm(residual, None, self.layers[0].input_norm if self.layers else self.norm)
+        h, residual = add_norm(residual, None, self.layers[0].input_norm if self.layers else self.norm)
         if step.keep is not None and not self.layers:
             return h.index_select(0, step.keep)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # [pages, page_size, Hkv, D]
+            qkv, q_norm, k_norm = project(layer.qkv, h, i, "qkv"), layer.q_norm, layer.k_norm
+            if q_norm is not None and q_norm.numel() != self.head_dim:  # over all heads at once (OLMo 2)
+                kv_size = self.num_kv_heads * self.head_dim
+                qkv = torch.cat([out_norm(qkv[:, :q_size], q_norm), out_norm(qkv[:, q_size:q_size + kv_size], k_norm),
+                                 qkv[:, q_size + kv_size:]], dim=1)
+                q_norm = k_norm = None
             q = (ops if layer.rope else self.nope_ops).rope_store(
-                project(layer.qkv, h, i, "qkv"), positions, layer.q_norm, layer.k_norm, k_cache, v_cache,
-                step.slot_mapping, step.store_kv)
+                qkv, positions, q_norm, k_norm, k_cache, v_cache, step.slot_mapping, step.store_kv)
             # Tensor-parallel: the layer's KV is in every rank's pool only once the o
             # projection's all-reduce returned, so the hook (which may send it) waits for that.
             if step.layer_hook is not None and not self.tp:
@@ -202,7 +225,7 @@ class LlamaModel:
                     step.layer_hook(i)
             if self.residual_multiplier != 1:  # of the whole sum, as transformers scales it
                 out = out * self.residual_multiplier
-            h, residual = ops.add_rms_norm(out, residual, layer.post_norm)
+            h, residual = add_norm(out_norm(out, layer.attn_out_norm), residual, layer.post_norm)
             if layer.experts is not None:
                 x = layer.experts(h, act_mul)
             else:
@@ -212,7 +235,7 @@ class LlamaModel:
             if self.residual_multiplier != 1:
                 x = x * self.residual_multiplier
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            h, residual = ops.add_rms_norm(x, residual, following)
+            h, residual = add_norm(out_norm(x, layer.mlp_out_norm), residual, following)
         return h
 
     def lora_sizes(self) -> dict[str, list[int]]:

@@ -96,12 +96,14 @@ def shard_state(state: dict[str, torch.Tensor], shard: TPShard, head_dim: int) -
 def load_model(config, hf_config, dtype: torch.dtype, max_model_len: int):
     """(rank 0's model, every rank's TPShard): the whole model when one rank."""
     from ..model import LlamaModel
-    from ..model.arch import geometry
-    from ..model.arch import to_llama_names
+    from ..model.arch import UnsupportedModel, architecture, geometry, to_llama_names
     from ..model.weights import load_state_dict
 
     c = hf_config
     heads, kv_heads, head_dim = geometry(c)
+    if config.tensor_parallel_size > 1 and architecture(c).post_norms:
+        raise UnsupportedModel(f"{c.model_type} cannot split over tensor-parallel ranks yet (its q and k norms "
+                               f"span every head): serve it with tensor_parallel_size 1")
     widths = (c.intermediate_size, getattr(c, "moe_intermediate_size", 0), getattr(c, "shared_expert_intermediate_size", 0))
     shards = split_model(heads, kv_heads, min(w for w in widths if w), config.tensor_parallel_size)
     state = load_state_dict(config.model_dir, dtype, config.device)
