@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "olmo2",
-            "mixtral", "qwen2_moe", "qwen3_moe")
+            "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -73,7 +73,8 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 def _config(family: str, vocab_size: int, **overrides):
     from transformers import (GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+                              OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                              SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -140,6 +141,9 @@ def _config(family: str, vocab_size: int, **overrides):
         cls = Qwen3MoeConfig
         common.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, mlp_only_layers=[0],
                       head_dim=24, norm_topk_prob=True)
+    elif family == "olmoe":  # 8 experts, 2 a token, not renormalised; q and k normed whole
+        cls = OlmoeConfig
+        common.update(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)
     else:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     common.update(overrides)

@@ -1,7 +1,7 @@
 """Which checkpoints the engine serves, and what sets each family apart from Llama.
 
 Every family here is Llama's decoder with data changed (`Architecture`); in the
-mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) a layer's MLP is a set of
+mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) a layer's MLP is a set of
 experts, a few of which each token runs (`moe.Experts`). A checkpoint of any
 other kind is refused before its weights load, naming what it is. Weights of a family and a
 Llama would load alike, so serving one as the other gives wrong text with no error (Gemma's
@@ -21,7 +21,7 @@ import torch
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "olmo2", "mixtral",
-               "qwen2_moe", "qwen3_moe")
+               "qwen2_moe", "qwen3_moe", "olmoe")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's, as transformers names them
 
 
@@ -36,8 +36,9 @@ class Architecture:
     norm_offset: float = 0.0  # added to every RMS norm's weight (Gemma's norms scale by 1 + weight)
     activation: str = "silu"  # the MLP's gate activation: one of ACTIVATIONS
     # OLMo 2: no norm before attention or the MLP; each one's output normed before the
-    # residual add; q and k normed over all their heads at once, not head by head.
+    # residual add.
     post_norms: bool = False
+    whole_qk_norm: bool = False  # q and k normed over all their heads at once, not head by head (OLMo 2, OLMoE)
     residual_multiplier: float = 1.0  # each block's output's scale before the residual add (Granite)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     logits_divisor: float = 1.0  # Granite's logits_scaling
@@ -59,6 +60,8 @@ class MoE:
 def _moe(c, kind: str) -> MoE | None:
     if kind == "mixtral":
         return MoE(c.num_local_experts, c.num_experts_per_tok, True, True, (True,) * c.num_hidden_layers)
+    if kind == "olmoe":
+        return MoE(c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), False, (True,) * c.num_hidden_layers)
     if kind not in ("qwen2_moe", "qwen3_moe"):
         return None
     # As transformers builds the layers: sparse every decoder_sparse_step-th, but not those listed.
@@ -101,8 +104,11 @@ def architecture(hf_config) -> Architecture:
     if kind == "gemma":
         return Architecture(embedding_multiplier=c.hidden_size**0.5, multiplier_in_dtype=True, norm_offset=1.0,
                             activation=act, context_limit=limit, why_limited=why)
-    if kind == "olmo2":
-        return Architecture(post_norms=True, activation=act, context_limit=limit, why_limited=why)
+    if getattr(c, "clip_qkv", None) is not None:
+        raise UnsupportedModel(f"clip_qkv {c.clip_qkv} is not supported (q, k and v clamped)")
+    if kind in ("olmo2", "olmoe"):
+        return Architecture(post_norms=kind == "olmo2", whole_qk_norm=True, activation=act, context_limit=limit,
+                            why_limited=why, moe=_moe(c, kind))
     if kind == "smollm3":
         return Architecture(context_limit=limit, why_limited=why, rope_layers=tuple(map(bool, c.no_rope_layers)))
     if kind != "granite":

@@ -1,5 +1,5 @@
 """The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Gemma,
-OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) as plain tensor code over the paged KV
+OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) as plain tensor code over the paged KV
 cache.
 
 Tokens of all sequences in a step are one flat batch [T]: every linear layer is one
@@ -35,7 +35,7 @@ from .rope import RotaryTables
 class Layer:
     input_norm: torch.Tensor | None  # before attention; None: it reads the residual stream as is
     qkv: Linear  # q | k | v
-    q_norm: torch.Tensor | None  # [D]: each head's; [H * D]: all heads' at once (OLMo 2)
+    q_norm: torch.Tensor | None  # [D]: each head's; [H * D]: all heads' at once (arch.whole_qk_norm)
     k_norm: torch.Tensor | None
     o: Linear
     post_norm: torch.Tensor | None  # before the MLP; None as input_norm
@@ -156,7 +156,7 @@ class LlamaModel:
         # Only rank 0 samples: another rank holds no LM head.
         self.lm_head = None if shard is not None and shard.rank else Linear(self.embed if tied else lm_head)
         self.moe = moe
-        self.activation = arch.activation
+        self.activation, self.whole_qk_norm = arch.activation, arch.whole_qk_norm
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """Final hidden states [T, hidden] of `input_ids` [T] at `positions` [T] (only the
@@ -196,7 +196,7 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # [pages, page_size, Hkv, D]
             qkv, q_norm, k_norm = project(layer.qkv, h, i, "qkv"), layer.q_norm, layer.k_norm
-            if q_norm is not None and q_norm.numel() != self.head_dim:  # over all heads at once (OLMo 2)
+            if self.whole_qk_norm:  # over all heads at once (OLMo 2, OLMoE)
                 kv_size = self.num_kv_heads * self.head_dim
                 qkv = torch.cat([out_norm(qkv[:, :q_size], q_norm), out_norm(qkv[:, q_size:q_size + kv_size], k_norm),
                                  qkv[:, q_size + kv_size:]], dim=1)

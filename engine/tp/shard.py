@@ -101,7 +101,7 @@ def load_model(config, hf_config, dtype: torch.dtype, max_model_len: int):
 
     c = hf_config
     heads, kv_heads, head_dim = geometry(c)
-    if config.tensor_parallel_size > 1 and architecture(c).post_norms:
+    if config.tensor_parallel_size > 1 and architecture(c).whole_qk_norm:
         raise UnsupportedModel(f"{c.model_type} cannot split over tensor-parallel ranks yet (its q and k norms "
                                f"span every head): serve it with tensor_parallel_size 1")
     widths = (c.intermediate_size, getattr(c, "moe_intermediate_size", 0), getattr(c, "shared_expert_intermediate_size", 0))

@@ -53,7 +53,8 @@ def test_a_model_of_another_kind_is_refused_naming_it(tmp_path):
 @pytest.mark.parametrize("fields, says", [
     ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5")])
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({"clip_qkv": 8.0}, "clip_qkv 8.0 is not supported")])
 def test_a_supported_kind_run_otherwise_is_refused(tmp_path, fields, says):
     d = write_checkpoint(tmp_path / "m", family="llama")
     edit_config(d, **fields)

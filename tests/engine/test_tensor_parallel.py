@@ -28,7 +28,7 @@ def generate_and_close(llm: LLM, prompts) -> list[list[int]]:
         llm.close()
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "olmo2"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("olmo2", "olmoe")])
 def test_two_ranks_match_transformers(family, checkpoint_dirs, hf_greedy, prompts_of_lengths):
     prompts = prompts_of_lengths([1, 9, 30], seed=7)
     outs = generate_and_close(tp_llm(checkpoint_dirs(family)), prompts)
@@ -84,9 +84,10 @@ def test_close_stops_every_rank(checkpoint_dirs):
     assert pids and not any(pid_alive(p) for p in pids)
 
 
-def test_a_model_whose_norms_span_every_head_is_refused_before_any_rank_starts(checkpoint_dirs):
+@pytest.mark.parametrize("family", ["olmo2", "olmoe"])
+def test_a_model_whose_norms_span_every_head_is_refused_before_any_rank_starts(checkpoint_dirs, family):
     from pdserve.engine.model.arch import UnsupportedModel
 
-    with pytest.raises(UnsupportedModel, match="olmo2 cannot split over tensor-parallel ranks yet .its q and k norms "
+    with pytest.raises(UnsupportedModel, match=f"{family} cannot split over tensor-parallel ranks yet .its q and k norms "
                                                "span every head.: serve it with tensor_parallel_size 1"):
-        tp_llm(checkpoint_dirs("olmo2"))
+        tp_llm(checkpoint_dirs(family))
