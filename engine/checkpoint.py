@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "olmo2",
-            "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+            "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -72,9 +72,9 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import (GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
-                              OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                              SmolLM3Config)
+    from transformers import (GemmaConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig,
+                              MistralConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -144,6 +144,10 @@ def _config(family: str, vocab_size: int, **overrides):
     elif family == "olmoe":  # 8 experts, 2 a token, not renormalised; q and k normed whole
         cls = OlmoeConfig
         common.update(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)
+    elif family in ("granitemoe", "granitemoeshared"):  # experts stored stacked; multipliers that leave them a say
+        cls = GraniteMoeConfig if family == "granitemoe" else GraniteMoeSharedConfig
+        common.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, embedding_multiplier=2.0,
+                      residual_multiplier=0.8, attention_multiplier=0.125, logits_scaling=2.0, tie_word_embeddings=True)
     else:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     common.update(overrides)

@@ -1,7 +1,7 @@
 """Which checkpoints the engine serves, and what sets each family apart from Llama.
 
 Every family here is Llama's decoder with data changed (`Architecture`); in the
-mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) a layer's MLP is a set of
+mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE) a layer's MLP is a set of
 experts, a few of which each token runs (`moe.Experts`). A checkpoint of any
 other kind is refused before its weights load, naming what it is. Weights of a family and a
 Llama would load alike, so serving one as the other gives wrong text with no error (Gemma's
@@ -21,7 +21,7 @@ import torch
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "olmo2", "mixtral",
-               "qwen2_moe", "qwen3_moe", "olmoe")
+               "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's, as transformers names them
 
 
@@ -55,11 +55,14 @@ class MoE:
     normalize: bool  # the top-k probabilities scaled to sum to 1
     weights_fp32: bool  # Mixtral weighs expert outputs in float32; Qwen's in the model's dtype
     layers: tuple[bool, ...]  # whether each layer's MLP is the experts (Qwen's mlp_only_layers are not)
+    softmax_top_k: bool = False  # the weights: a softmax of the top-k logits (Granite), not of them all
 
 
 def _moe(c, kind: str) -> MoE | None:
     if kind == "mixtral":
         return MoE(c.num_local_experts, c.num_experts_per_tok, True, True, (True,) * c.num_hidden_layers)
+    if kind in ("granitemoe", "granitemoeshared"):
+        return MoE(c.num_local_experts, c.num_experts_per_tok, False, False, (True,) * c.num_hidden_layers, True)
     if kind == "olmoe":
         return MoE(c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), False, (True,) * c.num_hidden_layers)
     if kind not in ("qwen2_moe", "qwen3_moe"):
@@ -111,11 +114,11 @@ def architecture(hf_config) -> Architecture:
                             why_limited=why, moe=_moe(c, kind))
     if kind == "smollm3":
         return Architecture(context_limit=limit, why_limited=why, rope_layers=tuple(map(bool, c.no_rope_layers)))
-    if kind != "granite":
+    if not kind.startswith("granite"):
         return Architecture(activation=act, context_limit=limit, why_limited=why, moe=_moe(c, kind))
     return Architecture(embedding_multiplier=c.embedding_multiplier, residual_multiplier=c.residual_multiplier,
                         attention_scale=c.attention_multiplier, logits_divisor=c.logits_scaling,
-                        activation=act, context_limit=limit, why_limited=why)
+                        activation=act, context_limit=limit, why_limited=why, moe=_moe(c, kind))
 
 
 def _sliding_window(c) -> int | None:
@@ -138,7 +141,10 @@ _MIXTRAL = (("block_sparse_moe.gate.", "mlp.gate."), ("block_sparse_moe.experts.
 def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
     """Phi-3's fused qkv_proj and gate_up_proj, split in place into Llama's q/k/v and
     gate/up names (the model fuses them again; tensor parallelism cuts them apart first);
-    Mixtral's experts renamed as Qwen's (`mlp.experts.N.gate_proj`, ..., `mlp.gate`)."""
+    Mixtral's experts renamed as Qwen's (`mlp.experts.N.gate_proj`, ..., `mlp.gate`), and
+    Granite MoE's, stacked [experts, ...], split into them."""
+    if hf_config.model_type in ("granitemoe", "granitemoeshared"):
+        _granite_experts(state)
     if hf_config.model_type == "mixtral":
         for key in [k for k in state if ".block_sparse_moe." in k]:
             new = key
@@ -153,6 +159,23 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
         names, split = sizes[fused]
         for name, part in zip(names, state.pop(key).split(split, dim=0)):
             state[f"{prefix}.{name}.{kind}"] = part.contiguous()
+
+
+def _granite_experts(state: dict[str, torch.Tensor]) -> None:
+    for key in [k for k in state if ".block_sparse_moe." in k or ".shared_mlp." in k]:
+        layer, _, part = key.partition(".block_sparse_moe.") if ".block_sparse_moe." in key else key.partition(".shared_mlp.")
+        w = state.pop(key)
+        if part == "router.layer.weight":
+            state[f"{layer}.mlp.gate.weight"] = w
+        elif ".shared_mlp." in key:  # gate | up, down
+            names = ("gate_proj", "up_proj") if part == "input_linear.weight" else ("down_proj",)
+            for name, piece in zip(names, w.chunk(len(names), dim=0)):
+                state[f"{layer}.mlp.shared_expert.{name}.weight"] = piece.contiguous()
+        else:  # input_linear [E, 2I, H]: each expert's gate | up; output_linear [E, H, I]: its down
+            names = ("gate_proj", "up_proj") if part == "input_linear.weight" else ("down_proj",)
+            for e, expert in enumerate(w):
+                for name, piece in zip(names, expert.chunk(len(names), dim=0)):
+                    state[f"{layer}.mlp.experts.{e}.{name}.weight"] = piece.contiguous()
 
 
 def served_context(hf_config, asked: int | None) -> int:

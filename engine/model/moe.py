@@ -1,6 +1,7 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's
-top-k experts, each a SiLU MLP of its own, and their outputs are summed, weighted by the
-router's probabilities; Qwen2-MoE adds a shared expert every token runs, gated by a sigmoid.
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): a router picks
+each token's top-k experts, each an MLP of its own, and their outputs are summed, weighted by
+the router's probabilities; Qwen2-MoE adds a shared expert every token runs, gated by a
+sigmoid, Granite MoE (shared) one ungated.
 
 As transformers runs it: the experts in order, each on its tokens alone (gathered, then
 added back with `index_add_`), the weights applied in float32 for Mixtral and in the
@@ -25,7 +26,7 @@ from .linear import Linear
 class SharedExpert:
     gate_up: Linear
     down: Linear
-    gate: torch.Tensor  # [1, hidden]: sigmoid(h @ gate.T) scales the shared expert's output
+    gate: torch.Tensor | None  # [1, hidden]: sigmoid(h @ gate.T) scales the output (Qwen2-MoE); None: 1 (Granite)
 
 
 @dataclass
@@ -41,19 +42,24 @@ class Experts:
         """The experts under `prefix` (`model.layers.N.mlp.`), Qwen's names (arch.to_llama_names)."""
         experts = range(moe.experts)
         shared = None
-        gate = maybe(prefix + "shared_expert_gate.weight")
-        if gate is not None:
-            shared = SharedExpert(fused(prefix + "shared_expert.", ("gate_proj", "up_proj")),
-                                  Linear(take(prefix + "shared_expert.down_proj.weight")), gate)
+        down = maybe(prefix + "shared_expert.down_proj.weight")
+        if down is not None:
+            shared = SharedExpert(fused(prefix + "shared_expert.", ("gate_proj", "up_proj")), Linear(down),
+                                  maybe(prefix + "shared_expert_gate.weight"))
         return cls(moe, take(prefix + "gate.weight"),
                    [fused(f"{prefix}experts.{e}.", ("gate_proj", "up_proj")) for e in experts],
                    [Linear(take(f"{prefix}experts.{e}.down_proj.weight")) for e in experts], shared)
 
-    def __call__(self, h: torch.Tensor, silu_mul) -> torch.Tensor:
-        """The layer's MLP output [T, hidden] of normed hidden states h [T, hidden]."""
+    def __call__(self, h: torch.Tensor, act_mul) -> torch.Tensor:
+        """The layer's MLP output [T, hidden] of normed hidden states h [T, hidden]; `act_mul`:
+        the model's activation of the gate times the up projection (`ops.silu_mul`)."""
         k = self.moe.top_k
-        probs = torch.softmax(F.linear(h, self.router), dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, k, dim=-1)
+        logits = F.linear(h, self.router)
+        if self.moe.softmax_top_k:
+            top, chosen = torch.topk(logits.float(), k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
         if self.moe.normalize:
             weights /= weights.sum(dim=-1, keepdim=True)
         if not self.moe.weights_fp32:
@@ -70,9 +76,10 @@ class Experts:
             pairs = order[begin:begin + n]
             begin += n
             tokens = pairs // k
-            y = self.down[e](silu_mul(self.gate_up[e](h.index_select(0, tokens))))
+            y = self.down[e](act_mul(self.gate_up[e](h.index_select(0, tokens))))
             out.index_add_(0, tokens, (y * weights[pairs, None]).to(out.dtype))
         if self.shared is not None:
             s = self.shared
-            out = out + torch.sigmoid(F.linear(h, s.gate)) * s.down(silu_mul(s.gate_up(h)))
+            y = s.down(act_mul(s.gate_up(h)))
+            out = out + (y if s.gate is None else torch.sigmoid(F.linear(h, s.gate)) * y)
         return out

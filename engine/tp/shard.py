@@ -104,7 +104,8 @@ def load_model(config, hf_config, dtype: torch.dtype, max_model_len: int):
     if config.tensor_parallel_size > 1 and architecture(c).whole_qk_norm:
         raise UnsupportedModel(f"{c.model_type} cannot split over tensor-parallel ranks yet (its q and k norms "
                                f"span every head): serve it with tensor_parallel_size 1")
-    widths = (c.intermediate_size, getattr(c, "moe_intermediate_size", 0), getattr(c, "shared_expert_intermediate_size", 0))
+    widths = (c.intermediate_size, getattr(c, "moe_intermediate_size", 0), getattr(c, "shared_expert_intermediate_size", 0),
+              getattr(c, "shared_intermediate_size", 0))
     shards = split_model(heads, kv_heads, min(w for w in widths if w), config.tensor_parallel_size)
     state = load_state_dict(config.model_dir, dtype, config.device)
     to_llama_names(state, c)

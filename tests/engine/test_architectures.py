@@ -84,3 +84,9 @@ def test_longrope_runs_within_its_original_context(tmp_path):
     ref, ours, llm = greedy_pair(d, list(range(3, 27)), 8)
     assert ours == ref
     assert llm.engine.max_model_len == 32
+
+
+def test_granite_moes_shared_expert_runs_beside_its_routed_ones(tmp_path):
+    d = write_checkpoint(tmp_path / "gms", family="granitemoeshared", shared_intermediate_size=96)
+    ref, ours, _ = greedy_pair(d, list(range(3, 30)), 8)
+    assert ours == ref
