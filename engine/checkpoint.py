@@ -13,7 +13,7 @@ import os
 import random
 from pathlib import Path
 
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "olmo2",
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma3", "olmo2",
             "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
@@ -72,9 +72,9 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import (GemmaConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig,
-                              MistralConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+    from transformers import (Gemma3TextConfig, GemmaConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -127,9 +127,16 @@ def _config(family: str, vocab_size: int, **overrides):
         common.update(no_rope_layer_interval=2, rope_theta=5000000.0, tie_word_embeddings=True)
     elif family == "gemma":  # norms of 1 + weight, GeLU (tanh), embeddings scaled; q wider than hidden
         cls = GemmaConfig
-        common.update(head_dim=24, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
+        common.update(head_dim=24, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, initializer_range=0.02)
     elif family == "olmo2":  # norms after attention and the MLP, none before; q and k normed whole
         cls = Olmo2Config
+    elif family == "gemma3":  # an 8-token sliding window, then a global layer of its own (linear-scaled) rope
+        cls = Gemma3TextConfig
+        common.update(head_dim=24, query_pre_attn_scalar=32, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+                      initializer_range=0.02, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                          "rope_theta": 1000000.0}})
     elif family == "mixtral":  # 4 experts, 2 a token
         cls = MixtralConfig
         common.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
@@ -179,7 +186,7 @@ def write_checkpoint(
     config = _config(family, vocab_size, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if family in ("gemma", "olmo2"):  # norms' weights start at 0 (Gemma: 1 + weight) or 1: random ones show more
+    if family in ("gemma", "gemma3", "olmo2"):  # norms' weights start at 0 (Gemma: 1 + weight) or 1: random ones show more
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):

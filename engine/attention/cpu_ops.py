@@ -71,12 +71,16 @@ class AttentionPlan:
 
 def plan_attention(
     query_lens: list[int], seq_lens: list[int], page_lists: list[list[int]], page_size: int, device="cpu",
-    kv_dtype: torch.dtype | None = None,
+    kv_dtype: torch.dtype | None = None, window: int = 0,
 ) -> AttentionPlan:
     """Plan for sequences whose queries are consecutive rows, in the given order, over a
     KV cache of `kv_dtype` (None: never the C kernel). Runs of consecutive decodes
     (query_len 1) are one kernel call, or without the kernel grouped by length; callers
-    that sort decodes by `seq_len` get the tightest groups."""
+    that sort decodes by `seq_len` get the tightest groups. `window` > 0: each query sees
+    only its last `window` keys (itself included), as transformers' sliding window does;
+    the C kernels take no window, so such a plan masks the torch path's SDPA."""
+    if window:
+        kv_dtype = None
     plan = AttentionPlan(page_size)
     kernel = kernel_for(kv_dtype, torch.device(device)) if kv_dtype is not None else None
     prefill_kernel = prefill_kernel_for(kv_dtype, torch.device(device)) if kv_dtype is not None else None
@@ -94,9 +98,10 @@ def plan_attention(
                 continue
             pages = torch.tensor(page_lists[b][:num_pages], dtype=torch.int64, device=device)
             mask = None
-            if ctx != n:
+            if ctx != n or (window and ctx > window):
                 q_pos = torch.arange(ctx - n, ctx, device=device).unsqueeze(1)
-                mask = torch.arange(ctx, device=device).unsqueeze(0) <= q_pos
+                keys = torch.arange(ctx, device=device).unsqueeze(0)
+                mask = (keys <= q_pos) & (keys > q_pos - window) if window else keys <= q_pos
             plan.prefills.append(PrefillSeq(slice(row, row + n), pages, ctx, mask))
             row += n
             b += 1
@@ -115,7 +120,7 @@ def plan_attention(
             if b > start and (b + 1 - start) * longest > _PADDING_SLACK * total + page_size:
                 break
             b += 1
-        plan.decode_groups.append(_decode_group(row, seq_lens[start:b], page_lists[start:b], page_size, device))
+        plan.decode_groups.append(_decode_group(row, seq_lens[start:b], page_lists[start:b], page_size, device, window))
         row += b - start
     return plan
 
@@ -127,13 +132,14 @@ def _padded_pages(lens, page_lists, page_size) -> tuple[int, list[list[int]]]:
                        for pl, n in zip(page_lists, lens)]
 
 
-def _decode_group(row, lens, page_lists, page_size, device) -> DecodeGroup:
+def _decode_group(row, lens, page_lists, page_size, device, window: int = 0) -> DecodeGroup:
     num_pages, padded = _padded_pages(lens, page_lists, page_size)
     pages = torch.tensor(padded, dtype=torch.int64, device=device)
     mask = None
-    if any(n != num_pages * page_size for n in lens):
+    if any(n != num_pages * page_size for n in lens) or (window and max(lens) > window):
         lens_t = torch.tensor(lens, device=device).view(-1, 1, 1, 1)
-        mask = torch.arange(num_pages * page_size, device=device).view(1, 1, 1, -1) < lens_t
+        keys = torch.arange(num_pages * page_size, device=device).view(1, 1, 1, -1)
+        mask = (keys < lens_t) & (keys >= lens_t - window) if window else keys < lens_t
     return DecodeGroup(slice(row, row + len(lens)), pages, mask)
 
 

@@ -20,7 +20,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "olmo2", "mixtral",
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma3_text", "olmo2",
+               "mixtral",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's, as transformers names them
 
@@ -35,16 +36,19 @@ class Architecture:
     multiplier_in_dtype: bool = False  # Gemma rounds its embeddings' scale to the model's dtype first
     norm_offset: float = 0.0  # added to every RMS norm's weight (Gemma's norms scale by 1 + weight)
     activation: str = "silu"  # the MLP's gate activation: one of ACTIVATIONS
-    # OLMo 2: no norm before attention or the MLP; each one's output normed before the
-    # residual add.
-    post_norms: bool = False
+    # The checkpoint's names of a layer's norms (before attention, of its output, before the
+    # MLP, of its output); None: no such norm.
+    layer_norms: tuple = ("input_layernorm", None, "post_attention_layernorm", None)
     whole_qk_norm: bool = False  # q and k normed over all their heads at once, not head by head (OLMo 2, OLMoE)
     residual_multiplier: float = 1.0  # each block's output's scale before the residual add (Granite)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     logits_divisor: float = 1.0  # Granite's logits_scaling
     context_limit: int = 0  # the longest context served
     why_limited: str = ""  # what sets context_limit below max_position_embeddings, if anything
-    rope_layers: tuple[bool, ...] = ()  # whether each layer rotates q and k (SmolLM3's NoPE); (): all
+    # Each layer's rotary tables: "" the model's, "none" none (SmolLM3's NoPE layers), else
+    # the rope parameters of that layer kind (Gemma 3's "sliding_attention"); (): all "".
+    rope_kinds: tuple[str, ...] = ()
+    windows: tuple[int, ...] = ()  # each layer's sliding window, 0 for none: a query sees its last W keys
     moe: MoE | None = None  # the experts, in a mixture-of-experts model
 
 
@@ -91,6 +95,8 @@ def architecture(hf_config) -> Architecture:
     if act not in ACTIVATIONS:
         raise UnsupportedModel(f"hidden_act {act!r} is not supported (the MLP's activation must be one of "
                                f"{', '.join(ACTIVATIONS)})")
+    if kind == "gemma3_text":
+        return _gemma3(c, act)
     limit, why = c.max_position_embeddings, ""
     window = _sliding_window(c)
     if window and window < limit:
@@ -109,16 +115,37 @@ def architecture(hf_config) -> Architecture:
                             activation=act, context_limit=limit, why_limited=why)
     if getattr(c, "clip_qkv", None) is not None:
         raise UnsupportedModel(f"clip_qkv {c.clip_qkv} is not supported (q, k and v clamped)")
-    if kind in ("olmo2", "olmoe"):
-        return Architecture(post_norms=kind == "olmo2", whole_qk_norm=True, activation=act, context_limit=limit,
-                            why_limited=why, moe=_moe(c, kind))
+    if kind == "olmo2":  # no norm before attention or the MLP; each one's output normed
+        return Architecture(layer_norms=(None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+                            whole_qk_norm=True, activation=act, context_limit=limit, why_limited=why)
+    if kind == "olmoe":
+        return Architecture(whole_qk_norm=True, activation=act, context_limit=limit, why_limited=why, moe=_moe(c, kind))
     if kind == "smollm3":
-        return Architecture(context_limit=limit, why_limited=why, rope_layers=tuple(map(bool, c.no_rope_layers)))
+        return Architecture(context_limit=limit, why_limited=why,
+                            rope_kinds=tuple("" if rope else "none" for rope in c.no_rope_layers))
     if not kind.startswith("granite"):
         return Architecture(activation=act, context_limit=limit, why_limited=why, moe=_moe(c, kind))
     return Architecture(embedding_multiplier=c.embedding_multiplier, residual_multiplier=c.residual_multiplier,
                         attention_scale=c.attention_multiplier, logits_divisor=c.logits_scaling,
                         activation=act, context_limit=limit, why_limited=why, moe=_moe(c, kind))
+
+
+def _gemma3(c, act: str) -> Architecture:
+    """Gemma 3: Gemma's norms, embeddings and GeLU; norms before and after attention and the
+    MLP; its sliding-window layers with rotary tables of their own, run as such (no cap on the
+    context)."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(c, name, None) is not None:
+            raise UnsupportedModel(f"{name} {getattr(c, name)} is not supported (tanh-capped scores)")
+    if getattr(c, "use_bidirectional_attention", False):
+        raise UnsupportedModel("use_bidirectional_attention is not supported (an embedding model's attention)")
+    return Architecture(embedding_multiplier=c.hidden_size**0.5, multiplier_in_dtype=True, norm_offset=1.0,
+                        activation=act, attention_scale=c.query_pre_attn_scalar**-0.5,
+                        layer_norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                     "post_feedforward_layernorm"),
+                        rope_kinds=tuple(c.layer_types),
+                        windows=tuple(c.sliding_window if t == "sliding_attention" else 0 for t in c.layer_types),
+                        context_limit=c.max_position_embeddings)
 
 
 def _sliding_window(c) -> int | None:

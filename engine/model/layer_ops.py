@@ -30,11 +30,11 @@ class TorchOps:
         self.rope = rope
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
 
-    def without_rope(self) -> "TorchOps":
-        """The same ops, the rotation of every position the identity: a layer without rotary
-        embeddings stores its K and computes its q through the same kernels."""
+    def with_rope(self, tables: RotaryTables) -> "TorchOps":
+        """The same ops with other rotary tables: a layer with rope parameters of its own (or
+        none: tables that rotate nothing) stores its K and computes its q through the same kernels."""
         ops = copy.copy(self)
-        ops.rope = self.rope.identity()
+        ops.rope = tables
         return ops
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Gemma,
-OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) as plain tensor code over the paged KV
+Gemma 3, OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) as plain tensor code over the paged KV
 cache.
 
 Tokens of all sequences in a step are one flat batch [T]: every linear layer is one
@@ -7,8 +7,8 @@ matmul for the whole step, whatever mix of prefill chunks and decodes it holds. 
 architecture differences are data, not classes: QKV biases (Qwen2, `attention_bias`),
 q/k RMS norm (Qwen3), tied embeddings, rope scaling, Granite's multipliers, SmolLM3's
 layers without rope, Gemma's norms (1 + weight, added at load), GeLU and scaled embeddings,
-OLMo 2's norms after attention and the MLP instead of before, experts in place of the MLP
-(`arch`, `moe`). Weights are fused at load time
+norms of the attention's and the MLP's outputs (OLMo 2, Gemma 3), Gemma 3's sliding-window
+layers and their own rotary tables, experts in place of the MLP (`arch`, `moe`). Weights are fused at load time
 (q|k|v and gate|up) so each layer runs four matmuls; between them run four fused
 operations (`fused`: add + norm, rotary + KV store, SiLU-and-multiply, add + norm), so a
 layer is about nine calls.
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import collectives
 from ..lora import add_deltas
-from .arch import architecture, geometry
+from .arch import UnsupportedModel, architecture, geometry
 from .fused import FusedOps
 from .linear import Linear
 from .moe import Experts
@@ -41,7 +41,8 @@ class Layer:
     post_norm: torch.Tensor | None  # before the MLP; None as input_norm
     gate_up: Linear | None  # gate | up; None where experts are the MLP
     down: Linear | None
-    rope: bool = True  # False: no rotary embedding (a NoPE layer)
+    rope: str = ""  # its rotary tables (LlamaModel.rope_tables: "" the model's, "none" for a NoPE layer)
+    window: int = 0  # a sliding window's size (its query sees its last `window` keys); 0: every key
     experts: Experts | None = None
     attn_out_norm: torch.Tensor | None = None  # of the attention's output, before the residual add
     mlp_out_norm: torch.Tensor | None = None
@@ -59,6 +60,9 @@ class StepAttention:
     # them alone, each row the last query of its sequence; None: every row.
     keep: torch.Tensor | None = None
     attend_kept: Callable | None = None
+    # `attend` and `attend_kept` for the sliding-window layers (LlamaModel.window), if any.
+    attend_window: Callable | None = None
+    attend_kept_window: Callable | None = None
     # LoRA adapters' rows (engine/lora.py `row_groups`), of every row and of the kept rows;
     # None: no row has an adapter.
     lora: list | None = None
@@ -92,10 +96,15 @@ class LlamaModel:
         if arch.multiplier_in_dtype:
             self.embedding_multiplier = torch.tensor(arch.embedding_multiplier, dtype=dtype).item()
         self.logits_divisor = arch.logits_divisor
-        rope_layers = arch.rope_layers or (True,) * self.num_layers
+        rope_kinds = arch.rope_kinds or ("",) * self.num_layers
         self.vocab_size = c.vocab_size
         self.dtype = dtype
-        self.rope = RotaryTables(c, self.head_dim, max_positions, dtype, device)
+        # Rotary tables by layer kind ("": the model's; "none": a NoPE layer's, rotating nothing).
+        tables = {kind: RotaryTables(c, self.head_dim, max_positions, dtype, device, kind or None)
+                  for kind in dict.fromkeys(rope_kinds) if kind != "none"} or {
+                  "": RotaryTables(c, self.head_dim, max_positions, dtype, device)}
+        self.rope = next(iter(tables.values()))
+        self.rope_tables = {**tables, "none": self.rope.identity()}
         self.ops = FusedOps.for_model(dtype, torch.device(device), self.rope, self.num_heads, self.num_kv_heads,
                                       self.head_dim, self.eps)
 
@@ -128,28 +137,29 @@ class LlamaModel:
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             sparse = moe is not None and moe.layers[i]
-            # OLMo 2 names the norms of the attention's and the MLP's outputs as Llama names
-            # the norm before its MLP.
-            before_mlp, after_attn, after_mlp = ((None, "post_attention_layernorm", "post_feedforward_layernorm")
-                                                 if arch.post_norms else ("post_attention_layernorm", None, None))
+            before_attn, after_attn, before_mlp, after_mlp = (name and f"{p}{name}.weight" for name in arch.layer_norms)
             self.layers.append(
                 Layer(
-                    input_norm=norm(p + "input_layernorm.weight"),  # absent in OLMo 2
+                    input_norm=before_attn and norm(before_attn),
                     qkv=fused(a, ("q_proj", "k_proj", "v_proj")),
                     q_norm=norm(a + "q_norm.weight"),
                     k_norm=norm(a + "k_norm.weight"),
                     o=Linear(take(a + "o_proj.weight"), maybe(a + "o_proj.bias")),
-                    post_norm=before_mlp and norm(p + before_mlp + ".weight"),
+                    post_norm=before_mlp and norm(before_mlp),
                     gate_up=None if sparse else fused(m, ("gate_proj", "up_proj")),
                     down=None if sparse else Linear(take(m + "down_proj.weight"), maybe(m + "down_proj.bias")),
-                    rope=rope_layers[i],
+                    rope=rope_kinds[i],
+                    window=arch.windows[i] if arch.windows else 0,
                     experts=Experts.load(moe, m, take, maybe, fused) if sparse else None,
-                    attn_out_norm=after_attn and norm(p + after_attn + ".weight"),
-                    mlp_out_norm=after_mlp and norm(p + after_mlp + ".weight"),
+                    attn_out_norm=after_attn and norm(after_attn),
+                    mlp_out_norm=after_mlp and norm(after_mlp),
                 )
             )
         self.norm = norm("model.norm.weight")
-        self.nope_ops = None if all(rope_layers) else self.ops.without_rope()
+        windows = {layer.window for layer in self.layers} - {0}
+        if len(windows) > 1:
+            raise UnsupportedModel(f"sliding windows of several sizes ({sorted(windows)}) are not supported")
+        self.window = windows.pop() if windows else 0  # the sliding layers' window
         self.adapters: list = []  # LoRA adapters, by the index a request's rows carry (engine/lora.py)
         lm_head = maybe("lm_head.weight")
         tied = lm_head is None or getattr(c, "tie_word_embeddings", False)
@@ -168,6 +178,7 @@ class LlamaModel:
         chunk keeps one row, or none before its last chunk)."""
         ops = self.ops
         act_mul = ops.silu_mul if self.activation == "silu" else gelu_tanh_mul
+        rope_ops = {kind: ops if tables is ops.rope else ops.with_rope(tables) for kind, tables in self.rope_tables.items()}
         q_size = self.num_heads * self.head_dim
         lora = step.lora
 
@@ -201,13 +212,13 @@ class LlamaModel:
                 qkv = torch.cat([out_norm(qkv[:, :q_size], q_norm), out_norm(qkv[:, q_size:q_size + kv_size], k_norm),
                                  qkv[:, q_size + kv_size:]], dim=1)
                 q_norm = k_norm = None
-            q = (ops if layer.rope else self.nope_ops).rope_store(
+            q = rope_ops[layer.rope].rope_store(
                 qkv, positions, q_norm, k_norm, k_cache, v_cache, step.slot_mapping, step.store_kv)
             # Tensor-parallel: the layer's KV is in every rank's pool only once the o
             # projection's all-reduce returned, so the hook (which may send it) waits for that.
             if step.layer_hook is not None and not self.tp:
                 step.layer_hook(i)
-            attend = step.attend
+            attend = step.attend_window if layer.window else step.attend
             if i == last and step.keep is not None:
                 if not step.keep.numel():
                     if self.tp:
@@ -216,7 +227,7 @@ class LlamaModel:
                             step.layer_hook(i)
                     return h[:0]
                 q, residual = q.index_select(0, step.keep), residual.index_select(0, step.keep)
-                attend, lora = step.attend_kept, step.lora_kept
+                attend, lora = step.attend_kept_window if layer.window else step.attend_kept, step.lora_kept
             attn = attend(q, k_cache, v_cache, self.scale)
             out = project(layer.o, attn.view(-1, q_size), i, "o")
             if self.tp:

@@ -7,15 +7,20 @@ from __future__ import annotations
 import torch
 
 
-def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """`layer_type`: the layers' kind whose parameters to use, where a model has parameters by
+    kind (Gemma 3: `rope_parameters["sliding_attention"]` and `["full_attention"]`)."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"rope_type {rope_type!r} is not supported")
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        kind = {} if layer_type is None else {"layer_type": layer_type}
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kind)
         return inv_freq.float(), float(attention_scaling)
     base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
@@ -29,8 +34,9 @@ def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryTables:
     """cos/sin halves [max_positions, head_dim / 2] so applying rope is four multiplies."""
 
-    def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype, device="cpu"):
-        inv_freq, scaling = inverse_frequencies(hf_config, head_dim)
+    def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype, device="cpu",
+                 layer_type: str | None = None):
+        inv_freq, scaling = inverse_frequencies(hf_config, head_dim, layer_type)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)
         self.cos = (freqs.cos() * scaling).to(dtype=dtype, device=device)

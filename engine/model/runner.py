@@ -21,6 +21,7 @@ from pdserve.arith import ceil_div
 from ..attention import cpu_ops
 from ..lora import row_groups
 from .decode_graphs import DecodeGraphs
+from .arch import UnsupportedModel
 from .llama import LlamaModel, StepAttention
 
 
@@ -39,6 +40,10 @@ class ModelRunner:
         else:
             self.ops = cpu_ops
         self.on_gpu = self.device.type == "cuda"
+        if model.window and attention_backend != "torch":
+            raise UnsupportedModel(f"sliding-window attention ({model.config.model_type}'s layers of a {model.window}-token "
+                                   f"window) runs on the torch attention backend only so far (the CPU); "
+                                   f"got attention backend {attention_backend!r}")
         self.graphs = None
         # A mixture of experts reads how many tokens each expert got on the host, which a
         # graph cannot: its steps run eagerly.
@@ -78,6 +83,9 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
         step = StepAttention(slot_t, self.ops.store_kv, self._attend_fn(query_lens, seq_lens, page_lists))
+        window = self.model.window
+        if window:
+            step.attend_window = self._attend_fn(query_lens, seq_lens, page_lists, window)
         if layer_hook is not None:
             step.layer_hook = layer_hook
         kept = [j for j in range(len(seqs)) if wants_logits[j]]
@@ -85,8 +93,11 @@ class ModelRunner:
         if len(kept) < len(input_ids) and len(rows) == len(kept):
             step.keep = rows
             if kept:  # each kept row is the last query of its sequence: a decode's shape
-                step.attend_kept = self._attend_fn(
-                    [1] * len(kept), [seqs[j].num_computed + num_new[j] for j in kept], [seqs[j].pages for j in kept])
+                kept_shape = ([1] * len(kept), [seqs[j].num_computed + num_new[j] for j in kept],
+                              [seqs[j].pages for j in kept])
+                step.attend_kept = self._attend_fn(*kept_shape)
+                if window:
+                    step.attend_kept_window = self._attend_fn(*kept_shape, window)
         self._lora(step, seqs, num_new, order, rows.numpy())
         hidden = self.model.forward(ids_t, pos_t, self.kv_cache, step)
         if not kept:
@@ -165,10 +176,11 @@ class ModelRunner:
         return lambda q, k_cache, v_cache, scale: self.ops.paged_attention(
             q, k_cache, v_cache, tables, starts, lens, ps, scale, max_query_len=max_query_len)
 
-    def _attend_fn(self, query_lens, seq_lens, page_lists):
+    def _attend_fn(self, query_lens, seq_lens, page_lists, window: int = 0):
         ps = self.page_size
         if self.backend == "torch":
-            plan = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, ps, self.device, self.kv_cache.dtype)
+            plan = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, ps, self.device, self.kv_cache.dtype,
+                                          window)
             return lambda q, k_cache, v_cache, scale: cpu_ops.attend(q, k_cache, v_cache, plan, scale)
         tensors = [torch.from_numpy(a).to(self.device) for a in self._attention_inputs(query_lens, seq_lens, page_lists)]
         return self._device_attend(tensors, max(query_lens))

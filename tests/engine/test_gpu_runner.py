@@ -196,3 +196,11 @@ def test_a_node_with_a_layer_hook_still_decodes_through_the_graphs(checkpoint_di
     assert final.outputs[0].token_ids == hf_greedy("llama", tuple(prompt[::-1]), 6)
     assert hooked == {"sent"} and graph_batches == [1] * 5  # every decode step, replayed
     assert engine.release("sent") and engine.num_free_pages() == engine.num_total_pages()
+
+
+def test_sliding_window_layers_are_refused_on_the_gpu_path_naming_the_backend(checkpoint_dirs):
+    from pdserve.engine.model.arch import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match="sliding-window attention .gemma3_text's layers of a 8-token window. "
+                                               "runs on the torch attention backend only"):
+        LLM(checkpoint_dirs("gemma3"), attention_backend="triton", num_pages=16)

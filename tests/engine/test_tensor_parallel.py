@@ -19,9 +19,9 @@ def tp_llm(model_dir: str, tp: int = 2, **kw) -> LLM:
     return LLM(model_dir, page_size=4, num_pages=96, tensor_parallel_size=tp, num_threads=1, **kw)
 
 
-def generate_and_close(llm: LLM, prompts) -> list[list[int]]:
+def generate_and_close(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
     try:
-        outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
         return outs
     finally:
@@ -31,7 +31,8 @@ def generate_and_close(llm: LLM, prompts) -> list[list[int]]:
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("olmo2", "olmoe")])
 def test_two_ranks_match_transformers(family, checkpoint_dirs, hf_greedy, prompts_of_lengths):
     prompts = prompts_of_lengths([1, 9, 30], seed=7)
-    outs = generate_and_close(tp_llm(checkpoint_dirs(family)), prompts)
+    # Stopping at EOS, as the reference does.
+    outs = generate_and_close(tp_llm(checkpoint_dirs(family)), prompts, SamplingParams(max_tokens=8, temperature=0.0))
     assert outs == [hf_greedy(family, p, 8) for p in prompts]
 
 
