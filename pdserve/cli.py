@@ -39,7 +39,7 @@ BENCHMARKS = {"engine": "pdserve.benchmarks.engine", "transfer": "pdserve.benchm
               "gpu": "pdserve.benchmarks.gpu", "host": "pdserve.benchmarks.host_step",
               "score": "pdserve.benchmarks.score", "constrained": "pdserve.benchmarks.constrained",
               "priority": "pdserve.benchmarks.priority", "cache-key": "pdserve.benchmarks.cache_key",
-              "lora": "pdserve.benchmarks.lora"}
+              "lora": "pdserve.benchmarks.lora", "window": "pdserve.benchmarks.window"}
 WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 

@@ -50,6 +50,7 @@ class DecodeRun:
     block_tables: torch.Tensor  # int32 [B, max_pages], padded with page 0
     seq_lens: torch.Tensor  # int32 [B]
     kernel: object
+    window: int = 0  # a sliding window (each query sees its last `window` positions); 0: all
 
 
 @dataclass
@@ -77,13 +78,12 @@ def plan_attention(
     KV cache of `kv_dtype` (None: never the C kernel). Runs of consecutive decodes
     (query_len 1) are one kernel call, or without the kernel grouped by length; callers
     that sort decodes by `seq_len` get the tightest groups. `window` > 0: each query sees
-    only its last `window` keys (itself included), as transformers' sliding window does;
-    the C kernels take no window, so such a plan masks the torch path's SDPA."""
-    if window:
-        kv_dtype = None
+    only its last `window` keys (itself included), as transformers' sliding window does: the
+    decode kernel skips the pages before it, and prefill chunks, whose kernel takes no
+    window, run the torch path's SDPA under a window mask."""
     plan = AttentionPlan(page_size)
     kernel = kernel_for(kv_dtype, torch.device(device)) if kv_dtype is not None else None
-    prefill_kernel = prefill_kernel_for(kv_dtype, torch.device(device)) if kv_dtype is not None else None
+    prefill_kernel = prefill_kernel_for(kv_dtype, torch.device(device)) if kv_dtype is not None and not window else None
     row = 0
     b = 0
     while b < len(query_lens):
@@ -110,7 +110,7 @@ def plan_attention(
         if kernel is not None:
             while b < len(query_lens) and query_lens[b] == 1:
                 b += 1
-            plan.decode_runs.append(_decode_run(row, seq_lens[start:b], page_lists[start:b], page_size, kernel))
+            plan.decode_runs.append(_decode_run(row, seq_lens[start:b], page_lists[start:b], page_size, kernel, window))
             row += b - start
             continue
         total = 0
@@ -143,10 +143,10 @@ def _decode_group(row, lens, page_lists, page_size, device, window: int = 0) -> 
     return DecodeGroup(slice(row, row + len(lens)), pages, mask)
 
 
-def _decode_run(row, lens, page_lists, page_size, kernel) -> DecodeRun:
+def _decode_run(row, lens, page_lists, page_size, kernel, window: int = 0) -> DecodeRun:
     _, padded = _padded_pages(lens, page_lists, page_size)
     block_tables = torch.tensor(padded, dtype=torch.int32)
-    return DecodeRun(slice(row, row + len(lens)), block_tables, torch.tensor(lens, dtype=torch.int32), kernel)
+    return DecodeRun(slice(row, row + len(lens)), block_tables, torch.tensor(lens, dtype=torch.int32), kernel, window)
 
 
 def store_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
@@ -178,7 +178,8 @@ def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for r in plan.decode_runs:
         dest = out[r.rows]
-        o = paged_decode(r.kernel, q[r.rows], k_cache, v_cache, r.block_tables, r.seq_lens, page_size, scale, dest)
+        o = paged_decode(r.kernel, q[r.rows], k_cache, v_cache, r.block_tables, r.seq_lens, page_size, scale, dest,
+                         r.window)
         if o.data_ptr() != dest.data_ptr():
             dest.copy_(o)
     # index_select over pages gathers the chosen pages into one contiguous tensor, whatever

@@ -267,7 +267,7 @@ static inline void add_page_bf16(float *acc, const float *p, int64_t n, const ui
     int NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,                         \
              const int32_t *block_tables, int64_t max_pages, const int32_t *seq_lens,          \
              int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t page_size,                 \
-             int64_t page_stride, float scale,                                                 \
+             int64_t page_stride, float scale, int64_t window,                                 \
              float *out, int num_threads) {                                                    \
         const int64_t W = Hkv * D; /* W: one slot's row, all KV heads */                      \
         /* the page after next is prefetched a head's share at a time, between the heads' work */ \
@@ -291,7 +291,10 @@ static inline void add_page_bf16(float *acc, const float *p, int64_t n, const ui
                 for (int64_t i = 0; i < H * D; i++) qh[i] = bf16_bits(qb[i]);                  \
             float *restrict acc = out + b * H * D;                                             \
             const int64_t num_pages = (n + page_size - 1) / page_size;                         \
-            for (int64_t p = 0, t0 = 0; p < num_pages; p++, t0 += page_size) {                 \
+            /* A sliding window: positions [lo, n) only; pages wholly before it are skipped, */ \
+            /* the rest of lo's page weighs 0. */                                              \
+            const int64_t lo = window > 0 && n > window ? n - window : 0, p0 = lo / page_size; \
+            for (int64_t p = p0, t0 = p0 * page_size; p < num_pages; p++, t0 += page_size) {   \
                 const int64_t rows = n - t0 < page_size ? n - t0 : page_size;                  \
                 const char *next = p + 2 < num_pages                                           \
                     ? (const char *)(k_cache + (int64_t)pages[p + 2] * page_stride)             \
@@ -304,17 +307,18 @@ static inline void add_page_bf16(float *acc, const float *p, int64_t n, const ui
                 float *restrict st = scores + j * n;                                           \
                 float m = -INFINITY, sum = 0.0f;                                               \
                 _Pragma("omp simd reduction(max : m)")                                         \
-                for (int64_t t = 0; t < n; t++) m = st[t] > m ? st[t] : m;                     \
+                for (int64_t t = lo; t < n; t++) m = st[t] > m ? st[t] : m;                    \
                 _Pragma("omp simd reduction(+ : sum)")                                         \
-                for (int64_t t = 0; t < n; t++) {                                              \
+                for (int64_t t = lo; t < n; t++) {                                             \
                     const float e = fast_exp(st[t] - m);                                        \
                     st[t] = e;                                                                 \
                     sum += e;                                                                  \
                 }                                                                              \
+                for (int64_t t = p0 * page_size; t < lo; t++) st[t] = 0.0f;                   \
                 total[j] = sum;                                                                \
             }                                                                                  \
             memset(acc, 0, sizeof(float) * H * D);                                             \
-            for (int64_t p = 0, t0 = 0; p < num_pages; p++, t0 += page_size) {                 \
+            for (int64_t p = p0, t0 = p0 * page_size; p < num_pages; p++, t0 += page_size) {   \
                 const int64_t rows = n - t0 < page_size ? n - t0 : page_size;                  \
                 const int64_t ahead = p + 2 - num_pages;                                       \
                 const char *next = p + 2 < num_pages                                           \

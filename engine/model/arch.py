@@ -6,15 +6,16 @@ experts, a few of which each token runs (`moe.Experts`). A checkpoint of any
 other kind is refused before its weights load, naming what it is. Weights of a family and a
 Llama would load alike, so serving one as the other gives wrong text with no error (Gemma's
 Gemma 2's attention caps its scores, Granite's scales its residuals): the refusal is the only
-guard. Where transformers changes how a model attends past some length (a sliding window,
-LongRoPE's second set of frequencies), the engine runs contexts up to that length only,
-where its output is still the model's.
+guard. A sliding window (Mistral 7B v0.1's, Phi-3's, Qwen2's with use_sliding_window,
+Gemma 3's) is run as such, a query seeing its last W keys. Where transformers changes how a
+model attends past some length (LongRoPE's second set of frequencies), the engine runs
+contexts up to that length only, where its output is still the model's.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -97,10 +98,9 @@ def architecture(hf_config) -> Architecture:
                                f"{', '.join(ACTIVATIONS)})")
     if kind == "gemma3_text":
         return _gemma3(c, act)
+    if getattr(c, "clip_qkv", None) is not None:
+        raise UnsupportedModel(f"clip_qkv {c.clip_qkv} is not supported (q, k and v clamped)")
     limit, why = c.max_position_embeddings, ""
-    window = _sliding_window(c)
-    if window and window < limit:
-        limit, why = window, f"its sliding window ({window} tokens)"
     params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     factor = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
     if factor != 1:
@@ -110,24 +110,26 @@ def architecture(hf_config) -> Architecture:
         original = params.get("original_max_position_embeddings") or c.original_max_position_embeddings
         if original < limit:
             limit, why = original, f"LongRoPE's original_max_position_embeddings ({original})"
+    return replace(_family(c, kind, act), context_limit=limit, why_limited=why, windows=_windows(c))
+
+
+def _family(c, kind: str, act: str) -> Architecture:
+    """What sets the family apart, its context and windows aside."""
     if kind == "gemma":
         return Architecture(embedding_multiplier=c.hidden_size**0.5, multiplier_in_dtype=True, norm_offset=1.0,
-                            activation=act, context_limit=limit, why_limited=why)
-    if getattr(c, "clip_qkv", None) is not None:
-        raise UnsupportedModel(f"clip_qkv {c.clip_qkv} is not supported (q, k and v clamped)")
+                            activation=act)
     if kind == "olmo2":  # no norm before attention or the MLP; each one's output normed
         return Architecture(layer_norms=(None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
-                            whole_qk_norm=True, activation=act, context_limit=limit, why_limited=why)
+                            whole_qk_norm=True, activation=act)
     if kind == "olmoe":
-        return Architecture(whole_qk_norm=True, activation=act, context_limit=limit, why_limited=why, moe=_moe(c, kind))
+        return Architecture(whole_qk_norm=True, activation=act, moe=_moe(c, kind))
     if kind == "smollm3":
-        return Architecture(context_limit=limit, why_limited=why,
-                            rope_kinds=tuple("" if rope else "none" for rope in c.no_rope_layers))
-    if not kind.startswith("granite"):
-        return Architecture(activation=act, context_limit=limit, why_limited=why, moe=_moe(c, kind))
-    return Architecture(embedding_multiplier=c.embedding_multiplier, residual_multiplier=c.residual_multiplier,
-                        attention_scale=c.attention_multiplier, logits_divisor=c.logits_scaling,
-                        activation=act, context_limit=limit, why_limited=why, moe=_moe(c, kind))
+        return Architecture(rope_kinds=tuple("" if rope else "none" for rope in c.no_rope_layers))
+    if kind.startswith("granite"):
+        return Architecture(embedding_multiplier=c.embedding_multiplier, residual_multiplier=c.residual_multiplier,
+                            attention_scale=c.attention_multiplier, logits_divisor=c.logits_scaling,
+                            activation=act, moe=_moe(c, kind))
+    return Architecture(activation=act, moe=_moe(c, kind))
 
 
 def _gemma3(c, act: str) -> Architecture:
@@ -148,17 +150,16 @@ def _gemma3(c, act: str) -> Architecture:
                         context_limit=c.max_position_embeddings)
 
 
-def _sliding_window(c) -> int | None:
-    """The window of a model whose layers attend to a sliding window, else None."""
-    window = getattr(c, "sliding_window", None)
-    if not window:
-        return None
+def _windows(c) -> tuple[int, ...]:
+    """Each layer's sliding window (0: none), where transformers masks one; () for none at all."""
+    window = getattr(c, "sliding_window", None) or 0
     layer_types = getattr(c, "layer_types", None)
     if layer_types is not None:  # Qwen2/3: sliding layers only with use_sliding_window
-        return window if "sliding_attention" in layer_types else None
+        windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+        return windows if any(windows) else ()
     if getattr(c, "use_sliding_window", True) is False:
-        return None
-    return window
+        return ()
+    return (window,) * c.num_hidden_layers if window else ()
 
 
 _MIXTRAL = (("block_sparse_moe.gate.", "mlp.gate."), ("block_sparse_moe.experts.", "mlp.experts."),
@@ -205,14 +206,19 @@ def _granite_experts(state: dict[str, torch.Tensor]) -> None:
                     state[f"{layer}.mlp.experts.{e}.{name}.weight"] = piece.contiguous()
 
 
-def served_context(hf_config, asked: int | None) -> int:
+def served_context(hf_config, asked: int | None, windows_run: bool = True) -> int:
     """The longest context served: `asked` (max_model_len, None for the model's own), at
-    most what the model allows; UnsupportedModel before any weight loads if it cannot run."""
+    most what the model allows, and at most its narrowest sliding window where the attention
+    backend cannot run windows (`windows_run` False: the Triton path); UnsupportedModel
+    before any weight loads if it cannot run."""
     arch = architecture(hf_config)
-    limit = arch.context_limit
-    if asked and asked > limit and arch.why_limited:
+    limit, why = arch.context_limit, arch.why_limited
+    window = min((w for w in arch.windows if w), default=0)
+    if not windows_run and window and window < limit:
+        limit, why = window, f"its sliding window ({window} tokens), which this attention backend does not run"
+    if asked and asked > limit and why:
         log.warning("max_model_len %d is cut to %d, %s: beyond it transformers attends otherwise",
-                    asked, limit, arch.why_limited)
+                    asked, limit, why)
     return min(asked or limit, limit)
 
 

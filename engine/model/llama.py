@@ -60,7 +60,8 @@ class StepAttention:
     # them alone, each row the last query of its sequence; None: every row.
     keep: torch.Tensor | None = None
     attend_kept: Callable | None = None
-    # `attend` and `attend_kept` for the sliding-window layers (LlamaModel.window), if any.
+    # `attend` and `attend_kept` for the sliding-window layers (LlamaModel.window); None
+    # where no context of the step outgrows the window (the Triton path serves no longer one).
     attend_window: Callable | None = None
     attend_kept_window: Callable | None = None
     # LoRA adapters' rows (engine/lora.py `row_groups`), of every row and of the kept rows;
@@ -218,7 +219,7 @@ class LlamaModel:
             # projection's all-reduce returned, so the hook (which may send it) waits for that.
             if step.layer_hook is not None and not self.tp:
                 step.layer_hook(i)
-            attend = step.attend_window if layer.window else step.attend
+            attend = (layer.window and step.attend_window) or step.attend
             if i == last and step.keep is not None:
                 if not step.keep.numel():
                     if self.tp:
@@ -227,7 +228,7 @@ class LlamaModel:
                             step.layer_hook(i)
                     return h[:0]
                 q, residual = q.index_select(0, step.keep), residual.index_select(0, step.keep)
-                attend, lora = step.attend_kept_window if layer.window else step.attend_kept, step.lora_kept
+                attend, lora = (layer.window and step.attend_kept_window) or step.attend_kept, step.lora_kept
             attn = attend(q, k_cache, v_cache, self.scale)
             out = project(layer.o, attn.view(-1, q_size), i, "o")
             if self.tp:

@@ -21,7 +21,6 @@ from pdserve.arith import ceil_div
 from ..attention import cpu_ops
 from ..lora import row_groups
 from .decode_graphs import DecodeGraphs
-from .arch import UnsupportedModel
 from .llama import LlamaModel, StepAttention
 
 
@@ -40,10 +39,6 @@ class ModelRunner:
         else:
             self.ops = cpu_ops
         self.on_gpu = self.device.type == "cuda"
-        if model.window and attention_backend != "torch":
-            raise UnsupportedModel(f"sliding-window attention ({model.config.model_type}'s layers of a {model.window}-token "
-                                   f"window) runs on the torch attention backend only so far (the CPU); "
-                                   f"got attention backend {attention_backend!r}")
         self.graphs = None
         # A mixture of experts reads how many tokens each expert got on the host, which a
         # graph cannot: its steps run eagerly.
@@ -83,7 +78,8 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
         step = StepAttention(slot_t, self.ops.store_kv, self._attend_fn(query_lens, seq_lens, page_lists))
-        window = self.model.window
+        # A window no context of the step outgrows masks nothing: the sliding layers attend as the others.
+        window = self.model.window if self.model.window and max(seq_lens) > self.model.window else 0
         if window:
             step.attend_window = self._attend_fn(query_lens, seq_lens, page_lists, window)
         if layer_hook is not None:

@@ -198,9 +198,10 @@ def test_a_node_with_a_layer_hook_still_decodes_through_the_graphs(checkpoint_di
     assert engine.release("sent") and engine.num_free_pages() == engine.num_total_pages()
 
 
-def test_sliding_window_layers_are_refused_on_the_gpu_path_naming_the_backend(checkpoint_dirs):
-    from pdserve.engine.model.arch import UnsupportedModel
-
-    with pytest.raises(UnsupportedModel, match="sliding-window attention .gemma3_text's layers of a 8-token window. "
-                                               "runs on the torch attention backend only"):
-        LLM(checkpoint_dirs("gemma3"), attention_backend="triton", num_pages=16)
+def test_the_gpu_path_serves_a_sliding_window_model_within_its_window(checkpoint_dirs, hf_greedy):
+    # The Triton kernels take no window: the context stops at it (8 tokens), and within it
+    # the sliding layers attend as the others, through the same graphs.
+    llm = gpu_path_llm(checkpoint_dirs("gemma3"), max_num_seqs=2, page_size=3)
+    assert llm.engine.max_model_len == 8
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy("gemma3", (5, 6, 7), 5)

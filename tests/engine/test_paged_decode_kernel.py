@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.engine.attention import cpu_ops
 from pdserve.engine.attention.paged_decode import kernel_for
 from tests.engine.paged_cases import kernel_and_torch_plans, scattered_pool
 
@@ -44,6 +45,20 @@ def test_kernel_matches_gather_and_sdpa(num_heads, num_kv_heads, head_dim, page_
                                                   page_size, dtype)
     assert with_kernel.decode_runs and not with_kernel.decode_groups
     assert without.decode_groups and not without.decode_runs
+
+
+@pytest.mark.parametrize("page_size, window", [(16, 40), (5, 7), (1, 3), (16, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sliding_window_skips_the_pages_before_it_as_the_masked_path_does(page_size, window, dtype, kernel_isa):
+    lens = [384, 17, 1, 41, window, window + 1]  # past the window, within it, at its edge
+    q, k_cache, v_cache, page_lists = _case(8, 2, 64, page_size, lens, dtype, seed=3)
+    kernel_and_torch_plans(q, k_cache, v_cache, [1] * len(lens), lens, page_lists, page_size, dtype, window)
+    whole, _ = kernel_and_torch_plans(q, k_cache, v_cache, [1] * len(lens), lens, page_lists, page_size, dtype)
+    windowed = cpu_ops.attend(q, k_cache, v_cache, cpu_ops.plan_attention(
+        [1] * len(lens), lens, page_lists, page_size, "cpu", dtype, window), 0.125)
+    got_whole = cpu_ops.attend(q, k_cache, v_cache, whole, 0.125)
+    differs = [not torch.allclose(windowed[b], got_whole[b]) for b in range(len(lens))]
+    assert differs == [n > window for n in lens]  # the window masks exactly the longer contexts
 
 
 def test_kernel_refuses_views_whose_pages_are_not_packed():
