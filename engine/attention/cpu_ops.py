@@ -58,8 +58,9 @@ class PrefillSeq:
     rows: slice
     pages: torch.Tensor  # int64 [P] (int32 for the kernel)
     context_len: int
-    mask: torch.Tensor | None  # bool [n, context_len]; None: plain causal (no cached prefix)
+    mask: torch.Tensor | None  # bool [n, context_len - first_key]; None: plain causal (no cached prefix)
     kernel: object = None  # the C prefill kernel, which needs no mask
+    first_key: int = 0  # the position of `pages`' first key (a sliding window skips those before)
 
 
 @dataclass
@@ -96,13 +97,17 @@ def plan_attention(
                 row += n
                 b += 1
                 continue
-            pages = torch.tensor(page_lists[b][:num_pages], dtype=torch.int64, device=device)
+            # Under a window no query of the chunk sees a key before ctx - n - window + 1: the
+            # pages wholly before it are not gathered.
+            first_page = max(0, ctx - n - window + 1) // page_size if window else 0
+            first_key = first_page * page_size
+            pages = torch.tensor(page_lists[b][first_page:num_pages], dtype=torch.int64, device=device)
             mask = None
             if ctx != n or (window and ctx > window):
                 q_pos = torch.arange(ctx - n, ctx, device=device).unsqueeze(1)
-                keys = torch.arange(ctx, device=device).unsqueeze(0)
+                keys = torch.arange(first_key, ctx, device=device).unsqueeze(0)
                 mask = (keys <= q_pos) & (keys > q_pos - window) if window else keys <= q_pos
-            plan.prefills.append(PrefillSeq(slice(row, row + n), pages, ctx, mask))
+            plan.prefills.append(PrefillSeq(slice(row, row + n), pages, ctx, mask, first_key=first_key))
             row += n
             b += 1
             continue
@@ -198,8 +203,9 @@ def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float)
         if s.kernel is not None:
             prefill_attention(s.kernel, q[s.rows], k_cache, v_cache, s.pages, ctx, scale, out[s.rows])
             continue
-        k = k_cache.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
-        v = v_cache.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+        keys = ctx - s.first_key
+        k = k_cache.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:keys].transpose(0, 1)
+        v = v_cache.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:keys].transpose(0, 1)
         qs = q[s.rows].transpose(0, 1)  # [H, n, D]
         o = F.scaled_dot_product_attention(
             qs.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
