@@ -13,8 +13,8 @@ import os
 import random
 from pathlib import Path
 
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma3", "olmo2",
-            "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3",
+            "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -72,9 +72,10 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import (Gemma3TextConfig, GemmaConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-                              LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, GraniteMoeConfig,
+                              GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
+                              OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                              SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -130,9 +131,13 @@ def _config(family: str, vocab_size: int, **overrides):
         common.update(head_dim=24, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, initializer_range=0.02)
     elif family == "olmo2":  # norms after attention and the MLP, none before; q and k normed whole
         cls = Olmo2Config
+    elif family == "gemma2":  # caps small enough to bite, an 8-token window on its first layer
+        cls = Gemma2Config
+        common.update(head_dim=16, query_pre_attn_scalar=20, tie_word_embeddings=True, sliding_window=8,
+                      initializer_range=0.05, attn_logit_softcapping=0.1, final_logit_softcapping=0.5)
     elif family == "gemma3":  # an 8-token sliding window, then a global layer of its own (linear-scaled) rope
         cls = Gemma3TextConfig
-        common.update(head_dim=24, query_pre_attn_scalar=32, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+        common.update(head_dim=24, query_pre_attn_scalar=32, tie_word_embeddings=True,
                       initializer_range=0.02, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                        "full_attention": {"rope_type": "linear", "factor": 8.0,
@@ -186,7 +191,7 @@ def write_checkpoint(
     config = _config(family, vocab_size, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if family in ("gemma", "gemma3", "olmo2"):  # norms' weights start at 0 (Gemma: 1 + weight) or 1: random ones show more
+    if family in ("gemma", "gemma2", "gemma3", "olmo2"):  # norms' weights start at 0 (Gemma: 1 + weight) or 1: random ones show more
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):

@@ -66,6 +66,7 @@ class PrefillSeq:
 @dataclass
 class AttentionPlan:
     page_size: int
+    softcap: float = 0.0  # > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     decode_runs: list[DecodeRun] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
@@ -73,7 +74,7 @@ class AttentionPlan:
 
 def plan_attention(
     query_lens: list[int], seq_lens: list[int], page_lists: list[list[int]], page_size: int, device="cpu",
-    kv_dtype: torch.dtype | None = None, window: int = 0,
+    kv_dtype: torch.dtype | None = None, window: int = 0, softcap: float = 0.0,
 ) -> AttentionPlan:
     """Plan for sequences whose queries are consecutive rows, in the given order, over a
     KV cache of `kv_dtype` (None: never the C kernel). Runs of consecutive decodes
@@ -81,10 +82,12 @@ def plan_attention(
     that sort decodes by `seq_len` get the tightest groups. `window` > 0: each query sees
     only its last `window` keys (itself included), as transformers' sliding window does: the
     decode kernel skips the pages before it, and prefill chunks, whose kernel takes no
-    window, run the torch path's SDPA under a window mask."""
-    plan = AttentionPlan(page_size)
+    window, run the torch path's SDPA under a window mask. `softcap` > 0 caps the scores
+    (`AttentionPlan.softcap`): the decode kernel does, and prefill chunks run plain torch."""
+    plan = AttentionPlan(page_size, softcap)
     kernel = kernel_for(kv_dtype, torch.device(device)) if kv_dtype is not None else None
-    prefill_kernel = prefill_kernel_for(kv_dtype, torch.device(device)) if kv_dtype is not None and not window else None
+    prefill_kernel = (prefill_kernel_for(kv_dtype, torch.device(device))
+                      if kv_dtype is not None and not window and not softcap else None)
     row = 0
     b = 0
     while b < len(query_lens):
@@ -184,7 +187,7 @@ def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float)
     for r in plan.decode_runs:
         dest = out[r.rows]
         o = paged_decode(r.kernel, q[r.rows], k_cache, v_cache, r.block_tables, r.seq_lens, page_size, scale, dest,
-                         r.window)
+                         r.window, plan.softcap)
         if o.data_ptr() != dest.data_ptr():
             dest.copy_(o)
     # index_select over pages gathers the chosen pages into one contiguous tensor, whatever
@@ -196,7 +199,11 @@ def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float)
         v = v_cache.index_select(0, flat).view(b, p * page_size, num_kv_heads, head_dim).transpose(1, 2)
         # The `group` query heads of one KV head are that head's queries: [B, Hkv, G, D].
         qg = q[g.rows].view(b, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
+        if plan.softcap:
+            mask = g.mask if g.mask is not None else torch.ones(1, dtype=torch.bool, device=q.device)
+            o = capped_attention(qg, k, v, mask, scale, plan.softcap)
+        else:
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
         out[g.rows] = o.reshape(b, num_heads, head_dim)
     for s in plan.prefills:
         ctx = s.context_len
@@ -207,12 +214,30 @@ def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float)
         k = k_cache.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:keys].transpose(0, 1)
         v = v_cache.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:keys].transpose(0, 1)
         qs = q[s.rows].transpose(0, 1)  # [H, n, D]
+        if plan.softcap:
+            n = qs.shape[1]
+            mask = s.mask if s.mask is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            o = capped_attention(qs.reshape(num_kv_heads, group, n, head_dim), k.unsqueeze(1), v.unsqueeze(1), mask,
+                                 scale, plan.softcap).reshape(num_heads, n, head_dim)
+            out[s.rows] = o.transpose(0, 1)
+            continue
         o = F.scaled_dot_product_attention(
             qs.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
             attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=group > 1,
         )
         out[s.rows] = o[0].transpose(0, 1)
     return out
+
+
+def capped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Attention whose scaled scores are capped, softcap * tanh(s / softcap), before the mask
+    and the softmax, as transformers' eager path runs Gemma 2 (SDPA takes no cap). q [..., n,
+    D] against k, v [..., c, D], broadcast (a KV head's query heads share its keys); mask:
+    bool, broadcast to the scores [..., n, c], True where a query sees a key."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size: int, scale: float):

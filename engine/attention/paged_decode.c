@@ -267,7 +267,7 @@ static inline void add_page_bf16(float *acc, const float *p, int64_t n, const ui
     int NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,                         \
              const int32_t *block_tables, int64_t max_pages, const int32_t *seq_lens,          \
              int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t page_size,                 \
-             int64_t page_stride, float scale, int64_t window,                                 \
+             int64_t page_stride, float scale, int64_t window, float softcap,                  \
              float *out, int num_threads) {                                                    \
         const int64_t W = Hkv * D; /* W: one slot's row, all KV heads */                      \
         /* the page after next is prefetched a head's share at a time, between the heads' work */ \
@@ -306,6 +306,8 @@ static inline void add_page_bf16(float *acc, const float *p, int64_t n, const ui
             for (int64_t j = 0; j < H; j++) {                                                  \
                 float *restrict st = scores + j * n;                                           \
                 float m = -INFINITY, sum = 0.0f;                                               \
+                if (softcap > 0.0f) /* Gemma 2: scores capped, cap * tanh(score / cap) */       \
+                    for (int64_t t = lo; t < n; t++) st[t] = softcap * tanhf(st[t] / softcap);  \
                 _Pragma("omp simd reduction(max : m)")                                         \
                 for (int64_t t = lo; t < n; t++) m = st[t] > m ? st[t] : m;                    \
                 _Pragma("omp simd reduction(+ : sum)")                                         \

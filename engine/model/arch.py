@@ -5,7 +5,7 @@ mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE) 
 experts, a few of which each token runs (`moe.Experts`). A checkpoint of any
 other kind is refused before its weights load, naming what it is. Weights of a family and a
 Llama would load alike, so serving one as the other gives wrong text with no error (Gemma's
-Gemma 2's attention caps its scores, Granite's scales its residuals): the refusal is the only
+Command R runs attention and the MLP side by side, Granite scales its residuals): the refusal is the only
 guard. A sliding window (Mistral 7B v0.1's, Phi-3's, Qwen2's with use_sliding_window,
 Gemma 3's) is run as such, a query seeing its last W keys. Where transformers changes how a
 model attends past some length (LongRoPE's second set of frequencies), the engine runs
@@ -21,7 +21,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma3_text", "olmo2",
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
+               "olmo2",
                "mixtral",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's, as transformers names them
@@ -50,6 +51,8 @@ class Architecture:
     # the rope parameters of that layer kind (Gemma 3's "sliding_attention"); (): all "".
     rope_kinds: tuple[str, ...] = ()
     windows: tuple[int, ...] = ()  # each layer's sliding window, 0 for none: a query sees its last W keys
+    attn_softcap: float = 0.0  # > 0: each attention score s is attn_softcap * tanh(s / attn_softcap) (Gemma 2)
+    logit_softcap: float = 0.0  # the same of the logits
     moe: MoE | None = None  # the experts, in a mixture-of-experts model
 
 
@@ -92,12 +95,13 @@ def architecture(hf_config) -> Architecture:
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
         raise UnsupportedModel(f"quantized checkpoints are not supported (quant_method {method!r}); "
                                f"serve the model's unquantized (bf16, fp16 or fp32) weights")
-    act = getattr(c, "hidden_act", "silu")
+    # Gemma 2 and 3 take their activation from hidden_activation (transformers ignores hidden_act there).
+    act = c.hidden_activation if kind in ("gemma2", "gemma3_text") else getattr(c, "hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise UnsupportedModel(f"hidden_act {act!r} is not supported (the MLP's activation must be one of "
                                f"{', '.join(ACTIVATIONS)})")
-    if kind == "gemma3_text":
-        return _gemma3(c, act)
+    if kind in ("gemma2", "gemma3_text"):
+        return _gemma2_or_3(c, act)
     if getattr(c, "clip_qkv", None) is not None:
         raise UnsupportedModel(f"clip_qkv {c.clip_qkv} is not supported (q, k and v clamped)")
     limit, why = c.max_position_embeddings, ""
@@ -132,21 +136,19 @@ def _family(c, kind: str, act: str) -> Architecture:
     return Architecture(activation=act, moe=_moe(c, kind))
 
 
-def _gemma3(c, act: str) -> Architecture:
-    """Gemma 3: Gemma's norms, embeddings and GeLU; norms before and after attention and the
-    MLP; its sliding-window layers with rotary tables of their own, run as such (no cap on the
-    context)."""
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(c, name, None) is not None:
-            raise UnsupportedModel(f"{name} {getattr(c, name)} is not supported (tanh-capped scores)")
+def _gemma2_or_3(c, act: str) -> Architecture:
+    """Gemma 2 and 3: Gemma's norms, embeddings and GeLU; norms before and after attention and
+    the MLP; sliding-window layers, run as such (no cap on the context): Gemma 3's with rotary
+    tables of their own; Gemma 2's scores and logits capped."""
     if getattr(c, "use_bidirectional_attention", False):
         raise UnsupportedModel("use_bidirectional_attention is not supported (an embedding model's attention)")
     return Architecture(embedding_multiplier=c.hidden_size**0.5, multiplier_in_dtype=True, norm_offset=1.0,
                         activation=act, attention_scale=c.query_pre_attn_scalar**-0.5,
                         layer_norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                                      "post_feedforward_layernorm"),
-                        rope_kinds=tuple(c.layer_types),
+                        rope_kinds=tuple(c.layer_types) if c.model_type == "gemma3_text" else (),
                         windows=tuple(c.sliding_window if t == "sliding_attention" else 0 for t in c.layer_types),
+                        attn_softcap=c.attn_logit_softcapping or 0.0, logit_softcap=c.final_logit_softcapping or 0.0,
                         context_limit=c.max_position_embeddings)
 
 

@@ -1,5 +1,5 @@
 """The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Gemma,
-Gemma 3, OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) as plain tensor code over the paged KV
+Gemma 2, Gemma 3, OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) as plain tensor code over the paged KV
 cache.
 
 Tokens of all sequences in a step are one flat batch [T]: every linear layer is one
@@ -7,8 +7,9 @@ matmul for the whole step, whatever mix of prefill chunks and decodes it holds. 
 architecture differences are data, not classes: QKV biases (Qwen2, `attention_bias`),
 q/k RMS norm (Qwen3), tied embeddings, rope scaling, Granite's multipliers, SmolLM3's
 layers without rope, Gemma's norms (1 + weight, added at load), GeLU and scaled embeddings,
-norms of the attention's and the MLP's outputs (OLMo 2, Gemma 3), Gemma 3's sliding-window
-layers and their own rotary tables, experts in place of the MLP (`arch`, `moe`). Weights are fused at load time
+norms of the attention's and the MLP's outputs (OLMo 2, Gemma 2 and 3), sliding-window layers
+(Gemma 3's with rotary tables of their own), Gemma 2's capped scores and logits, experts in
+place of the MLP (`arch`, `moe`). Weights are fused at load time
 (q|k|v and gate|up) so each layer runs four matmuls; between them run four fused
 operations (`fused`: add + norm, rotary + KV store, SiLU-and-multiply, add + norm), so a
 layer is about nine calls.
@@ -168,6 +169,7 @@ class LlamaModel:
         self.lm_head = None if shard is not None and shard.rank else Linear(self.embed if tied else lm_head)
         self.moe = moe
         self.activation, self.whole_qk_norm = arch.activation, arch.whole_qk_norm
+        self.attn_softcap, self.logit_softcap = arch.attn_softcap, arch.logit_softcap
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """Final hidden states [T, hidden] of `input_ids` [T] at `positions` [T] (only the
@@ -266,5 +268,7 @@ class LlamaModel:
             return None
         raw = self.lm_head(hidden)
         logits = raw.float() if out is None else out.copy_(raw)
+        if self.logit_softcap:  # Gemma 2: tanh-capped, as transformers caps them
+            logits.div_(self.logit_softcap).tanh_().mul_(self.logit_softcap)
         return logits if self.logits_divisor == 1 else logits.div_(self.logits_divisor)
 

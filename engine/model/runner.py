@@ -21,6 +21,7 @@ from pdserve.arith import ceil_div
 from ..attention import cpu_ops
 from ..lora import row_groups
 from .decode_graphs import DecodeGraphs
+from .arch import UnsupportedModel
 from .llama import LlamaModel, StepAttention
 
 
@@ -39,6 +40,9 @@ class ModelRunner:
         else:
             self.ops = cpu_ops
         self.on_gpu = self.device.type == "cuda"
+        if model.attn_softcap and attention_backend != "torch":
+            raise UnsupportedModel(f"capped attention scores ({model.config.model_type}'s attn_logit_softcapping) run "
+                                   f"on the torch attention backend only so far (the CPU), not {attention_backend!r}")
         self.graphs = None
         # A mixture of experts reads how many tokens each expert got on the host, which a
         # graph cannot: its steps run eagerly.
@@ -176,7 +180,7 @@ class ModelRunner:
         ps = self.page_size
         if self.backend == "torch":
             plan = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, ps, self.device, self.kv_cache.dtype,
-                                          window)
+                                          window, self.model.attn_softcap)
             return lambda q, k_cache, v_cache, scale: cpu_ops.attend(q, k_cache, v_cache, plan, scale)
         tensors = [torch.from_numpy(a).to(self.device) for a in self._attention_inputs(query_lens, seq_lens, page_lists)]
         return self._device_attend(tensors, max(query_lens))

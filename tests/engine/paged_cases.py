@@ -25,12 +25,13 @@ def scattered_pool(num_kv_heads, head_dim, page_size, seq_lens, dtype, g: torch.
     return pool[:, 1, 0], pool[:, 1, 1], page_lists
 
 
-def kernel_and_torch_plans(q, k_cache, v_cache, query_lens, seq_lens, page_lists, page_size, dtype, window=0):
+def kernel_and_torch_plans(q, k_cache, v_cache, query_lens, seq_lens, page_lists, page_size, dtype, window=0,
+                           softcap=0.0):
     """Attend with the plan that uses the C kernels and with the one that does not (under
-    a sliding `window`, if > 0); assert the outputs agree (fp32 1e-5, bf16 2e-2) and return
-    both plans."""
-    with_kernel = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, page_size, "cpu", dtype, window)
-    without = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, page_size, "cpu", None, window)
+    a sliding `window`, if > 0, scores capped at `softcap`, if > 0); assert the outputs agree
+    (fp32 1e-5, bf16 2e-2) and return both plans."""
+    with_kernel = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, page_size, "cpu", dtype, window, softcap)
+    without = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, page_size, "cpu", None, window, softcap)
     scale = q.shape[-1] ** -0.5
     got = cpu_ops.attend(q, k_cache, v_cache, with_kernel, scale)
     want = cpu_ops.attend(q, k_cache, v_cache, without, scale)

@@ -28,14 +28,14 @@ def greedy_pair(model_dir, prompt, n):
     return ref[0, len(prompt):].tolist(), ours.token_ids, llm
 
 
-def gemma2_checkpoint(path):
-    """A tiny Gemma 2: Llama's weight names, but its attention scores are capped and its
-    layers have four norms."""
-    from transformers import AutoModelForCausalLM, Gemma2Config
+def cohere_checkpoint(path):
+    """A tiny Command R (Cohere): Llama's weight names, but attention and the MLP run side by
+    side off one LayerNorm, and its logits are scaled."""
+    from transformers import AutoModelForCausalLM, CohereConfig
 
     write_tokenizer(path)
-    config = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = CohereConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
     return path
 
@@ -46,8 +46,8 @@ def edit_config(model_dir, **fields):
 
 
 def test_a_model_of_another_kind_is_refused_naming_it(tmp_path):
-    with pytest.raises(UnsupportedModel, match=r"model_type 'gemma2' \(Gemma2ForCausalLM\) is not supported"):
-        LLM(str(gemma2_checkpoint(tmp_path)), num_pages=8)
+    with pytest.raises(UnsupportedModel, match=r"model_type 'cohere' \(CohereForCausalLM\) is not supported"):
+        LLM(str(cohere_checkpoint(tmp_path)), num_pages=8)
 
 
 @pytest.mark.parametrize("fields, says", [

@@ -205,3 +205,11 @@ def test_the_gpu_path_serves_a_sliding_window_model_within_its_window(checkpoint
     assert llm.engine.max_model_len == 8
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == hf_greedy("gemma3", (5, 6, 7), 5)
+
+
+def test_capped_attention_scores_are_refused_on_the_gpu_path_naming_the_backend(checkpoint_dirs):
+    from pdserve.engine.model.arch import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match="capped attention scores .gemma2's attn_logit_softcapping. run on the "
+                                               "torch attention backend only"):
+        LLM(checkpoint_dirs("gemma2"), attention_backend="triton", num_pages=16)

@@ -61,6 +61,18 @@ def test_a_sliding_window_skips_the_pages_before_it_as_the_masked_path_does(page
     assert differs == [n > window for n in lens]  # the window masks exactly the longer contexts
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capped_scores_match_the_plain_torch_path_and_change_the_output(dtype, kernel_isa):
+    lens = [70, 3, 33]
+    q, k_cache, v_cache, page_lists = _case(8, 2, 64, 16, lens, dtype, seed=4)
+    q = q * 8  # scores well past the cap
+    capped, _ = kernel_and_torch_plans(q, k_cache, v_cache, [1] * 3, lens, page_lists, 16, dtype, softcap=2.0)
+    kernel_and_torch_plans(q, k_cache, v_cache, [1] * 3, lens, page_lists, 16, dtype, window=40, softcap=2.0)
+    assert not torch.allclose(cpu_ops.attend(q, k_cache, v_cache, capped, 0.125),
+                              cpu_ops.attend(q, k_cache, v_cache, cpu_ops.plan_attention(
+                                  [1] * 3, lens, page_lists, 16, "cpu", dtype), 0.125))
+
+
 def test_kernel_refuses_views_whose_pages_are_not_packed():
     from pdserve.engine.attention.paged_decode import paged_decode
 
