@@ -33,6 +33,7 @@ from .prefill_attention import prefill_attention
 
 # A decode group grows while its padded size stays within this factor of its real size.
 _PADDING_SLACK = 1.3
+_CAPPED_ROWS = 256  # query rows a block of `capped_attention`
 
 
 @dataclass
@@ -233,11 +234,17 @@ def capped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tenso
     """Attention whose scaled scores are capped, softcap * tanh(s / softcap), before the mask
     and the softmax, as transformers' eager path runs Gemma 2 (SDPA takes no cap). q [..., n,
     D] against k, v [..., c, D], broadcast (a KV head's query heads share its keys); mask:
-    bool, broadcast to the scores [..., n, c], True where a query sees a key."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
-    s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    bool, broadcast to the scores [..., n, c], True where a query sees a key. Queries go
+    `_CAPPED_ROWS` at a time, so the scores held stay small whatever the chunk and context."""
+    n = q.shape[-2]
+    out = []
+    for i in range(0, n, _CAPPED_ROWS):
+        s = torch.matmul(q[..., i:i + _CAPPED_ROWS, :], k.transpose(-1, -2)) * scale
+        s = torch.tanh(s / softcap) * softcap
+        rows = mask if mask.dim() < 2 or mask.shape[-2] == 1 else mask[..., i:i + _CAPPED_ROWS, :]
+        s = s.masked_fill(~rows, float("-inf"))
+        out.append(torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=-2)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size: int, scale: float):

@@ -88,3 +88,12 @@ def test_granite_moes_shared_expert_runs_beside_its_routed_ones(tmp_path):
     d = write_checkpoint(tmp_path / "gms", family="granitemoeshared", shared_intermediate_size=96)
     ref, ours, _ = greedy_pair(d, list(range(3, 30)), 8)
     assert ours == ref
+
+
+def test_capped_prefill_attention_in_blocks_of_queries_equals_transformers(tmp_path, monkeypatch):
+    from pdserve.engine.attention import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "_CAPPED_ROWS", 4)  # a 27-token prompt: 7 blocks, the last short
+    d = write_checkpoint(tmp_path / "g2", family="gemma2")
+    ref, ours, _ = greedy_pair(d, list(range(3, 30)), 8)
+    assert ours == ref
