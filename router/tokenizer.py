@@ -81,6 +81,8 @@ class PromptTokenizer:
         if chat_template is not None:  # before anything below reads the template
             self.tokenizer.chat_template = chat_template
         config = json.loads((path / "config.json").read_text())
+        # A multimodal checkpoint (Gemma 3's 4B and up) keeps its language model's in text_config.
+        config = {**config.get("text_config", {}), **config}
         eos = config.get("eos_token_id", self.tokenizer.eos_token_id)
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
         self.card = ModelCard(

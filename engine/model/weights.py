@@ -1,5 +1,9 @@
 """Loading a Hugging Face checkpoint directory: config, tokenizer and safetensors weights
-(one file or several with an index), without transformers' model classes."""
+(one file or several with an index), without transformers' model classes.
+
+Of a multimodal checkpoint whose language model is a family served here (Gemma 3's 4B and
+up, `Gemma3ForConditionalGeneration`), the language model alone is loaded: its text config
+and its weights, renamed as the text model's own; the vision tower is never read."""
 
 from __future__ import annotations
 
@@ -11,10 +15,27 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 
+TEXT_PARTS = ("gemma3",)  # multimodal model types whose language model is served
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")  # its weights', as saved
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 def load_config(model_dir: str | Path):
+    """The transformers config of the model served (a multimodal one's text config)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(model_dir))
+    config = AutoConfig.from_pretrained(str(model_dir))
+    return config.get_text_config() if config.model_type in TEXT_PARTS else config
+
+
+def _served_name(name: str) -> str | None:
+    """`name` as the text model's own, None for a vision weight."""
+    if name.startswith(_VISION_PARTS):
+        return None
+    for prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    return name.replace("language_model.lm_head.", "lm_head.", 1)
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -43,10 +64,11 @@ def load_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str = "cp
     with tqdm(desc="Loading weights", unit="tensor", disable=None, leave=False) as bar:
         for i, path in enumerate(files):
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                names = list(f.keys())
+                names = [(name, _served_name(name)) for name in f.keys()]
+                names = [(name, served) for name, served in names if served is not None]
                 bar.set_postfix_str(f"file {i + 1}/{len(files)}")
                 bar.total = (bar.total or 0) + len(names)
-                for name in names:
-                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                for name, served in names:
+                    state[served] = f.get_tensor(name).to(device=device, dtype=dtype)
                     bar.update()
     return state

@@ -5,6 +5,7 @@ its weights load, naming what it is; where transformers attends otherwise past s
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -97,3 +98,38 @@ def test_capped_prefill_attention_in_blocks_of_queries_equals_transformers(tmp_p
     d = write_checkpoint(tmp_path / "g2", family="gemma2")
     ref, ours, _ = greedy_pair(d, list(range(3, 30)), 8)
     assert ours == ref
+
+
+def gemma3_multimodal_checkpoint(path):
+    """A tiny Gemma 3 of 4B's kind: a vision tower beside the language model, whose weights
+    are saved under language_model.*."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from pdserve.engine.checkpoint import _config
+
+    write_tokenizer(path)
+    text = _config("gemma3", 512)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                                        mm_tokens_per_image=4, image_token_index=5))
+    with torch.no_grad():  # norms of 1 + weight: random weights show a missing offset
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "vision" not in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(str(path))
+    return path
+
+
+def test_a_multimodal_gemma3_serves_its_language_model_as_transformers_runs_it(tmp_path):
+    from pdserve.router.tokenizer import PromptTokenizer
+
+    d = gemma3_multimodal_checkpoint(tmp_path / "g3mm")
+    rng = random.Random(2)
+    ref, ours, llm = greedy_pair(d, [rng.randrange(6, 512) for _ in range(27)], 10)  # past the 8-token window
+    assert ours == ref
+    assert llm.engine.max_model_len == 2048
+    card = PromptTokenizer(str(d)).card  # the router reads the text model's figures too
+    assert (card.vocab_size, card.max_model_len) == (512, 2048)
