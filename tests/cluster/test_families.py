@@ -1,0 +1,56 @@
+"""A model of the newer families through a real cluster (router, prefill and decode
+processes): a multimodal Gemma 3
+checkpoint, whose language model the prefill and decode nodes load alone and whose router
+reads its text config, serves greedy tokens equal to transformers' past its sliding window,
+each prompt's KV window prefilled remotely and sent to the decode node, every pool full again
+afterwards."""
+
+from __future__ import annotations
+
+import random
+
+from pdserve.client import AsyncClient
+from tests.cluster.nodes import Cluster, run, wait_pools_full
+from tests.engine.test_architectures import gemma3_multimodal_checkpoint
+
+NEW = 8
+
+
+def transformers_greedy(model_dir, prompt) -> list[int]:
+    import torch
+    from transformers import Gemma3ForConditionalGeneration
+
+    model = Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_a_sliding_window_model_prefilled_remotely_decodes_as_transformers(tmp_path):
+    model = str(gemma3_multimodal_checkpoint(tmp_path / "gemma3"))  # 8-token windows on its first layer
+    rng = random.Random(5)
+    prompts = [[rng.randrange(6, 512) for _ in range(n)] for n in (40, 27)]
+    nodes = Cluster(tmp_path, model)
+    common = ["--model", model, "--host", "127.0.0.1", "--page-size", "8", "--num-pages", "64"]
+    try:
+        nodes.start("p", ["prefill", *common], wait=False)
+        nodes.start("d", ["decode", *common], wait=False)
+        nodes.wait("p", "d")
+        nodes.start("r", ["router", "--model", model, "--host", "127.0.0.1", "--min-remote-prefill-tokens", "0",
+                          "--prefill", nodes.address("p"), "--decode", nodes.address("d")])
+
+        async def ask():
+            async with AsyncClient(nodes.address("r")) as client:
+                return [await client.generate(p, max_tokens=NEW, temperature=0.0, ignore_eos=True) for p in prompts]
+
+        outs = run(ask())
+        for report in run(wait_pools_full([nodes.address("p"), nodes.address("d")])):
+            assert report.free_pages == report.total_pages and report.num_running == 0, report
+    finally:
+        nodes.stop()
+    assert [o.choices[0].token_ids for o in outs] == [transformers_greedy(model, p) for p in prompts]
+    for out in outs:
+        route = out.usage.route
+        assert route.prefill_endpoint and route.kv_window_end > route.kv_window_begin, route
