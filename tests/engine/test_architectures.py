@@ -133,3 +133,26 @@ def test_a_multimodal_gemma3_serves_its_language_model_as_transformers_runs_it(t
     assert llm.engine.max_model_len == 2048
     card = PromptTokenizer(str(d)).card  # the router reads the text model's figures too
     assert (card.vocab_size, card.max_model_len) == (512, 2048)
+
+
+def test_a_multimodal_mistral3_serves_its_language_model_as_transformers_runs_it(tmp_path):
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+
+    from pdserve.engine.checkpoint import _config
+
+    d = tmp_path / "m3"
+    write_tokenizer(d)
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=32, patch_size=8, head_dim=16)
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=_config("mistral", 512).to_dict(), vision_config=vision.to_dict(), image_token_index=5,
+        tie_word_embeddings=False))  # Mistral Small's own LM head, saved as language_model.lm_head
+    model.save_pretrained(str(d))
+    ids = [random.Random(3).randrange(6, 512) for _ in range(20)]
+    with torch.inference_mode():
+        ref = Mistral3ForConditionalGeneration.from_pretrained(str(d)).eval().generate(
+            torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    ours = LLM(str(d), page_size=4, num_pages=32).generate([ids], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert ours.token_ids == ref
