@@ -72,8 +72,7 @@ class Engine(SingleThreaded):
         self.tokenizer = load_tokenizer(config.model_dir)
         dtype = getattr(torch, config.dtype)
         c = self.model_config
-        # Refuses a model it cannot run.
-        self.max_model_len = served_context(c, config.max_model_len, config.resolved_attention_backend == "torch")
+        self.max_model_len = served_context(c, config.max_model_len)  # refuses a model it cannot run
         self.vocab_size = c.vocab_size
         self.model, shards = load_model(config, c, dtype, self.max_model_len)  # rank 0's share
         self.adapters = load_adapters(config.lora_modules, self.model, c, dtype, config.device, shards[0])

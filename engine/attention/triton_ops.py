@@ -62,7 +62,7 @@ def _store_kv_kernel(
 
 def _paged_attention_kernel(
     Q, KCache, VCache, Out, Lse, BlockTables, QueryStartLoc, SeqLens,
-    scale_log2e, page_size, num_splits,
+    scale_log2e, page_size, num_splits, window, softcap,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -96,14 +96,17 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        # The block's last query sees positions up to its own: nothing after it is loaded.
+        # The block's last query sees positions up to its own: nothing after it is loaded;
+        # under a sliding window its first query sees none before its last `window`.
         kv_end = tl.minimum(seq_len, seq_len - num_new + (m_block + 1) * BLOCK_M)
+        first = tl.maximum(seq_len - num_new + m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        kv_begin = tl.where(window > 0, first, 0)
         if SPLIT:  # this program's split: whole tiles, the last split shorter or empty
-            chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-            lo = split * chunk
+            chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, num_splits), BLOCK_N) * BLOCK_N
+            lo = kv_begin + split * chunk
             hi = tl.minimum(kv_end, lo + chunk)
         else:
-            lo = 0
+            lo = kv_begin
             hi = kv_end
         for start in range(lo, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
@@ -120,7 +123,12 @@ def _paged_attention_kernel(
             else:
                 s = tl.dot(q, tl.trans(k))
             s = s * scale_log2e
+            if softcap > 0:  # Gemma 2: cap * tanh(score / cap), the score in natural units
+                x = s * (0.6931471805599453 / softcap)  # ln 2: s is in base-2 units
+                s = softcap * 1.4426950408889634 * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
             visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+            if window > 0:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # Rows that have seen nothing yet (padding rows) keep a finite reference point.
@@ -192,7 +200,7 @@ def store_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size: int, scale: float,
                     max_query_len: int | None = None, num_splits: int | None = None,
-                    launch: tuple[int, int, int] | None = None):
+                    launch: tuple[int, int, int] | None = None, window: int = 0, softcap: float = 0.0):
     """Attention of q [T, H, D] over the paged cache: sequence b's queries are rows
     query_start_loc[b]:query_start_loc[b+1], the last positions of a context of
     seq_lens[b] tokens (causal over them, full over the cached prefix).
@@ -204,7 +212,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     `num_splits` (decodes only: `max_query_len` 1) cuts each context into that many splits
     attended by programs of their own, then combined; None: as many as fill the GPU
     (`decode_splits`), 1 on a CPU. `launch` overrides `launch_config`'s (rows, tile, warps):
-    benchmarks compare tiles with it."""
+    benchmarks compare tiles with it. `window` > 0: each query sees its last `window`
+    positions only (a sliding-window layer); `softcap` > 0: each scaled score s is
+    softcap * tanh(s / softcap) (Gemma 2)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[1] != page_size:
@@ -247,7 +257,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     kernel = _load("_paged_attention_kernel")
     kernel[grid](
         q, k_cache, v_cache, part, lse, block_tables, query_start_loc, seq_lens,
-        scale * 1.4426950408889634, page_size, num_splits,  # log2(e): the kernel uses exp2
+        scale * 1.4426950408889634, page_size, num_splits, window, float(softcap),  # log2(e): the kernel uses exp2
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), part.stride(0), part.stride(1),
         part.stride(2) if split else 0, lse.stride(0) if split else 0, lse.stride(1) if split else 0,

@@ -208,16 +208,11 @@ def _granite_experts(state: dict[str, torch.Tensor]) -> None:
                     state[f"{layer}.mlp.experts.{e}.{name}.weight"] = piece.contiguous()
 
 
-def served_context(hf_config, asked: int | None, windows_run: bool = True) -> int:
+def served_context(hf_config, asked: int | None) -> int:
     """The longest context served: `asked` (max_model_len, None for the model's own), at
-    most what the model allows, and at most its narrowest sliding window where the attention
-    backend cannot run windows (`windows_run` False: the Triton path); UnsupportedModel
-    before any weight loads if it cannot run."""
+    most what the model allows; UnsupportedModel before any weight loads if it cannot run."""
     arch = architecture(hf_config)
     limit, why = arch.context_limit, arch.why_limited
-    window = min((w for w in arch.windows if w), default=0)
-    if not windows_run and window and window < limit:
-        limit, why = window, f"its sliding window ({window} tokens), which this attention backend does not run"
     if asked and asked > limit and why:
         log.warning("max_model_len %d is cut to %d, %s: beyond it transformers attends otherwise",
                     asked, limit, why)

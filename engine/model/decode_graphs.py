@@ -77,11 +77,15 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         ids, pos, slots, lens, tables = self._views(b)
         ps, qsl = self.page_size, self.query_start[:b + 1]
+        softcap, window = self.model.attn_softcap, self.model.window  # the model's: constants of the graph
 
-        def attend(q, k_cache, v_cache, scale):
-            return triton_ops.paged_attention(q, k_cache, v_cache, tables, qsl, lens, ps, scale, max_query_len=1)
+        def attend(q, k_cache, v_cache, scale, window=0):
+            return triton_ops.paged_attention(q, k_cache, v_cache, tables, qsl, lens, ps, scale, max_query_len=1,
+                                              window=window, softcap=softcap)
 
         step = StepAttention(slots, triton_ops.store_kv, attend)
+        if window:  # the sliding layers'
+            step.attend_window = lambda q, k_cache, v_cache, scale: attend(q, k_cache, v_cache, scale, window)
         hidden = self.model.forward(ids, pos, self.kv_cache, step)
         return self.model.logits(hidden, out=self.logits[:b])
 

@@ -62,7 +62,7 @@ class StepAttention:
     keep: torch.Tensor | None = None
     attend_kept: Callable | None = None
     # `attend` and `attend_kept` for the sliding-window layers (LlamaModel.window); None
-    # where no context of the step outgrows the window (the Triton path serves no longer one).
+    # where no context of the step outgrows the window.
     attend_window: Callable | None = None
     attend_kept_window: Callable | None = None
     # LoRA adapters' rows (engine/lora.py `row_groups`), of every row and of the kept rows;

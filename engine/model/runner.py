@@ -21,7 +21,6 @@ from pdserve.arith import ceil_div
 from ..attention import cpu_ops
 from ..lora import row_groups
 from .decode_graphs import DecodeGraphs
-from .arch import UnsupportedModel
 from .llama import LlamaModel, StepAttention
 
 
@@ -40,9 +39,6 @@ class ModelRunner:
         else:
             self.ops = cpu_ops
         self.on_gpu = self.device.type == "cuda"
-        if model.attn_softcap and attention_backend != "torch":
-            raise UnsupportedModel(f"capped attention scores ({model.config.model_type}'s attn_logit_softcapping) run "
-                                   f"on the torch attention backend only so far (the CPU), not {attention_backend!r}")
         self.graphs = None
         # A mixture of experts reads how many tokens each expert got on the host, which a
         # graph cannot: its steps run eagerly.
@@ -135,12 +131,17 @@ class ModelRunner:
         ids_t, pos_t, slot_t, rows_t, *dev = pinned_inputs(
             [ids, positions, slots, rows, *attention, *kept_attention], self.device)
         step = StepAttention(slot_t, self.ops.store_kv, self._device_attend(dev[:3], max(query_lens)))
+        window = self.model.window  # the kernel masks it: no separate plan to build
+        if window:
+            step.attend_window = self._device_attend(dev[:3], max(query_lens), window)
         if layer_hook is not None:
             step.layer_hook = layer_hook
         if len(kept) < total and len(rows) == len(kept):
             step.keep = rows_t
             if kept:
                 step.attend_kept = self._device_attend(dev[3:], 1)
+                if window:
+                    step.attend_kept_window = self._device_attend(dev[3:], 1, window)
         self._lora(step, seqs, num_new, range(len(seqs)), rows)
         hidden = self.model.forward(ids_t, pos_t, self.kv_cache, step)
         if not kept:
@@ -170,11 +171,12 @@ class ModelRunner:
         np.cumsum(query_lens, out=starts[1:])
         return [tables, starts, np.asarray(seq_lens, dtype=np.int64)]
 
-    def _device_attend(self, tensors, max_query_len: int):
+    def _device_attend(self, tensors, max_query_len: int, window: int = 0):
         tables, starts, lens = tensors
-        ps = self.page_size
+        ps, softcap = self.page_size, self.model.attn_softcap
         return lambda q, k_cache, v_cache, scale: self.ops.paged_attention(
-            q, k_cache, v_cache, tables, starts, lens, ps, scale, max_query_len=max_query_len)
+            q, k_cache, v_cache, tables, starts, lens, ps, scale, max_query_len=max_query_len, window=window,
+            softcap=softcap)
 
     def _attend_fn(self, query_lens, seq_lens, page_lists, window: int = 0):
         ps = self.page_size
@@ -183,7 +185,7 @@ class ModelRunner:
                                           window, self.model.attn_softcap)
             return lambda q, k_cache, v_cache, scale: cpu_ops.attend(q, k_cache, v_cache, plan, scale)
         tensors = [torch.from_numpy(a).to(self.device) for a in self._attention_inputs(query_lens, seq_lens, page_lists)]
-        return self._device_attend(tensors, max(query_lens))
+        return self._device_attend(tensors, max(query_lens), window)
 
 
 def pinned_inputs(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

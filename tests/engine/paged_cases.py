@@ -40,9 +40,11 @@ def kernel_and_torch_plans(q, k_cache, v_cache, query_lens, seq_lens, page_lists
     return with_kernel, without
 
 
-def reference_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size, scale):
+def reference_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size, scale,
+                        window=0, softcap=0.0):
     """Gather each sequence's context through its block table, then causal softmax
-    attention of its queries, which are the last positions of the context."""
+    attention of its queries, which are the last positions of the context (each seeing
+    its last `window` only, if > 0; scores capped at `softcap`, if > 0)."""
     device = q.device
     q, k_cache, v_cache, block_tables, query_start_loc, seq_lens = (
         t.cpu() for t in (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens))
@@ -57,8 +59,12 @@ def reference_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_
         v = v_cache[pages, pos % page_size].float().repeat_interleave(group, dim=1)
         qs = q[start:end].float()  # [n, H, D]
         scores = torch.einsum("nhd,chd->hnc", qs, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx - (end - start), ctx)
         scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if window:
+            scores = scores.masked_fill(pos[None, None, :] <= q_pos[None, :, None] - window, float("-inf"))
         out[start:end] = torch.einsum("hnc,chd->nhd", scores.softmax(-1), v)
     return out.to(device)
 

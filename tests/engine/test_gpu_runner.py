@@ -198,18 +198,12 @@ def test_a_node_with_a_layer_hook_still_decodes_through_the_graphs(checkpoint_di
     assert engine.release("sent") and engine.num_free_pages() == engine.num_total_pages()
 
 
-def test_the_gpu_path_serves_a_sliding_window_model_within_its_window(checkpoint_dirs, hf_greedy):
-    # The Triton kernels take no window: the context stops at it (8 tokens), and within it
-    # the sliding layers attend as the others, through the same graphs.
-    llm = gpu_path_llm(checkpoint_dirs("gemma3"), max_num_seqs=2, page_size=3)
-    assert llm.engine.max_model_len == 8
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
-    assert out.outputs[0].token_ids == hf_greedy("gemma3", (5, 6, 7), 5)
-
-
-def test_capped_attention_scores_are_refused_on_the_gpu_path_naming_the_backend(checkpoint_dirs):
-    from pdserve.engine.model.arch import UnsupportedModel
-
-    with pytest.raises(UnsupportedModel, match="capped attention scores .gemma2's attn_logit_softcapping. run on the "
-                                               "torch attention backend only"):
-        LLM(checkpoint_dirs("gemma2"), attention_backend="triton", num_pages=16)
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_the_gpu_path_runs_sliding_windows_and_capped_scores_past_the_window(checkpoint_dirs, hf_greedy, family):
+    # 8-token windows; Gemma 2's scores capped. The graphs run the sliding layers' window too.
+    llm = gpu_path_llm(checkpoint_dirs(family), max_num_seqs=4, page_size=3, max_num_batched_tokens=16)
+    assert llm.engine.max_model_len == 2048
+    prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(family, tuple(prompt), 8), prompt

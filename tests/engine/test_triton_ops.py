@@ -61,6 +61,22 @@ def test_decode_split_over_the_context_matches_reference(name):
                                atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("window, softcap", [(7, 0.0), (0, 0.5), (20, 0.5)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_sliding_window_and_capped_scores_match_the_reference(window, softcap, splits):
+    # Decodes past the window and inside it (split or not), then prefill chunks over a cached
+    # prefix, whose first rows see keys the last rows no longer do.
+    scale = 0.5  # scores past the cap
+    args = make_case(7, [1, 1, 1], [70, 5, 21], 4, 2, 32, 4)
+    out = triton_ops.paged_attention(*args, 4, scale, max_query_len=1, num_splits=splits, window=window,
+                                     softcap=softcap)
+    torch.testing.assert_close(out, reference_attention(*args, 4, scale, window, softcap), atol=2e-5, rtol=2e-5)
+    args = make_case(8, [40, 3], [90, 3], 4, 2, 32, 5)
+    out = triton_ops.paged_attention(*args, 5, scale, window=window, softcap=softcap)
+    torch.testing.assert_close(out, reference_attention(*args, 5, scale, window, softcap), atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(out, reference_attention(*args, 5, scale))  # the window or cap matters here
+
+
 def test_an_empty_context_gives_zeros_split_or_not():
     q, k_cache, v_cache, tables, starts, lens = make_case(5, [1, 1], [9, 9], 4, 2, 16, 4)
     lens = torch.tensor([9, 0], dtype=lens.dtype)
