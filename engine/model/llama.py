@@ -106,7 +106,9 @@ class LlamaModel:
                   for kind in dict.fromkeys(rope_kinds) if kind != "none"} or {
                   "": RotaryTables(c, self.head_dim, max_positions, dtype, device)}
         self.rope = next(iter(tables.values()))
-        self.rope_tables = {**tables, "none": self.rope.identity()}
+        if "none" in rope_kinds:  # as large as a real table: only for a model with NoPE layers
+            tables["none"] = self.rope.identity()
+        self.rope_tables = tables
         self.ops = FusedOps.for_model(dtype, torch.device(device), self.rope, self.num_heads, self.num_kv_heads,
                                       self.head_dim, self.eps)
 

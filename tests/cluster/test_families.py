@@ -1,9 +1,8 @@
 """A model of the newer families through a real cluster (router, prefill and decode
-processes): a multimodal Gemma 3
-checkpoint, whose language model the prefill and decode nodes load alone and whose router
-reads its text config, serves greedy tokens equal to transformers' past its sliding window,
-each prompt's KV window prefilled remotely and sent to the decode node, every pool full again
-afterwards."""
+processes): a multimodal Gemma 3 checkpoint, whose language model the prefill and decode
+nodes load alone and whose router reads its text config, serves greedy tokens equal to
+transformers' past its sliding window, each prompt's KV window prefilled remotely and sent
+to the decode node, every pool full again afterwards."""
 
 from __future__ import annotations
 
@@ -11,21 +10,10 @@ import random
 
 from pdserve.client import AsyncClient
 from tests.cluster.nodes import Cluster, run, wait_pools_full
+from tests.cluster.test_tensor_parallel import transformers_greedy
 from tests.engine.test_architectures import gemma3_multimodal_checkpoint
 
 NEW = 8
-
-
-def transformers_greedy(model_dir, prompt) -> list[int]:
-    import torch
-    from transformers import Gemma3ForConditionalGeneration
-
-    model = Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_a_sliding_window_model_prefilled_remotely_decodes_as_transformers(tmp_path):
@@ -50,7 +38,7 @@ def test_a_sliding_window_model_prefilled_remotely_decodes_as_transformers(tmp_p
             assert report.free_pages == report.total_pages and report.num_running == 0, report
     finally:
         nodes.stop()
-    assert [o.choices[0].token_ids for o in outs] == [transformers_greedy(model, p) for p in prompts]
+    assert [o.choices[0].token_ids for o in outs] == transformers_greedy(model, prompts, NEW)
     for out in outs:
         route = out.usage.route
         assert route.prefill_endpoint and route.kv_window_end > route.kv_window_begin, route
