@@ -88,6 +88,11 @@ class LlamaModel:
         self.hidden_size = c.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = geometry(c)
         self.tp = shard is not None and shard.world > 1
+        # Norms over every head at once (arch.whole_qk_norm) divide the sums of squares of
+        # all ranks' q and k by these sizes; a KV head on several ranks counts on its first.
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        self.qk_sizes = torch.tensor([heads * self.head_dim, kv_heads * self.head_dim], dtype=torch.float32, device=device)
+        self.counts_k = shard is None or shard.q_begin == shard.kv_begin * (heads // kv_heads)
         if shard is not None:
             self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.num_layers = c.num_hidden_layers
@@ -202,6 +207,18 @@ class LlamaModel:
         def out_norm(x, weight):  # a block's output normed, in float32 as transformers does (OLMo 2)
             return x if weight is None else F.rms_norm(x.float(), (x.shape[-1],), weight.float(), self.eps).to(x.dtype)
 
+        def whole_qk_norm(qkv, q_norm, k_norm):  # q and k each normed over all its heads, in float32
+            kv_size = self.num_kv_heads * self.head_dim
+            q, k, v = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:]
+            if not self.tp:
+                return torch.cat([out_norm(q, q_norm), out_norm(k, k_norm), v], dim=1)
+            # This rank holds some heads: the mean square needs every rank's sum.
+            q, k = q.float(), k.float()
+            sums = torch.stack([q.square().sum(-1), k.square().sum(-1) if self.counts_k else q.new_zeros(len(k))], dim=1)
+            scale = collectives.all_reduce(sums).div_(self.qk_sizes).add_(self.eps).rsqrt_()
+            return torch.cat([(q * scale[:, :1] * q_norm.float()).to(qkv.dtype),
+                              (k * scale[:, 1:] * k_norm.float()).to(qkv.dtype), v], dim=1)
+
         residual = F.embedding(input_ids, self.embed)
         if self.embedding_multiplier != 1:
             residual = residual * self.embedding_multiplier
@@ -213,9 +230,7 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # [pages, page_size, Hkv, D]
             qkv, q_norm, k_norm = project(layer.qkv, h, i, "qkv"), layer.q_norm, layer.k_norm
             if self.whole_qk_norm:  # over all heads at once (OLMo 2, OLMoE)
-                kv_size = self.num_kv_heads * self.head_dim
-                qkv = torch.cat([out_norm(qkv[:, :q_size], q_norm), out_norm(qkv[:, q_size:q_size + kv_size], k_norm),
-                                 qkv[:, q_size + kv_size:]], dim=1)
+                qkv = whole_qk_norm(qkv, q_norm, k_norm)
                 q_norm = k_norm = None
             q = rope_ops[layer.rope].rope_store(
                 qkv, positions, q_norm, k_norm, k_cache, v_cache, step.slot_mapping, step.store_kv)

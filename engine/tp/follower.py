@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     from ..kv_pool import mapped_pool
     from ..lora import load_adapters
     from ..model import LlamaModel, ModelRunner
-    from ..model.arch import to_llama_names
+    from ..model.arch import architecture, to_llama_names
     from ..model.weights import load_config, load_state_dict
     from ..native import keep_step_buffers
     from .. import collectives
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
     hf = load_config(config.model_dir)
     state = load_state_dict(config.model_dir, dtype, config.device)
     to_llama_names(state, hf)
-    shard_state(state, shard, spec["head_dim"])
+    shard_state(state, shard, spec["head_dim"], architecture(hf).whole_qk_norm)
     model = LlamaModel(hf, state, dtype, spec["max_model_len"], config.device, shard=shard)
     load_adapters(config.lora_modules, model, hf, dtype, config.device, shard)
     kv_cache = mapped_pool(config.kv_layout, tuple(spec["pool_shape"]), spec["pool_fd"], dtype)

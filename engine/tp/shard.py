@@ -71,11 +71,15 @@ def split_model(num_heads: int, num_kv_heads: int, intermediate: int, world: int
     return shards
 
 
-def shard_state(state: dict[str, torch.Tensor], shard: TPShard, head_dim: int) -> None:
-    """Cut `state` (Hugging Face names) in place down to `shard`'s rows and columns."""
+def shard_state(state: dict[str, torch.Tensor], shard: TPShard, head_dim: int, whole_qk_norm: bool = False) -> None:
+    """Cut `state` (Hugging Face names) in place down to `shard`'s rows and columns.
+    `whole_qk_norm`: the q and k norms' weights span every head (arch.whole_qk_norm), so
+    each rank keeps its heads' part; a head-by-head norm's weight is every rank's whole."""
     D = head_dim
     q, kv = slice(shard.q_begin * D, shard.q_end * D), slice(shard.kv_begin * D, shard.kv_end * D)
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": None, "up_proj": None}
+    if whole_qk_norm:
+        rows |= {"q_norm": q, "k_norm": kv}
     cols = {"o_proj": q, "down_proj": None}
     # An MLP's cut (None above) is the rank's share of its own intermediate size: a dense
     # MLP's, each expert's and a shared expert's may all differ.
@@ -96,18 +100,15 @@ def shard_state(state: dict[str, torch.Tensor], shard: TPShard, head_dim: int) -
 def load_model(config, hf_config, dtype: torch.dtype, max_model_len: int):
     """(rank 0's model, every rank's TPShard): the whole model when one rank."""
     from ..model import LlamaModel
-    from ..model.arch import UnsupportedModel, architecture, geometry, to_llama_names
+    from ..model.arch import architecture, geometry, to_llama_names
     from ..model.weights import load_state_dict
 
     c = hf_config
     heads, kv_heads, head_dim = geometry(c)
-    if config.tensor_parallel_size > 1 and architecture(c).whole_qk_norm:
-        raise UnsupportedModel(f"{c.model_type} cannot split over tensor-parallel ranks yet (its q and k norms "
-                               f"span every head): serve it with tensor_parallel_size 1")
     widths = (c.intermediate_size, getattr(c, "moe_intermediate_size", 0), getattr(c, "shared_expert_intermediate_size", 0),
               getattr(c, "shared_intermediate_size", 0))
     shards = split_model(heads, kv_heads, min(w for w in widths if w), config.tensor_parallel_size)
     state = load_state_dict(config.model_dir, dtype, config.device)
     to_llama_names(state, c)
-    shard_state(state, shards[0], head_dim)
+    shard_state(state, shards[0], head_dim, architecture(c).whole_qk_norm)
     return LlamaModel(c, state, dtype, max_model_len, config.device, shard=shards[0]), shards

@@ -1,7 +1,8 @@
 """A tensor-parallel engine (rank 0 here, ranks 1.. as child processes on gloo) gives the
 greedy output of transformers for every family, with KV heads split unevenly (3 heads on
-2 ranks) or replicated (1 head on 2 ranks); each rank's pool holds only its heads; heads
-that cannot split are refused naming the numbers; and closing leaves no rank behind."""
+2 ranks) or replicated (1 head on 2 ranks), and q and k normed over heads on several
+ranks; each rank's pool holds only its heads; heads that cannot split are refused naming
+the numbers; and closing leaves no rank behind."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def generate_and_close(llm: LLM, prompts, params: SamplingParams = GREEDY) -> li
         llm.close()
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("olmo2", "olmoe")])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_two_ranks_match_transformers(family, checkpoint_dirs, hf_greedy, prompts_of_lengths):
     prompts = prompts_of_lengths([1, 9, 30], seed=7)
     # Stopping at EOS, as the reference does.
@@ -85,10 +86,24 @@ def test_close_stops_every_rank(checkpoint_dirs):
     assert pids and not any(pid_alive(p) for p in pids)
 
 
-@pytest.mark.parametrize("family", ["olmo2", "olmoe"])
-def test_a_model_whose_norms_span_every_head_is_refused_before_any_rank_starts(checkpoint_dirs, family):
-    from pdserve.engine.model.arch import UnsupportedModel
+def test_norms_over_every_head_match_transformers_with_a_kv_head_on_both_ranks(tmp_path, prompts_of_lengths):
+    # OLMo 2 norms q and k over all heads: each rank's sum of squares is all-reduced, and a
+    # replicated KV head's counted once. The prompt's logprobs show a k norm off by any factor.
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    with pytest.raises(UnsupportedModel, match=f"{family} cannot split over tensor-parallel ranks yet .its q and k norms "
-                                               "span every head.: serve it with tensor_parallel_size 1"):
-        tp_llm(checkpoint_dirs(family))
+    model_dir = str(write_checkpoint(tmp_path / "m", "olmo2", seed=6, num_key_value_heads=1))
+    prompt = prompts_of_lengths([17], seed=9)[0]
+    llm = tp_llm(model_dir)
+    assert llm.engine.kv_head_begins == [0, 0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    try:
+        out = llm.generate([prompt], params)[0]
+    finally:
+        llm.close()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1], dim=-1)
+    chosen = want.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor([s.logprob for s in out.prompt_logprobs]), chosen, atol=1e-4, rtol=0)
+    assert out.token_ids == _hf(model_dir, [prompt])[0]
