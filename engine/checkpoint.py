@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3",
-            "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+            "olmo2", "olmo3", "exaone4", "seed_oss", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -72,10 +72,10 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, GraniteMoeConfig,
-                              GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
-                              OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                              SmolLM3Config)
+    from transformers import (Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig,
+                              GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -131,6 +131,18 @@ def _config(family: str, vocab_size: int, **overrides):
         common.update(head_dim=24, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, initializer_range=0.02)
     elif family == "olmo2":  # norms after attention and the MLP, none before; q and k normed whole
         cls = Olmo2Config
+    elif family == "olmo3":  # OLMo 2's norms; an 8-token window on its first layer, YaRN on its full one
+        cls = Olmo3Config
+        common.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                                       "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0,
+                                                          "original_max_position_embeddings": 512}})
+    elif family == "exaone4":  # norms after attention and the MLP; a window on its first layer, no rope on its full one
+        cls = Exaone4Config
+        common.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    elif family == "seed_oss":  # Llama with q, k and v biases; heads wider than hidden / heads
+        cls = SeedOssConfig
+        common.update(head_dim=24)
     elif family == "gemma2":  # caps small enough to bite, an 8-token window on its first layer
         cls = Gemma2Config
         common.update(head_dim=16, query_pre_attn_scalar=20, tie_word_embeddings=True, sliding_window=8,
@@ -191,11 +203,13 @@ def write_checkpoint(
     config = _config(family, vocab_size, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if family in ("gemma", "gemma2", "gemma3", "olmo2"):  # norms' weights start at 0 (Gemma: 1 + weight) or 1: random ones show more
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.normal_(0.0, 0.3)
+    # Biases start at 0, and norms' weights at 0 (Gemma: 1 + weight) or 1: random ones show
+    # a loader that drops them.
+    random_norms = family in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "exaone4")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or (random_norms and name.endswith("norm.weight")):
+                p.normal_(0.0, 0.3)
     model.eval().to(getattr(torch, weights_dtype))
     kwargs = {"safe_serialization": True}
     if max_shard_size:

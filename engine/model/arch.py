@@ -1,6 +1,7 @@
 """Which checkpoints the engine serves, and what sets each family apart from Llama.
 
-Every family here is Llama's decoder with data changed (`Architecture`); in the
+Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS is Llama's
+with biases); in the
 mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE) a layer's MLP is a set of
 experts, a few of which each token runs (`moe.Experts`). A checkpoint of any
 other kind is refused before its weights load, naming what it is. Weights of a family and a
@@ -22,8 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
-               "olmo2",
-               "mixtral",
+               "olmo2", "olmo3", "exaone4", "seed_oss", "mixtral",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's, as transformers names them
 
@@ -122,9 +122,15 @@ def _family(c, kind: str, act: str) -> Architecture:
     if kind == "gemma":
         return Architecture(embedding_multiplier=c.hidden_size**0.5, multiplier_in_dtype=True, norm_offset=1.0,
                             activation=act)
-    if kind == "olmo2":  # no norm before attention or the MLP; each one's output normed
-        return Architecture(layer_norms=(None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
-                            whole_qk_norm=True, activation=act)
+    after_only = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+    if kind in ("olmo2", "olmo3"):  # no norm before attention or the MLP; each one's output normed
+        # OLMo 3's sliding and full layers have rotary tables of their own (YaRN on the full).
+        kinds = tuple(c.layer_types) if kind == "olmo3" else ()
+        return Architecture(layer_norms=after_only, whole_qk_norm=True, activation=act, rope_kinds=kinds)
+    if kind == "exaone4":  # OLMo 2's norms, q and k normed head by head; with windows, full layers rotate nothing
+        hybrid = bool(getattr(c, "sliding_window", None)) and "sliding_attention" in c.layer_types
+        kinds = tuple("" if t == "sliding_attention" else "none" for t in c.layer_types) if hybrid else ()
+        return Architecture(layer_norms=after_only, activation=act, rope_kinds=kinds)
     if kind == "olmoe":
         return Architecture(whole_qk_norm=True, activation=act, moe=_moe(c, kind))
     if kind == "smollm3":
