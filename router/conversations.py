@@ -9,7 +9,7 @@ and the input and the answer's output items are added after it ends).
 - Items are what a Responses `input` takes (message, function_call, function_call_output,
   reasoning), checked as an input is; each gets an id when added (`msg_…`, `item_…`).
 - Kept as stored responses are: by the router that made them, in memory (and in
-  `--responses-store-dir`, router/store_file.py), each tenant's
+  `--responses-store-dir`, each change as made, router/store_file.py), each tenant's
   own, the least recently used going first past `--responses-store-mb` of their JSON text
   (a bound of their own, beside the responses'); 0 keeps none. Through another router
   that names this one a `--peer-router`, the conversation's routes, and a response that
@@ -40,6 +40,7 @@ class Conversations:
         self.tenant_of, self.peers = tenant_of, peers
         self._entries: OrderedDict[tuple[str, str], dict] = OrderedDict()  # {"conversation", "items", "size"}
         self.chars = 0
+        self.journal: Callable[[list], None] | None = None  # told each change (router/store_file.py)
 
     def routes(self) -> list[web.RouteDef]:
         """Each route of a conversation another router made is that router's (router/peers.py)."""
@@ -69,7 +70,7 @@ class Conversations:
             try:
                 self._resize(tenant, conversation_id, entry["conversation"], [*entry["items"], *with_ids(items)])
             except OpenAIError:  # alone over the bound now: it goes, as the least recently used would
-                self.chars -= self._entries.pop((tenant, conversation_id))["size"]
+                self.forget(tenant, conversation_id)
 
     # ---- the routes ---------------------------------------------------------------------
     async def _create(self, request: web.Request) -> web.Response:
@@ -92,12 +93,13 @@ class Conversations:
             raise _bad("a conversation's update takes metadata alone", "metadata")
         entry = self._entry(self.tenant_of(request), request.match_info["id"])
         entry["conversation"]["metadata"] = _metadata(body["metadata"])
+        self._changed(self.tenant_of(request), entry)
         return web.json_response(entry["conversation"])
 
     async def _delete(self, request: web.Request) -> web.Response:
         tenant, conversation_id = self.tenant_of(request), request.match_info["id"]
         self._entry(tenant, conversation_id)  # 404 when it is not here
-        self.chars -= self._entries.pop((tenant, conversation_id))["size"]
+        self.forget(tenant, conversation_id)
         return web.json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
     async def _list(self, request: web.Request) -> web.Response:
@@ -146,10 +148,23 @@ class Conversations:
                               f"(--responses-store-mb, {self.max_chars} characters)", "items", "invalid_argument")
         old = self._entries.pop((tenant, conversation_id), None)
         self.chars += size - (old["size"] if old else 0)
-        self._entries[(tenant, conversation_id)] = {"conversation": conversation, "items": items, "size": size}
+        self._entries[(tenant, conversation_id)] = entry = {"conversation": conversation, "items": items, "size": size}
         while self.chars > self.max_chars:
             _, gone = self._entries.popitem(last=False)
             self.chars -= gone["size"]
+        self._changed(tenant, entry)
+
+    def _changed(self, tenant: str, entry: dict) -> None:
+        if self.journal is not None:
+            self.journal(["conversation", tenant, entry["conversation"], entry["items"]])
+
+    def forget(self, tenant: str, conversation_id: str) -> None:
+        """Remove the conversation, if here."""
+        entry = self._entries.pop((tenant, conversation_id), None)
+        if entry is not None:
+            self.chars -= entry["size"]
+            if self.journal is not None:
+                self.journal(["conversation_deleted", tenant, conversation_id])
 
     def snapshot(self) -> list[list]:
         """[tenant, conversation, items] of each, the least recently used first."""

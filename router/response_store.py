@@ -3,7 +3,7 @@
 /v1/responses/{id}/input_items` lists (`input_page`).
 
 - Kept by the router process that answered, in memory (and with `--responses-store-dir`
-  on disk across restarts too, router/store_file.py). Another
+  on disk, each change as made, across restarts and kills, router/store_file.py). Another
   router of the same cluster asks for one it lacks from its `--peer-router`s
   (router/peers.py); without them, a client that spreads one conversation over several
   routers sends the whole conversation in `input` instead.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .openai_protocol import OpenAIError
 
@@ -34,6 +34,7 @@ class ResponseStore:
         self.max_chars = int(max_mb * 2**20)
         self._entries: OrderedDict[tuple[str, str], tuple[dict, list[dict], int]] = OrderedDict()
         self.chars = 0  # the JSON text the entries hold
+        self.journal: Callable[[list], None] | None = None  # told each change (router/store_file.py)
 
     def put(self, tenant: str, response: dict, inputs: list[dict]) -> bool:
         """Keep `response` (whole, as answered) and the `inputs` items that led to it; False
@@ -42,12 +43,14 @@ class ResponseStore:
         size = len(json.dumps(response)) + len(json.dumps(inputs))
         if size > self.max_chars:
             return False
-        self.delete(tenant, response["id"])
+        self._drop(tenant, response["id"])
         self._entries[(tenant, response["id"])] = (response, inputs, size)
         self.chars += size
         while self.chars > self.max_chars:
             _, (_, _, gone) = self._entries.popitem(last=False)
             self.chars -= gone
+        if self.journal is not None:
+            self.journal(["response", tenant, response, inputs])
         return True
 
     def get(self, tenant: str, response_id, param: str = "response_id") -> tuple[dict, list[dict]]:
@@ -78,6 +81,12 @@ class ResponseStore:
         return response, inputs
 
     def delete(self, tenant: str, response_id: str) -> bool:
+        found = self._drop(tenant, response_id)
+        if found and self.journal is not None:
+            self.journal(["response_deleted", tenant, response_id])
+        return found
+
+    def _drop(self, tenant: str, response_id: str) -> bool:
         entry = self._entries.pop((tenant, response_id), None)
         if entry is not None:
             self.chars -= entry[2]

@@ -34,8 +34,8 @@ class HTTPConfig:
               "/v1/conversations, least recently used first out (0: none kept)")
     responses_store_dir: str | None = option(
         None, "keep the stored responses and conversations in this directory as well: read "
-              "when the server starts, written when it stops, so a restart keeps them (one "
-              "server per directory; router/store_file.py)", type=str, metavar="DIR")
+              "when the server starts, each change journaled as made, so a restart or a kill "
+              "keeps them (one server per directory; router/store_file.py)", type=str, metavar="DIR")
     sse_keepalive_s: float = option(
         15.0, "HTTP port: a streamed answer with nothing to send for this long sends a "
               "keep-alive (an SSE comment; Anthropic's ping event), so proxies with a read "
