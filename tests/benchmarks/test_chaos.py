@@ -1,4 +1,4 @@
-"""A 2-minute chaos soak (`pdserve bench chaos`) on the tiny checkpoint: 2 prefill + 2
+"""A 1-minute chaos soak (`pdserve bench chaos`) on the tiny checkpoint: 2 prefill + 2
 decode workers and a router as real processes under Poisson load while a worker is
 SIGKILLed and restarted, one is frozen past the lease, the router restarts and (where
 iptables works) a worker's port is blocked. No request outlives its deadline, no completed
@@ -11,11 +11,13 @@ import json
 import subprocess
 import sys
 
+# Gaps of at most 13 s put every one of the four fault kinds into the first 52 s, before
+# the soak's fault-free last 5 s (benchmarks/chaos/plan.py deals the kinds in rounds).
 
 
-def test_two_minute_soak_keeps_every_answer_deadline_and_page(tiny_model, tmp_path):
+def test_one_minute_soak_keeps_every_answer_deadline_and_page(tiny_model, tmp_path):
     command = [sys.executable, "-m", "pdserve.benchmarks.chaos", "--model", tiny_model,
-               "--minutes", "2", "--fault-every-s", "10,20", "--capacity-s", "6",
+               "--minutes", "1", "--fault-every-s", "7,13", "--capacity-s", "6",
                "--log-dir", str(tmp_path), "--json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=540)
     assert done.stdout.strip(), f"no report (exit {done.returncode}):\n{done.stderr[-3000:]}"
