@@ -14,7 +14,8 @@ import random
 from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3",
-            "olmo2", "olmo3", "exaone4", "seed_oss", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+            "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "mixtral", "qwen2_moe", "qwen3_moe",
+            "olmoe", "granitemoe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -73,9 +74,9 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 def _config(family: str, vocab_size: int, **overrides):
     from transformers import (Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig,
-                              GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
+                              GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, Ministral3Config, MinistralConfig,
+                              MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -143,6 +144,14 @@ def _config(family: str, vocab_size: int, **overrides):
     elif family == "seed_oss":  # Llama with q, k and v biases; heads wider than hidden / heads
         cls = SeedOssConfig
         common.update(head_dim=24)
+    elif family == "ministral":  # Mistral with windows by layer: 8 tokens on its first
+        cls = MinistralConfig  # (whose head_dim transformers does not fill in)
+        common.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"], head_dim=16)
+    elif family == "ministral3":  # YaRN, and queries scaled up from position 16 on (Llama 4's scaling)
+        cls = Ministral3Config
+        common.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                                       "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                       "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})
     elif family == "gemma2":  # caps small enough to bite, an 8-token window on its first layer
         cls = Gemma2Config
         common.update(head_dim=16, query_pre_attn_scalar=20, tie_word_embeddings=True, sliding_window=8,

@@ -1,16 +1,17 @@
 """Which checkpoints the engine serves, and what sets each family apart from Llama.
 
 Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS is Llama's
-with biases); in the
-mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE) a layer's MLP is a set of
-experts, a few of which each token runs (`moe.Experts`). A checkpoint of any
-other kind is refused before its weights load, naming what it is. Weights of a family and a
-Llama would load alike, so serving one as the other gives wrong text with no error (Gemma's
-Command R runs attention and the MLP side by side, Granite scales its residuals): the refusal is the only
+with biases, Ministral Mistral's with windows by layer); in the mixture-of-experts families
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE) a layer's MLP is a set of experts, a
+few of which each token runs (`moe.Experts`). A checkpoint of any other kind is refused
+before its weights load, naming what it is. Weights of a family and a Llama would load
+alike, so serving one as the other gives wrong text with no error (Command R runs
+attention and the MLP side by side, Granite scales its residuals): the refusal is the only
 guard. A sliding window (Mistral 7B v0.1's, Phi-3's, Qwen2's with use_sliding_window,
-Gemma 3's) is run as such, a query seeing its last W keys. Where transformers changes how a
-model attends past some length (LongRoPE's second set of frequencies), the engine runs
-contexts up to that length only, where its output is still the model's.
+Gemma 2's and 3's, OLMo 3's, EXAONE 4's) is run as such, a query seeing its last W keys.
+Where transformers changes how a model attends past some length (LongRoPE's second set of
+frequencies), the engine runs contexts up to that length only, where its output is still
+the model's; Ministral 3's queries, scaled up past a length, are scaled so here too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
-               "olmo2", "olmo3", "exaone4", "seed_oss", "mixtral",
+               "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "mixtral",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's, as transformers names them
 
@@ -53,6 +54,9 @@ class Architecture:
     windows: tuple[int, ...] = ()  # each layer's sliding window, 0 for none: a query sees its last W keys
     attn_softcap: float = 0.0  # > 0: each attention score s is attn_softcap * tanh(s / attn_softcap) (Gemma 2)
     logit_softcap: float = 0.0  # the same of the logits
+    # Ministral 3 (Llama 4's attention scaling): each query times 1 + beta * log(1 +
+    # floor(position / length)) with (beta, length) these; None: none.
+    query_scaling: tuple[float, int] | None = None
     moe: MoE | None = None  # the experts, in a mixture-of-experts model
 
 
@@ -119,6 +123,7 @@ def architecture(hf_config) -> Architecture:
 
 def _family(c, kind: str, act: str) -> Architecture:
     """What sets the family apart, its context and windows aside."""
+    params = getattr(c, "rope_parameters", None) or {}
     if kind == "gemma":
         return Architecture(embedding_multiplier=c.hidden_size**0.5, multiplier_in_dtype=True, norm_offset=1.0,
                             activation=act)
@@ -133,6 +138,10 @@ def _family(c, kind: str, act: str) -> Architecture:
         return Architecture(layer_norms=after_only, activation=act, rope_kinds=kinds)
     if kind == "olmoe":
         return Architecture(whole_qk_norm=True, activation=act, moe=_moe(c, kind))
+    if kind == "ministral3":
+        beta = params.get("llama_4_scaling_beta")
+        scaling = (beta, params["original_max_position_embeddings"]) if beta else None
+        return Architecture(activation=act, query_scaling=scaling)
     if kind == "smollm3":
         return Architecture(rope_kinds=tuple("" if rope else "none" for rope in c.no_rope_layers))
     if kind.startswith("granite"):

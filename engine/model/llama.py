@@ -177,6 +177,7 @@ class LlamaModel:
         self.moe = moe
         self.activation, self.whole_qk_norm = arch.activation, arch.whole_qk_norm
         self.attn_softcap, self.logit_softcap = arch.attn_softcap, arch.logit_softcap
+        self.query_scaling = arch.query_scaling
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """Final hidden states [T, hidden] of `input_ids` [T] at `positions` [T] (only the
@@ -219,6 +220,11 @@ class LlamaModel:
             return torch.cat([(q * scale[:, :1] * q_norm.float()).to(qkv.dtype),
                               (k * scale[:, 1:] * k_norm.float()).to(qkv.dtype), v], dim=1)
 
+        query_scale = None
+        if self.query_scaling is not None:  # per position, as transformers computes it: in float32, then the dtype
+            beta, length = self.query_scaling
+            query_scale = (1 + beta * torch.log(1 + torch.floor(positions / length))).to(self.dtype)[:, None, None]
+
         residual = F.embedding(input_ids, self.embed)
         if self.embedding_multiplier != 1:
             residual = residual * self.embedding_multiplier
@@ -234,6 +240,8 @@ class LlamaModel:
                 q_norm = k_norm = None
             q = rope_ops[layer.rope].rope_store(
                 qkv, positions, q_norm, k_norm, k_cache, v_cache, step.slot_mapping, step.store_kv)
+            if query_scale is not None:
+                q = q * query_scale
             # Tensor-parallel: the layer's KV is in every rank's pool only once the o
             # projection's all-reduce returned, so the hook (which may send it) waits for that.
             if step.layer_hook is not None and not self.tp:

@@ -135,7 +135,8 @@ def test_a_multimodal_gemma3_serves_its_language_model_as_transformers_runs_it(t
     assert (card.vocab_size, card.max_model_len) == (512, 2048)
 
 
-def test_a_multimodal_mistral3_serves_its_language_model_as_transformers_runs_it(tmp_path):
+@pytest.mark.parametrize("text", ["mistral", "ministral3"])  # Mistral Small 3.1/3.2; Ministral 3
+def test_a_multimodal_mistral3_serves_its_language_model_as_transformers_runs_it(tmp_path, text):
     import torch
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
 
@@ -147,10 +148,10 @@ def test_a_multimodal_mistral3_serves_its_language_model_as_transformers_runs_it
                                  image_size=32, patch_size=8, head_dim=16)
     torch.manual_seed(0)
     model = Mistral3ForConditionalGeneration(Mistral3Config(
-        text_config=_config("mistral", 512).to_dict(), vision_config=vision.to_dict(), image_token_index=5,
+        text_config=_config(text, 512).to_dict(), vision_config=vision.to_dict(), image_token_index=5,
         tie_word_embeddings=False))  # Mistral Small's own LM head, saved as language_model.lm_head
     model.save_pretrained(str(d))
-    ids = [random.Random(3).randrange(6, 512) for _ in range(20)]
+    ids = [random.Random(3).randrange(6, 512) for _ in range(40)]  # Ministral 3 scales queries from position 16 on
     with torch.inference_mode():
         ref = Mistral3ForConditionalGeneration.from_pretrained(str(d)).eval().generate(
             torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
