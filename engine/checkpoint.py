@@ -14,8 +14,8 @@ import random
 from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3",
-            "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "mixtral", "qwen2_moe", "qwen3_moe",
-            "olmoe", "granitemoe")
+            "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "mixtral",
+            "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -73,10 +73,11 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import (Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig,
-                              GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, Ministral3Config, MinistralConfig,
-                              MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
+    from transformers import (ApertusConfig, ArceeConfig, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig,
+                              GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, Ministral3Config,
+                              MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig,
+                              SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -152,6 +153,13 @@ def _config(family: str, vocab_size: int, **overrides):
         common.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
                                        "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
                                        "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})
+    elif family == "arcee":  # an MLP without a gate: down(relu(up(x))^2)
+        cls = ArceeConfig
+    elif family == "apertus":  # an MLP without a gate, xIELU's parameters each layer's; q and k normed by head
+        cls = ApertusConfig
+        common.update(rope_parameters={"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
+                                       "original_max_position_embeddings": 256, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0})
     elif family == "gemma2":  # caps small enough to bite, an 8-token window on its first layer
         cls = Gemma2Config
         common.update(head_dim=16, query_pre_attn_scalar=20, tie_word_embeddings=True, sliding_window=8,
@@ -219,6 +227,8 @@ def write_checkpoint(
         for name, p in model.named_parameters():
             if name.endswith(".bias") or (random_norms and name.endswith("norm.weight")):
                 p.normal_(0.0, 0.3)
+            elif ".act_fn.alpha_" in name:  # xIELU's, alike in every layer at first
+                p.add_(torch.randn_like(p) * 0.3)
     model.eval().to(getattr(torch, weights_dtype))
     kwargs = {"safe_serialization": True}
     if max_shard_size:

@@ -115,6 +115,11 @@ def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], d
     adapter = LoraAdapter(name, path, rank, 1.0 if folded else scale)
     for (layer, module), ab in sorted(pairs.items()):
         projection, part = _TARGETS[module]
+        if projection == "gate_up" and len(sizes.get("gate_up", ())) == 1:  # an ungated MLP: up alone
+            if module != "up_proj":
+                raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module} is not a projection of this "
+                                f"model, whose MLPs have no gate (up_proj and down_proj)")
+            part = 0
         if projection not in sizes:
             raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module} is an MLP projection, and this "
                             f"model's MLPs are mixtures of experts, which adapters are not run on here; "

@@ -1,7 +1,8 @@
 """Which checkpoints the engine serves, and what sets each family apart from Llama.
 
 Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS is Llama's
-with biases, Ministral Mistral's with windows by layer); in the mixture-of-experts families
+with biases, Ministral Mistral's with windows by layer; Arcee's and Apertus's MLPs have no
+gate, `UNGATED`); in the mixture-of-experts families
 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE) a layer's MLP is a set of experts, a
 few of which each token runs (`moe.Experts`). A checkpoint of any other kind is refused
 before its weights load, naming what it is. Weights of a family and a Llama would load
@@ -24,9 +25,10 @@ import torch
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
-               "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "mixtral",
+               "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "mixtral",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's, as transformers names them
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
+UNGATED = {"arcee": ("relu2",), "apertus": ("xielu",)}  # families whose MLP is up, activation, down
 
 
 class UnsupportedModel(ValueError):
@@ -38,7 +40,8 @@ class Architecture:
     embedding_multiplier: float = 1.0  # the embeddings' scale (Granite; Gemma's sqrt(hidden_size))
     multiplier_in_dtype: bool = False  # Gemma rounds its embeddings' scale to the model's dtype first
     norm_offset: float = 0.0  # added to every RMS norm's weight (Gemma's norms scale by 1 + weight)
-    activation: str = "silu"  # the MLP's gate activation: one of ACTIVATIONS
+    activation: str = "silu"  # the MLP's gate activation: one of ACTIVATIONS (or UNGATED's)
+    gated: bool = True  # False: the MLP is down(activation(up(x))), no gate (UNGATED)
     # The checkpoint's names of a layer's norms (before attention, of its output, before the
     # MLP, of its output); None: no such norm.
     layer_norms: tuple = ("input_layernorm", None, "post_attention_layernorm", None)
@@ -101,9 +104,10 @@ def architecture(hf_config) -> Architecture:
                                f"serve the model's unquantized (bf16, fp16 or fp32) weights")
     # Gemma 2 and 3 take their activation from hidden_activation (transformers ignores hidden_act there).
     act = c.hidden_activation if kind in ("gemma2", "gemma3_text") else getattr(c, "hidden_act", "silu")
-    if act not in ACTIVATIONS:
+    allowed = UNGATED.get(kind, ACTIVATIONS)
+    if act not in allowed:
         raise UnsupportedModel(f"hidden_act {act!r} is not supported (the MLP's activation must be one of "
-                               f"{', '.join(ACTIVATIONS)})")
+                               f"{', '.join(allowed)})")
     if kind in ("gemma2", "gemma3_text"):
         return _gemma2_or_3(c, act)
     if getattr(c, "clip_qkv", None) is not None:
@@ -142,6 +146,11 @@ def _family(c, kind: str, act: str) -> Architecture:
         beta = params.get("llama_4_scaling_beta")
         scaling = (beta, params["original_max_position_embeddings"]) if beta else None
         return Architecture(activation=act, query_scaling=scaling)
+    if kind == "arcee":
+        return Architecture(activation=act, gated=False)
+    if kind == "apertus":  # its norms' own names; xIELU's parameters are each layer's
+        return Architecture(activation=act, gated=False, layer_norms=("attention_layernorm", None,
+                                                                      "feedforward_layernorm", None))
     if kind == "smollm3":
         return Architecture(rope_kinds=tuple("" if rope else "none" for rope in c.no_rope_layers))
     if kind.startswith("granite"):

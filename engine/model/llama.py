@@ -47,6 +47,7 @@ class Layer:
     experts: Experts | None = None
     attn_out_norm: torch.Tensor | None = None  # of the attention's output, before the residual add
     mlp_out_norm: torch.Tensor | None = None
+    xielu: tuple | None = None  # the layer's xIELU parameters (alpha_p, alpha_n, beta, eps): Apertus
 
 
 @dataclass
@@ -69,6 +70,22 @@ class StepAttention:
     # None: no row has an adapter.
     lora: list | None = None
     lora_kept: list | None = None
+
+
+def relu2(up: torch.Tensor, _: Layer) -> torch.Tensor:
+    """An ungated MLP's activation, relu(x)^2 (Arcee)."""
+    return F.relu(up).square_()
+
+
+def xielu(up: torch.Tensor, layer: Layer) -> torch.Tensor:
+    """xIELU (Apertus), with the layer's parameters, as transformers computes it."""
+    alpha_p, alpha_n, beta, eps = layer.xielu
+    alpha_p, alpha_n = F.softplus(alpha_p), beta + F.softplus(alpha_n)
+    return torch.where(up > 0, alpha_p * up * up + beta * up,
+                       (torch.expm1(torch.min(up, eps)) - up) * alpha_n + beta * up)
+
+
+UNGATED_ACTIVATIONS = {"relu2": relu2, "xielu": xielu}
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -155,13 +172,15 @@ class LlamaModel:
                     k_norm=norm(a + "k_norm.weight"),
                     o=Linear(take(a + "o_proj.weight"), maybe(a + "o_proj.bias")),
                     post_norm=before_mlp and norm(before_mlp),
-                    gate_up=None if sparse else fused(m, ("gate_proj", "up_proj")),
+                    gate_up=None if sparse else fused(m, ("gate_proj", "up_proj") if arch.gated else ("up_proj",)),
                     down=None if sparse else Linear(take(m + "down_proj.weight"), maybe(m + "down_proj.bias")),
                     rope=rope_kinds[i],
                     window=arch.windows[i] if arch.windows else 0,
                     experts=Experts.load(moe, m, take, maybe, fused) if sparse else None,
                     attn_out_norm=after_attn and norm(after_attn),
                     mlp_out_norm=after_mlp and norm(after_mlp),
+                    xielu=tuple(take(f"{m}act_fn.{n}") for n in ("alpha_p", "alpha_n", "beta", "eps"))
+                    if arch.activation == "xielu" else None,
                 )
             )
         self.norm = norm("model.norm.weight")
@@ -175,7 +194,7 @@ class LlamaModel:
         # Only rank 0 samples: another rank holds no LM head.
         self.lm_head = None if shard is not None and shard.rank else Linear(self.embed if tied else lm_head)
         self.moe = moe
-        self.activation, self.whole_qk_norm = arch.activation, arch.whole_qk_norm
+        self.activation, self.gated, self.whole_qk_norm = arch.activation, arch.gated, arch.whole_qk_norm
         self.attn_softcap, self.logit_softcap = arch.attn_softcap, arch.logit_softcap
         self.query_scaling = arch.query_scaling
 
@@ -189,6 +208,9 @@ class LlamaModel:
         chunk keeps one row, or none before its last chunk)."""
         ops = self.ops
         act_mul = ops.silu_mul if self.activation == "silu" else gelu_tanh_mul
+        if not self.gated:  # no gate: the activation of the up projection alone
+            ungated = UNGATED_ACTIVATIONS[self.activation]
+            act_mul = None
         rope_ops = {kind: ops if tables is ops.rope else ops.with_rope(tables) for kind, tables in self.rope_tables.items()}
         q_size = self.num_heads * self.head_dim
         lora = step.lora
@@ -268,7 +290,8 @@ class LlamaModel:
             if layer.experts is not None:
                 x = layer.experts(h, act_mul)
             else:
-                x = project(layer.down, act_mul(project(layer.gate_up, h, i, "gate_up")), i, "down")
+                up = project(layer.gate_up, h, i, "gate_up")
+                x = project(layer.down, act_mul(up) if act_mul else ungated(up, layer), i, "down")
             if self.tp:
                 collectives.all_reduce(x)
             if self.residual_multiplier != 1:
@@ -284,7 +307,8 @@ class LlamaModel:
         heads, kv_heads, D = geometry(self.config)
         inter = self.config.intermediate_size
         sizes = {"qkv": [heads * D, kv_heads * D, kv_heads * D], "o": [self.hidden_size]}
-        return sizes if self.moe else {**sizes, "gate_up": [inter, inter], "down": [self.hidden_size]}
+        gate_up = [inter, inter] if self.gated else [inter]  # (an ungated MLP's up alone)
+        return sizes if self.moe else {**sizes, "gate_up": gate_up, "down": [self.hidden_size]}
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """float32 logits [S, vocab] of hidden states [S, hidden], into `out` if given (None
