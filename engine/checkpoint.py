@@ -14,8 +14,8 @@ import random
 from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3",
-            "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "mixtral",
-            "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+            "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5",
+            "helium", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -73,11 +73,11 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import (ApertusConfig, ArceeConfig, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig,
-                              GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, Ministral3Config,
-                              MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig,
-                              SmolLM3Config)
+    from transformers import (ApertusConfig, ArceeConfig, Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig,
+                              GemmaConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, HeliumConfig,
+                              LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config,
+                              Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -160,6 +160,12 @@ def _config(family: str, vocab_size: int, **overrides):
         common.update(rope_parameters={"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
                                        "original_max_position_embeddings": 256, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0})
+    elif family == "ernie4_5":  # rotary pairs of adjacent dimensions; biases everywhere (use_bias)
+        cls = Ernie4_5Config
+        common.update(use_bias=True)
+    elif family == "helium":  # rotary pairs of adjacent dimensions
+        cls = HeliumConfig
+        common.update(head_dim=16)  # its o_proj takes hidden_size: heads * head_dim must be it
     elif family == "gemma2":  # caps small enough to bite, an 8-token window on its first layer
         cls = Gemma2Config
         common.update(head_dim=16, query_pre_attn_scalar=20, tie_word_embeddings=True, sliding_window=8,

@@ -2,7 +2,8 @@
 
 Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS is Llama's
 with biases, Ministral Mistral's with windows by layer; Arcee's and Apertus's MLPs have no
-gate, `UNGATED`); in the mixture-of-experts families
+gate, `UNGATED`; ERNIE 4.5's and Helium's rotary pairs are adjacent dimensions, reordered at
+load); in the mixture-of-experts families
 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE) a layer's MLP is a set of experts, a
 few of which each token runs (`moe.Experts`). A checkpoint of any other kind is refused
 before its weights load, naming what it is. Weights of a family and a Llama would load
@@ -25,7 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
-               "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "mixtral",
+               "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
+               "mixtral",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 UNGATED = {"arcee": ("relu2",), "apertus": ("xielu",)}  # families whose MLP is up, activation, down
@@ -60,6 +62,9 @@ class Architecture:
     # Ministral 3 (Llama 4's attention scaling): each query times 1 + beta * log(1 +
     # floor(position / length)) with (beta, length) these; None: none.
     query_scaling: tuple[float, int] | None = None
+    # Rotary pairs of adjacent dimensions (GPT-J's; ERNIE 4.5, Helium), not of halves: their
+    # q and k rows are reordered at load (`deinterleave`), which leaves every score as it was.
+    interleaved_rope: bool = False
     moe: MoE | None = None  # the experts, in a mixture-of-experts model
 
 
@@ -146,6 +151,8 @@ def _family(c, kind: str, act: str) -> Architecture:
         beta = params.get("llama_4_scaling_beta")
         scaling = (beta, params["original_max_position_embeddings"]) if beta else None
         return Architecture(activation=act, query_scaling=scaling)
+    if kind in ("ernie4_5", "helium"):
+        return Architecture(activation=act, interleaved_rope=True)
     if kind == "arcee":
         return Architecture(activation=act, gated=False)
     if kind == "apertus":  # its norms' own names; xIELU's parameters are each layer's
@@ -205,6 +212,8 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
             for old, name in _MIXTRAL:
                 new = new.replace(old, name)
             state[new] = state.pop(key)
+    if architecture(hf_config).interleaved_rope:
+        _deinterleave_qk(state, hf_config)
     heads, kv_heads, head_dim = geometry(hf_config)
     sizes = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)),
              "gate_up_proj": (("gate_proj", "up_proj"), (hf_config.intermediate_size,) * 2)}
@@ -241,6 +250,22 @@ def served_context(hf_config, asked: int | None) -> int:
         log.warning("max_model_len %d is cut to %d, %s: beyond it transformers attends otherwise",
                     asked, limit, why)
     return min(asked or limit, limit)
+
+
+def deinterleave(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """`rows` (a q or k projection's weight, bias or LoRA B: head after head) with each head's
+    dimensions reordered evens first, odds after: GPT-J's rotary pairs (2i, 2i + 1) become
+    Llama's (i, i + D/2), so the kernels' rope rotates them alike. q and k reordered alike
+    give the same scores."""
+    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)]).to(rows.device)
+    heads = rows.shape[0] // head_dim
+    return rows.reshape(heads, head_dim, *rows.shape[1:])[:, order].reshape(rows.shape).contiguous()
+
+
+def _deinterleave_qk(state: dict[str, torch.Tensor], hf_config) -> None:
+    D = geometry(hf_config)[2]
+    for key in [k for k in state if k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "q_norm", "k_norm")]:
+        state[key] = deinterleave(state[key], D)
 
 
 def geometry(hf_config) -> tuple[int, int, int]:

@@ -143,7 +143,8 @@ def test_a_mixture_of_experts_takes_attention_adapters_and_refuses_mlp_ones(tmp_
 @pytest.mark.parametrize("family, geometry, targets", [
     ("llama", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3), None),  # 1 and 2 KV heads a rank
     ("phi3", dict(num_key_value_heads=1), ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")),  # one head on both
-    ("arcee", {}, ("q_proj", "up_proj", "down_proj"))])  # an MLP without a gate
+    ("arcee", {}, ("q_proj", "up_proj", "down_proj")),  # an MLP without a gate
+    ("ernie4_5", {}, ("q_proj", "k_proj", "o_proj"))])  # q's and k's rows reordered (GPT-J's rotary pairs)
 def test_tensor_parallel_ranks_each_add_their_share_of_an_adapter(tmp_path, prompts_of_lengths, family, geometry,
                                                                    targets):
     base = write_checkpoint(tmp_path / "base", family=family, **geometry)
