@@ -15,7 +15,7 @@ from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3",
             "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5",
-            "helium", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+            "helium", "glm", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -74,7 +74,7 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 def _config(family: str, vocab_size: int, **overrides):
     from transformers import (ApertusConfig, ArceeConfig, Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig,
-                              GemmaConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, HeliumConfig,
+                              GemmaConfig, Glm4Config, GlmConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, HeliumConfig,
                               LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config,
                               Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
                               Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
@@ -166,6 +166,9 @@ def _config(family: str, vocab_size: int, **overrides):
     elif family == "helium":  # rotary pairs of adjacent dimensions
         cls = HeliumConfig
         common.update(head_dim=16)  # its o_proj takes hidden_size: heads * head_dim must be it
+    elif family in ("glm", "glm4"):  # adjacent rotary pairs over half of each head; q, k and v biases
+        cls = GlmConfig if family == "glm" else Glm4Config  # (GLM-4's norms after attention and the MLP too)
+        common.update(head_dim=16, partial_rotary_factor=0.5, attention_bias=True)
     elif family == "gemma2":  # caps small enough to bite, an 8-token window on its first layer
         cls = Gemma2Config
         common.update(head_dim=16, query_pre_attn_scalar=20, tie_word_embeddings=True, sliding_window=8,

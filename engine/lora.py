@@ -94,9 +94,9 @@ def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], d
     its heads of `head_dim`)."""
     from safetensors import safe_open
 
-    from .model.arch import architecture, deinterleave, geometry
+    from .model.arch import reorder_heads, rope_order
 
-    interleaved = architecture(hf_config).interleaved_rope
+    order = rope_order(hf_config)
     config = read_config(name, path)
     weights = Path(path) / "adapter_model.safetensors"
     if not weights.is_file():
@@ -134,8 +134,8 @@ def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], d
             got = "missing" if A is None or B is None else f"A {tuple(A.shape)}, B {tuple(B.shape)}"
             raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module} does not fit this model "
                             f"(rank {rank}, {hi - lo} outputs; got {got}): it was made for another base model")
-        if module in ("q_proj", "k_proj") and interleaved:  # its rows as the model's (arch.deinterleave)
-            B = deinterleave(B, geometry(hf_config)[2])
+        if module in ("q_proj", "k_proj") and order is not None:  # its rows as the model's (arch.rope_order)
+            B = reorder_heads(B, order)
         target = (A, B * scale if folded else B, int(lo), int(hi))
         if shard is not None and shard.world > 1:
             target = _rank_share(target, projection, sizes, shard, head_dim)

@@ -2,8 +2,8 @@
 
 Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS is Llama's
 with biases, Ministral Mistral's with windows by layer; Arcee's and Apertus's MLPs have no
-gate, `UNGATED`; ERNIE 4.5's and Helium's rotary pairs are adjacent dimensions, reordered at
-load); in the mixture-of-experts families
+gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are adjacent dimensions, and
+GLM's rotate part of each head: reordered at load, `rope_order`); in the mixture-of-experts families
 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE) a layer's MLP is a set of experts, a
 few of which each token runs (`moe.Experts`). A checkpoint of any other kind is refused
 before its weights load, naming what it is. Weights of a family and a Llama would load
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
-               "mixtral",
+               "glm", "glm4", "mixtral",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 UNGATED = {"arcee": ("relu2",), "apertus": ("xielu",)}  # families whose MLP is up, activation, down
@@ -62,8 +62,8 @@ class Architecture:
     # Ministral 3 (Llama 4's attention scaling): each query times 1 + beta * log(1 +
     # floor(position / length)) with (beta, length) these; None: none.
     query_scaling: tuple[float, int] | None = None
-    # Rotary pairs of adjacent dimensions (GPT-J's; ERNIE 4.5, Helium), not of halves: their
-    # q and k rows are reordered at load (`deinterleave`), which leaves every score as it was.
+    # Rotary pairs of adjacent dimensions (GPT-J's; ERNIE 4.5, Helium, GLM), not of halves:
+    # their q and k rows are reordered at load (`rope_order`), which leaves every score as it was.
     interleaved_rope: bool = False
     moe: MoE | None = None  # the experts, in a mixture-of-experts model
 
@@ -119,9 +119,6 @@ def architecture(hf_config) -> Architecture:
         raise UnsupportedModel(f"clip_qkv {c.clip_qkv} is not supported (q, k and v clamped)")
     limit, why = c.max_position_embeddings, ""
     params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-    factor = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
-    if factor != 1:
-        raise UnsupportedModel(f"partial rotary embeddings (partial_rotary_factor {factor}) are not supported")
     if params.get("rope_type", params.get("type")) == "longrope":
         # Past this length transformers switches every position to the long factors.
         original = params.get("original_max_position_embeddings") or c.original_max_position_embeddings
@@ -151,8 +148,12 @@ def _family(c, kind: str, act: str) -> Architecture:
         beta = params.get("llama_4_scaling_beta")
         scaling = (beta, params["original_max_position_embeddings"]) if beta else None
         return Architecture(activation=act, query_scaling=scaling)
-    if kind in ("ernie4_5", "helium"):
+    if kind in ("ernie4_5", "helium", "glm"):
         return Architecture(activation=act, interleaved_rope=True)
+    if kind == "glm4":  # norms before and after attention and the MLP, as Gemma 2's
+        return Architecture(activation=act, interleaved_rope=True,
+                            layer_norms=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm",
+                                         "post_mlp_layernorm"))
     if kind == "arcee":
         return Architecture(activation=act, gated=False)
     if kind == "apertus":  # its norms' own names; xIELU's parameters are each layer's
@@ -212,8 +213,10 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
             for old, name in _MIXTRAL:
                 new = new.replace(old, name)
             state[new] = state.pop(key)
-    if architecture(hf_config).interleaved_rope:
-        _deinterleave_qk(state, hf_config)
+    order = rope_order(hf_config)
+    if order is not None:
+        for key in [k for k in state if k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "q_norm", "k_norm")]:
+            state[key] = reorder_heads(state[key], order)
     heads, kv_heads, head_dim = geometry(hf_config)
     sizes = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)),
              "gate_up_proj": (("gate_proj", "up_proj"), (hf_config.intermediate_size,) * 2)}
@@ -252,20 +255,32 @@ def served_context(hf_config, asked: int | None) -> int:
     return min(asked or limit, limit)
 
 
-def deinterleave(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """`rows` (a q or k projection's weight, bias or LoRA B: head after head) with each head's
-    dimensions reordered evens first, odds after: GPT-J's rotary pairs (2i, 2i + 1) become
-    Llama's (i, i + D/2), so the kernels' rope rotates them alike. q and k reordered alike
-    give the same scores."""
-    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)]).to(rows.device)
-    heads = rows.shape[0] // head_dim
-    return rows.reshape(heads, head_dim, *rows.shape[1:])[:, order].reshape(rows.shape).contiguous()
+def rope_order(hf_config) -> torch.Tensor | None:
+    """The order of a head's q and k dimensions in which the kernels' rope (pairs (i, i + D/2),
+    the first R/2 of them rotating: rope.RotaryTables) rotates them as the model does; None
+    where the checkpoint's order is that already. The model's pairs are GPT-J's (2i, 2i + 1)
+    with interleaved_rope, else (i, i + R/2), for i < R/2; its dimensions past the rotary dim
+    R pass through. q and k reordered alike give the same scores."""
+    c = hf_config
+    D = geometry(c)[2]
+    params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    R = int(D * params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)))
+    if R % 2 or not 0 < R <= D:
+        raise UnsupportedModel(f"a rotary dim of {R} (partial_rotary_factor of head_dim {D}) is not supported")
+    interleaved = architecture(c).interleaved_rope
+    if R == D and not interleaved:
+        return None
+    pairs = torch.arange(R).view(-1, 2).T if interleaved else torch.arange(R).view(2, -1)  # [2, R/2]: each pair
+    still = torch.arange(R, D).view(2, -1)  # pass-through dimensions fill both halves' tails
+    return torch.cat([pairs[0], still[0], pairs[1], still[1]])
 
 
-def _deinterleave_qk(state: dict[str, torch.Tensor], hf_config) -> None:
-    D = geometry(hf_config)[2]
-    for key in [k for k in state if k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "q_norm", "k_norm")]:
-        state[key] = deinterleave(state[key], D)
+def reorder_heads(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """`rows` (a q or k projection's weight, bias or LoRA B: head after head; or a norm's
+    weight of one head) with each head's dimensions in `order`."""
+    D = order.numel()
+    heads = rows.shape[0] // D
+    return rows.reshape(heads, D, *rows.shape[1:])[:, order.to(rows.device)].reshape(rows.shape).contiguous()
 
 
 def geometry(hf_config) -> tuple[int, int, int]:

@@ -23,24 +23,30 @@ def inverse_frequencies(hf_config, head_dim: int, layer_type: str | None = None)
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kind)
         return inv_freq.float(), float(attention_scaling)
     base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
-    dim = int(head_dim * factor)
-    if dim != head_dim:
-        raise ValueError(f"partial rotary embeddings (rotary dim {dim} of head_dim {head_dim}) are not supported")
+    dim = int(head_dim * params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
     exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     return 1.0 / (base**exponent), 1.0
 
 
 class RotaryTables:
-    """cos/sin halves [max_positions, head_dim / 2] so applying rope is four multiplies."""
+    """cos/sin halves [max_positions, head_dim / 2] so applying rope is four multiplies.
+
+    With partial rotary embeddings (a rotary dim R < head_dim) the first R/2 columns rotate
+    and the rest are cos 1, sin 0: the q and k dimensions that rotate are put there at load
+    (arch.rope_order), the others pass through unchanged."""
 
     def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype, device="cpu",
                  layer_type: str | None = None):
         inv_freq, scaling = inverse_frequencies(hf_config, head_dim, layer_type)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)
-        self.cos = (freqs.cos() * scaling).to(dtype=dtype, device=device)
-        self.sin = (freqs.sin() * scaling).to(dtype=dtype, device=device)
+        cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+        still = head_dim // 2 - inv_freq.numel()
+        if still:
+            cos = torch.cat([cos, torch.ones(max_positions, still)], dim=1)
+            sin = torch.cat([sin, torch.zeros(max_positions, still)], dim=1)
+        self.cos = cos.to(dtype=dtype, device=device)
+        self.sin = sin.to(dtype=dtype, device=device)
 
     def identity(self) -> "RotaryTables":
         """Tables of the same shape that rotate nothing (cos 1, sin 0: x * 1 + y * 0 is x
