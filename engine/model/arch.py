@@ -30,6 +30,7 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3
                "glm", "glm4", "mixtral",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
+PARTIAL_ROTARY = ("glm", "glm4")  # families that may rotate part of each head (partial_rotary_factor < 1)
 UNGATED = {"arcee": ("relu2",), "apertus": ("xielu",)}  # families whose MLP is up, activation, down
 
 
@@ -119,6 +120,10 @@ def architecture(hf_config) -> Architecture:
         raise UnsupportedModel(f"clip_qkv {c.clip_qkv} is not supported (q, k and v clamped)")
     limit, why = c.max_position_embeddings, ""
     params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
+    if factor != 1 and kind not in PARTIAL_ROTARY:  # transformers' own model would not rotate part of a head
+        raise UnsupportedModel(f"partial rotary embeddings (partial_rotary_factor {factor}) are not supported for "
+                               f"{kind} (only {', '.join(PARTIAL_ROTARY)} rotate part of each head)")
     if params.get("rope_type", params.get("type")) == "longrope":
         # Past this length transformers switches every position to the long factors.
         original = params.get("original_max_position_embeddings") or c.original_max_position_embeddings
@@ -256,22 +261,27 @@ def served_context(hf_config, asked: int | None) -> int:
 
 
 def rope_order(hf_config) -> torch.Tensor | None:
-    """The order of a head's q and k dimensions in which the kernels' rope (pairs (i, i + D/2),
-    the first R/2 of them rotating: rope.RotaryTables) rotates them as the model does; None
-    where the checkpoint's order is that already. The model's pairs are GPT-J's (2i, 2i + 1)
-    with interleaved_rope, else (i, i + R/2), for i < R/2; its dimensions past the rotary dim
-    R pass through. q and k reordered alike give the same scores."""
+    """The order of a head's q and k dimensions in which the kernels' rope rotates them as
+    `hf_config`'s model does (`head_order`); None where the checkpoint's order is that already."""
     c = hf_config
     D = geometry(c)[2]
     params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     R = int(D * params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)))
+    interleaved = architecture(c).interleaved_rope
+    return None if R == D and not interleaved else head_order(D, R, interleaved)
+
+
+def head_order(head_dim: int, rotary_dim: int, interleaved: bool) -> torch.Tensor:
+    """The kernels rotate pairs (i, i + D/2), the first R/2 of them (rope.RotaryTables). A model
+    rotates pairs (2i, 2i + 1) (GPT-J's, `interleaved`) or (i, i + R/2), for i < R/2, and
+    passes its dimensions past the rotary dim R through: this order of a head's dimensions
+    puts its pairs where the kernels rotate them and the rest in both halves' tails. q and k
+    reordered alike give the same scores."""
+    D, R = head_dim, rotary_dim
     if R % 2 or not 0 < R <= D:
         raise UnsupportedModel(f"a rotary dim of {R} (partial_rotary_factor of head_dim {D}) is not supported")
-    interleaved = architecture(c).interleaved_rope
-    if R == D and not interleaved:
-        return None
     pairs = torch.arange(R).view(-1, 2).T if interleaved else torch.arange(R).view(2, -1)  # [2, R/2]: each pair
-    still = torch.arange(R, D).view(2, -1)  # pass-through dimensions fill both halves' tails
+    still = torch.arange(R, D).view(2, -1)
     return torch.cat([pairs[0], still[0], pairs[1], still[1]])
 
 

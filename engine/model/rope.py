@@ -33,7 +33,7 @@ class RotaryTables:
 
     With partial rotary embeddings (a rotary dim R < head_dim) the first R/2 columns rotate
     and the rest are cos 1, sin 0: the q and k dimensions that rotate are put there at load
-    (arch.rope_order), the others pass through unchanged."""
+    (arch.head_order), the others pass through unchanged."""
 
     def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype, device="cpu",
                  layer_type: str | None = None):

@@ -1,4 +1,4 @@
-"""Rotary layouts the kernels do not rotate natively (engine/model/arch.py `rope_order`): GPT-J's
+"""Rotary layouts the kernels do not rotate natively (engine/model/arch.py `head_order`): GPT-J's
 adjacent pairs, partial rotary dims with Llama's halves or adjacent pairs. Reordered at load,
 q and k rotated by the kernels' tables (pairs (i, i + D/2), the tail still) score every
 query against every key as the model's own rotation does."""
@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from pdserve.engine.model.arch import reorder_heads, rope_order
+from pdserve.engine.model.arch import head_order, reorder_heads
 from pdserve.engine.model.rope import RotaryTables, apply_rope
 
 D, HEADS, POSITIONS = 16, 2, 40
@@ -36,22 +36,16 @@ def model_rotation(x: torch.Tensor, positions: torch.Tensor, R: int, interleaved
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_reordered_rows_rotated_by_the_tables_score_as_the_model(factor, interleaved):
     R = int(D * factor)
-    config = types.SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=D, hidden_size=32,
-                                   rope_theta=10000.0, partial_rotary_factor=factor,
-                                   model_type="glm" if interleaved else "llama", max_position_embeddings=POSITIONS,
-                                   num_hidden_layers=1, hidden_act="silu")
-    order = rope_order(config)
-    assert (order is None) == (factor == 1.0 and not interleaved)
+    config = types.SimpleNamespace(rope_theta=10000.0, partial_rotary_factor=factor)
+    order = head_order(D, R, interleaved)
     torch.manual_seed(0)
     q, k = torch.randn(POSITIONS, HEADS, D), torch.randn(POSITIONS, HEADS, D)
     positions = torch.arange(POSITIONS)
     want = torch.einsum("qhd,khd->hqk", model_rotation(q, positions, R, interleaved),
                         model_rotation(k, positions, R, interleaved))
     tables = RotaryTables(config, D, POSITIONS, torch.float32)
-    if order is not None:  # as reordering the projections' rows at load reorders their outputs
-        weight = torch.eye(HEADS * D)
-        moved = reorder_heads(weight, order)
-        q, k = ((x.reshape(POSITIONS, -1) @ moved.T).reshape(x.shape) for x in (q, k))
+    moved = reorder_heads(torch.eye(HEADS * D), order)  # reordering the projections' rows reorders their outputs
+    q, k = ((x.reshape(POSITIONS, -1) @ moved.T).reshape(x.shape) for x in (q, k))
     cos, sin = tables.lookup(positions)
     got = torch.einsum("qhd,khd->hqk", apply_rope(q, cos, sin), apply_rope(k, cos, sin))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
