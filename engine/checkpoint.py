@@ -15,7 +15,7 @@ from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3",
             "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5",
-            "helium", "glm", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+            "helium", "glm", "glm4", "cwm", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -73,11 +73,11 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import (ApertusConfig, ArceeConfig, Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig,
-                              GemmaConfig, Glm4Config, GlmConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, HeliumConfig,
-                              LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config,
-                              Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
+    from transformers import (ApertusConfig, ArceeConfig, CwmConfig, Ernie4_5Config, Exaone4Config, Gemma2Config,
+                              Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig, GraniteConfig, GraniteMoeConfig,
+                              GraniteMoeSharedConfig, HeliumConfig, LlamaConfig, Ministral3Config, MinistralConfig,
+                              MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -169,6 +169,11 @@ def _config(family: str, vocab_size: int, **overrides):
     elif family in ("glm", "glm4"):  # adjacent rotary pairs over half of each head; q, k and v biases
         cls = GlmConfig if family == "glm" else Glm4Config  # (GLM-4's norms after attention and the MLP too)
         common.update(head_dim=16, partial_rotary_factor=0.5, attention_bias=True)
+    elif family == "cwm":  # Llama with windows by layer (its first full, the next an 8-token window); Llama 3's rope
+        cls = CwmConfig
+        common.update(sliding_window=8, rope_parameters={"rope_type": "llama3", "rope_theta": 1000000.0, "factor": 16.0,
+                                                         "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                                         "original_max_position_embeddings": 256})
     elif family == "gemma2":  # caps small enough to bite, an 8-token window on its first layer
         cls = Gemma2Config
         common.update(head_dim=16, query_pre_attn_scalar=20, tie_word_embeddings=True, sliding_window=8,

@@ -1,7 +1,7 @@
 """Which checkpoints the engine serves, and what sets each family apart from Llama.
 
 Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS is Llama's
-with biases, Ministral Mistral's with windows by layer; Arcee's and Apertus's MLPs have no
+with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's and Apertus's MLPs have no
 gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are adjacent dimensions, and
 GLM's rotate part of each head: reordered at load, `rope_order`); in the mixture-of-experts families
 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE) a layer's MLP is a set of experts, a
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
-               "glm", "glm4", "mixtral",
+               "glm", "glm4", "cwm", "mixtral",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 PARTIAL_ROTARY = ("glm", "glm4")  # families that may rotate part of each head (partial_rotary_factor < 1)
