@@ -1,6 +1,7 @@
 """The disaggregation primitives: a prefill-only request's KV, copied by plain tensor
 indexing into slots reserved with prepare_receive, generates exactly what an ordinary
-request generates; reservations and pinned prefills free their pages when let go."""
+request generates, and for every family what transformers generates; reservations and
+pinned prefills free their pages when let go."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine import OutOfPages, SamplingParams, UnknownRequest
+from pdserve.engine.checkpoint import FAMILIES
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -60,6 +62,24 @@ def test_received_kv_generates_like_a_local_request(family, p_page, d_page, end_
     decode.start_generation("r")
     out = run_to_end(decode, "r")
     assert out.token_ids == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_prefilled_on_one_engine_decodes_on_another_as_transformers(family, make_engine, hf_greedy,
+                                                                                  prompts_of_lengths):
+    # Pages of 4 on P and 5 on D; the decode engine prefills the prompt's last 3 tokens (a
+    # KV window ending before the prompt does), past the 8-token windows of the families
+    # that have them.
+    prefill, decode = make_engine(family, page_size=4, num_pages=32), make_engine(family, page_size=5, num_pages=32)
+    prompt = prompts_of_lengths([29], seed=22)[0]
+    end = len(prompt) - 3
+    res = decode.prepare_receive("r", prompt, GREEDY, kv_window_end=end)
+    prefill.add_request("r", prompt[:end], GREEDY, prefill_only=True)
+    slots = run_to_end(prefill, "r").slots
+    copy_kv(prefill, slots[res.prefix_matched_length:], decode, res.slots)
+    assert prefill.release("r")
+    decode.start_generation("r")
+    assert run_to_end(decode, "r").token_ids == hf_greedy(family, prompt, GREEDY.max_tokens)
 
 
 def test_received_kv_is_what_decode_uses(make_engine, prompts_of_lengths):
