@@ -87,16 +87,14 @@ def read_config(name: str, path: str) -> dict:
 
 
 def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], dtype: torch.dtype,
-                 device="cpu", shard=None, head_dim: int = 0) -> LoraAdapter:
+                 device="cpu", shard=None, head_dim: int = 0, reorder=None) -> LoraAdapter:
     """Adapter `name` from PEFT directory `path`, for a base model whose fused projections
     have output parts `sizes` ({"qkv": [q, k, v], "o": [hidden], ...}, the whole model's), or
     for a tensor-parallel rank's share of it (`shard`: engine/tp/shard.py, None for the whole;
-    its heads of `head_dim`)."""
+    its heads of `head_dim`). `reorder`: how the model reordered q's and k's rows at load
+    (LlamaModel.reorder_qk), done to the adapter's B too."""
     from safetensors import safe_open
 
-    from .model.arch import reorder_heads, rope_order
-
-    order = rope_order(hf_config)
     config = read_config(name, path)
     weights = Path(path) / "adapter_model.safetensors"
     if not weights.is_file():
@@ -134,8 +132,8 @@ def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], d
             got = "missing" if A is None or B is None else f"A {tuple(A.shape)}, B {tuple(B.shape)}"
             raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module} does not fit this model "
                             f"(rank {rank}, {hi - lo} outputs; got {got}): it was made for another base model")
-        if module in ("q_proj", "k_proj") and order is not None:  # its rows as the model's (arch.rope_order)
-            B = reorder_heads(B, order)
+        if module in ("q_proj", "k_proj") and reorder is not None:  # its rows as the model's (arch.rope_order)
+            B = reorder(B)
         target = (A, B * scale if folded else B, int(lo), int(hi))
         if shard is not None and shard.world > 1:
             target = _rank_share(target, projection, sizes, shard, head_dim)
@@ -227,7 +225,7 @@ def add_deltas(out: torch.Tensor, x: torch.Tensor, layer: int, projection: str, 
 def load_adapters(entries, model, hf_config, dtype: torch.dtype, device, shard=None) -> Adapters:
     """The adapters of `--lora-modules` entries (NAME=DIR), loaded for `model` (a
     tensor-parallel rank's: `shard`), which its rows then reach (`model.adapters`)."""
-    adapters = Adapters([load_adapter(name, path, hf_config, model.lora_sizes(), dtype, device, shard, model.head_dim)
-                         for name, path in parse_modules(entries)])
+    adapters = Adapters([load_adapter(name, path, hf_config, model.lora_sizes(), dtype, device, shard, model.head_dim,
+                                      model.reorder_qk) for name, path in parse_modules(entries)])
     model.adapters = adapters.all
     return adapters

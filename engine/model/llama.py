@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .. import collectives
 from ..lora import add_deltas
-from .arch import UnsupportedModel, architecture, geometry
+from .arch import UnsupportedModel, architecture, geometry, reorder_heads, rope_order
 from .fused import FusedOps
 from .linear import Linear
 from .moe import Experts
@@ -197,6 +197,8 @@ class LlamaModel:
         self.activation, self.gated, self.whole_qk_norm = arch.activation, arch.gated, arch.whole_qk_norm
         self.attn_softcap, self.logit_softcap = arch.attn_softcap, arch.logit_softcap
         self.query_scaling = arch.query_scaling
+        order = rope_order(c)  # q's and k's rows were reordered so at load (arch.to_llama_names)
+        self.reorder_qk = None if order is None else (lambda rows: reorder_heads(rows, order))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """Final hidden states [T, hidden] of `input_ids` [T] at `positions` [T] (only the
