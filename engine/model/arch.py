@@ -1,11 +1,11 @@
 """Which checkpoints the engine serves, and what sets each family apart from Llama.
 
 Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS is Llama's
-with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's and Apertus's MLPs have no
-gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are adjacent dimensions, and
-GLM's rotate part of each head: reordered at load, `rope_order`); in the mixture-of-experts families
-(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE) a layer's MLP is a set of experts, a
-few of which each token runs (`moe.Experts`). A checkpoint of any other kind is refused
+with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's and
+Apertus's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
+adjacent dimensions, and GLM's rotate part of each head: reordered at load, `rope_order`);
+in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE) a
+layer's MLP is a set of experts, a few of which each token runs (`moe.Experts`). A checkpoint of any other kind is refused
 before its weights load, naming what it is. Weights of a family and a Llama would load
 alike, so serving one as the other gives wrong text with no error (Command R runs
 attention and the MLP side by side, Granite scales its residuals): the refusal is the only
