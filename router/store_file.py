@@ -33,7 +33,7 @@ from aiohttp import web
 log = logging.getLogger("pdserve.router")
 
 FILE, JOURNAL, VERSION = "stored.json", "journal.jsonl", 1
-MIN_FOLD_CHARS = 2**20  # a journal this small is not folded into the file before a stop
+MIN_FOLD_CHARS = 2**20  # a running server folds its journal past twice the stores, never below this
 
 
 def keep(app: web.Application, directory: str | None, stored, conversations) -> None:
