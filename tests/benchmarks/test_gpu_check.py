@@ -1,7 +1,7 @@
 """benchmarks/gpu.py's stage runner: a stage that dies is reported with its exit code, and
 a stage stopped at its limit takes what it started along (a device machine gives one
 short run: a stage must neither wait out its limit for nothing nor leave work behind). The
-engine and parity stages run quick on the CPU, so a bug in their CPU-side code shows here."""
+engine and families stages run quick on the CPU, so a bug in their CPU-side code shows here."""
 
 from __future__ import annotations
 
@@ -123,13 +123,12 @@ def test_the_engine_stage_runs_on_tiny_models_and_reports_every_figure(tmp_path)
     assert all(row["graph_steps"] == 4 for row in r["host"]["batches"].values())
 
 
-def test_the_parity_stage_compares_a_llama_and_each_familys_tokens_with_transformers(tmp_path):
-    from pdserve.benchmarks.gpu import GPU_FAMILIES, stage_parity
+def test_the_families_stage_compares_each_familys_tokens_with_transformers(tmp_path):
+    from pdserve.benchmarks.gpu import GPU_FAMILIES, stage_families
 
-    # Quick on the CPU: the tiny Llama and the first two families on the torch backend (the
-    # GPU run takes every family of GPU_FAMILIES through Triton and CUDA graphs).
-    r = run_stage(stage_parity, ("cpu", tmp_path, True), 600)
+    # Quick on the CPU: the first two families on the torch backend (the GPU run takes every
+    # family of GPU_FAMILIES through Triton and CUDA graphs).
+    r = run_stage(stage_families, ("cpu", tmp_path, True), 600)
     assert r["ok"], r.get("traceback") or r
-    assert r["backends"]["torch"]["identical"] == r["backends"]["torch"]["of"] == 3
     assert r["families"] == {f: {"identical": 2, "of": 2, "backend": "torch", "graphs": False}
                              for f in GPU_FAMILIES[:2]}
