@@ -210,9 +210,8 @@ class LlamaModel:
         chunk keeps one row, or none before its last chunk)."""
         ops = self.ops
         act_mul = ops.silu_mul if self.activation == "silu" else gelu_tanh_mul
-        if not self.gated:  # no gate: the activation of the up projection alone
-            ungated = UNGATED_ACTIVATIONS[self.activation]
-            act_mul = None
+        # A dense MLP's activation of its gate_up output; without a gate, of up alone.
+        mlp_act = UNGATED_ACTIVATIONS[self.activation] if not self.gated else (lambda up, _: act_mul(up))
         rope_ops = {kind: ops if tables is ops.rope else ops.with_rope(tables) for kind, tables in self.rope_tables.items()}
         q_size = self.num_heads * self.head_dim
         lora = step.lora
@@ -292,8 +291,7 @@ class LlamaModel:
             if layer.experts is not None:
                 x = layer.experts(h, act_mul)
             else:
-                up = project(layer.gate_up, h, i, "gate_up")
-                x = project(layer.down, act_mul(up) if act_mul else ungated(up, layer), i, "down")
+                x = project(layer.down, mlp_act(project(layer.gate_up, h, i, "gate_up"), layer), i, "down")
             if self.tp:
                 collectives.all_reduce(x)
             if self.residual_multiplier != 1:
