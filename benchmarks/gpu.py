@@ -81,8 +81,10 @@ def stage_parity(device: str, workdir: Path, quick: bool) -> dict:
 # One random checkpoint of each mechanism the GPU step path runs beyond Llama's: capped
 # scores and windows (gemma2), rope tables by layer kind (gemma3), NoPE layers (smollm3,
 # exaone4), experts (qwen2_moe), norms over all heads (olmo2), scaled queries (ministral3),
-# reordered partial rope (glm4), an ungated MLP (apertus), fused projections (phi3).
-GPU_FAMILIES = ("gemma2", "gemma3", "smollm3", "exaone4", "qwen2_moe", "olmo2", "ministral3", "glm4", "apertus", "phi3")
+# reordered partial rope (glm4), an ungated MLP (apertus), fused projections (phi3),
+# attention sinks and clamped experts (gpt_oss).
+GPU_FAMILIES = ("gemma2", "gemma3", "smollm3", "exaone4", "qwen2_moe", "olmo2", "ministral3", "glm4", "apertus", "phi3",
+                "gpt_oss")
 
 
 def stage_families(device: str, workdir: Path, quick: bool) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3",
             "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5",
-            "helium", "glm", "glm4", "cwm", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+            "helium", "glm", "glm4", "cwm", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -74,7 +74,7 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 def _config(family: str, vocab_size: int, **overrides):
     from transformers import (ApertusConfig, ArceeConfig, CwmConfig, Ernie4_5Config, Exaone4Config, Gemma2Config,
-                              Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig, GraniteConfig, GraniteMoeConfig,
+                              Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
                               GraniteMoeSharedConfig, HeliumConfig, LlamaConfig, Ministral3Config, MinistralConfig,
                               MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
@@ -203,6 +203,12 @@ def _config(family: str, vocab_size: int, **overrides):
         cls = GraniteMoeConfig if family == "granitemoe" else GraniteMoeSharedConfig
         common.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, embedding_multiplier=2.0,
                       residual_multiplier=0.8, attention_multiplier=0.125, logits_scaling=2.0, tie_word_embeddings=True)
+    elif family == "gpt_oss":  # sinks; an 8-token window on its first layer, YaRN; a clamp that bites
+        cls = GptOssConfig
+        common.update(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=8,
+                      swiglu_limit=0.5, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                         "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                         "original_max_position_embeddings": 512})
     else:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     common.update(overrides)
@@ -239,8 +245,10 @@ def write_checkpoint(
     random_norms = family in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "exaone4")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(".bias") or (random_norms and name.endswith("norm.weight")):
+            if name.endswith((".bias", "_proj_bias")) or (random_norms and name.endswith("norm.weight")):
                 p.normal_(0.0, 0.3)
+            elif name.endswith(".sinks"):  # GPT-OSS's: as large as a score, to take a share of each softmax
+                p.normal_(0.0, 1.0)
             elif ".act_fn.alpha_" in name:  # xIELU's, alike in every layer at first
                 p.add_(torch.randn_like(p) * 0.3)
     model.eval().to(getattr(torch, weights_dtype))

@@ -15,7 +15,8 @@ Without those kernels (no compiler, fp16, not CPU), decodes are grouped by conte
 so each group is one page gather and one SDPA call; query heads that share a KV head act as
 that KV head's query rows, so GQA needs no repeated K/V. Prefill chunks then gather their
 pages and run SDPA one sequence at a time, causal over the new tokens and full over the
-cached prefix.
+cached prefix. Capped scores (Gemma 2) and attention sinks (GPT-OSS), which neither SDPA nor
+the prefill kernel takes, run those groups and chunks through `capped_attention` instead.
 """
 
 from __future__ import annotations
@@ -106,11 +107,7 @@ def plan_attention(
             first_page = max(0, ctx - n - window + 1) // page_size if window else 0
             first_key = first_page * page_size
             pages = torch.tensor(page_lists[b][first_page:num_pages], dtype=torch.int64, device=device)
-            mask = None
-            if ctx != n or (window and ctx > window):
-                q_pos = torch.arange(ctx - n, ctx, device=device).unsqueeze(1)
-                keys = torch.arange(first_key, ctx, device=device).unsqueeze(0)
-                mask = (keys <= q_pos) & (keys > q_pos - window) if window else keys <= q_pos
+            mask = _prefill_mask(n, ctx, first_key, window, device)
             plan.prefills.append(PrefillSeq(slice(row, row + n), pages, ctx, mask, first_key=first_key))
             row += n
             b += 1
@@ -132,6 +129,15 @@ def plan_attention(
         plan.decode_groups.append(_decode_group(row, seq_lens[start:b], page_lists[start:b], page_size, device, window))
         row += b - start
     return plan
+
+
+def _prefill_mask(n, ctx, first_key, window, device) -> torch.Tensor | None:
+    """bool [n, ctx - first_key], True where a chunk's query sees a key; None: plain causal."""
+    if ctx == n and not (window and ctx > window):
+        return None
+    q_pos = torch.arange(ctx - n, ctx, device=device).unsqueeze(1)
+    keys = torch.arange(first_key, ctx, device=device).unsqueeze(0)
+    return (keys <= q_pos) & (keys > q_pos - window) if window else keys <= q_pos
 
 
 def _padded_pages(lens, page_lists, page_size) -> tuple[int, list[list[int]]]:
@@ -178,17 +184,24 @@ def rows_packed(k_cache, v_cache) -> bool:
     )
 
 
-def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float) -> torch.Tensor:
-    """out [T, H, D] for q [T, H, D] under `plan`."""
+def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, H, D] for q [T, H, D] under `plan`. `sinks`, float32 [H] on q's device or
+    None: query head h's softmax has one more score, sinks[h] (natural-log units, like the
+    scaled and capped scores), whose weight is dropped (GPT-OSS's attention sinks). SDPA
+    and the C prefill kernel take no sink: with sinks, their work runs `capped_attention`."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    if sinks is not None and sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must be one per query head, [{num_heads}], got {tuple(sinks.shape)}")
+    manual = bool(plan.softcap) or sinks is not None  # SDPA cannot run these
     page_size = plan.page_size
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for r in plan.decode_runs:
         dest = out[r.rows]
         o = paged_decode(r.kernel, q[r.rows], k_cache, v_cache, r.block_tables, r.seq_lens, page_size, scale, dest,
-                         r.window, plan.softcap)
+                         r.window, plan.softcap, sinks)
         if o.data_ptr() != dest.data_ptr():
             dest.copy_(o)
     # index_select over pages gathers the chosen pages into one contiguous tensor, whatever
@@ -200,26 +213,31 @@ def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float)
         v = v_cache.index_select(0, flat).view(b, p * page_size, num_kv_heads, head_dim).transpose(1, 2)
         # The `group` query heads of one KV head are that head's queries: [B, Hkv, G, D].
         qg = q[g.rows].view(b, num_kv_heads, group, head_dim)
-        if plan.softcap:
+        if manual:
             mask = g.mask if g.mask is not None else torch.ones(1, dtype=torch.bool, device=q.device)
-            o = capped_attention(qg, k, v, mask, scale, plan.softcap)
+            o = capped_attention(qg, k, v, mask, scale, plan.softcap,
+                                 None if sinks is None else sinks.view(num_kv_heads, group, 1))
         else:
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
         out[g.rows] = o.reshape(b, num_heads, head_dim)
     for s in plan.prefills:
         ctx = s.context_len
         if s.kernel is not None:
-            prefill_attention(s.kernel, q[s.rows], k_cache, v_cache, s.pages, ctx, scale, out[s.rows])
-            continue
+            if sinks is None:
+                prefill_attention(s.kernel, q[s.rows], k_cache, v_cache, s.pages, ctx, scale, out[s.rows])
+                continue
+            if s.mask is None:  # planned for the kernel, which needs none: made once, for all layers
+                s.mask = _prefill_mask(s.rows.stop - s.rows.start, ctx, 0, 0, q.device)
         keys = ctx - s.first_key
         k = k_cache.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:keys].transpose(0, 1)
         v = v_cache.index_select(0, s.pages).view(-1, num_kv_heads, head_dim)[:keys].transpose(0, 1)
         qs = q[s.rows].transpose(0, 1)  # [H, n, D]
-        if plan.softcap:
+        if manual:
             n = qs.shape[1]
             mask = s.mask if s.mask is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             o = capped_attention(qs.reshape(num_kv_heads, group, n, head_dim), k.unsqueeze(1), v.unsqueeze(1), mask,
-                                 scale, plan.softcap).reshape(num_heads, n, head_dim)
+                                 scale, plan.softcap, None if sinks is None else sinks.view(num_kv_heads, group, 1, 1)
+                                 ).reshape(num_heads, n, head_dim)
             out[s.rows] = o.transpose(0, 1)
             continue
         o = F.scaled_dot_product_attention(
@@ -230,9 +248,11 @@ def attend(q: torch.Tensor, k_cache, v_cache, plan: AttentionPlan, scale: float)
     return out
 
 
-def capped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
-    """Attention whose scaled scores are capped, softcap * tanh(s / softcap), before the mask
-    and the softmax, as transformers' eager path runs Gemma 2 (SDPA takes no cap). q [..., n,
+def capped_attention(q, k, v, mask, scale: float, softcap: float = 0.0, sinks=None) -> torch.Tensor:
+    """Attention in plain matmuls, as transformers' eager path runs what SDPA takes no part
+    in: softcap > 0 caps the scaled scores, softcap * tanh(s / softcap), before the mask and
+    the softmax (Gemma 2); `sinks` (float32 broadcast to [..., n, 1], a query head's each; None:
+    none) are one more score column of each softmax, dropped after it (GPT-OSS). q [..., n,
     D] against k, v [..., c, D], broadcast (a KV head's query heads share its keys); mask:
     bool, broadcast to the scores [..., n, c], True where a query sees a key. Queries go
     `_CAPPED_ROWS` at a time, so the scores held stay small whatever the chunk and context."""
@@ -240,21 +260,27 @@ def capped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tenso
     out = []
     for i in range(0, n, _CAPPED_ROWS):
         s = torch.matmul(q[..., i:i + _CAPPED_ROWS, :], k.transpose(-1, -2)) * scale
-        s = torch.tanh(s / softcap) * softcap
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
         rows = mask if mask.dim() < 2 or mask.shape[-2] == 1 else mask[..., i:i + _CAPPED_ROWS, :]
         s = s.masked_fill(~rows, float("-inf"))
-        out.append(torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v))
+        if sinks is None:
+            p = torch.softmax(s, dim=-1, dtype=torch.float32)
+        else:
+            p = torch.softmax(torch.cat([s.float(), sinks.expand(*s.shape[:-1], 1)], dim=-1), dim=-1)[..., :-1]
+        out.append(torch.matmul(p.to(q.dtype), v))
     return out[0] if len(out) == 1 else torch.cat(out, dim=-2)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size: int, scale: float):
+def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size: int, scale: float,
+                    sinks: torch.Tensor | None = None):
     """Attention of q [T, H, D] over the paged cache, see the module docstring and the
     contract: sequence b's queries are rows query_start_loc[b]:query_start_loc[b+1], the
-    last positions of a context of seq_lens[b] tokens."""
+    last positions of a context of seq_lens[b] tokens. `sinks`: as `attend`'s."""
     starts = query_start_loc.tolist()
     query_lens = [e - s for s, e in zip(starts[:-1], starts[1:])]
     if k_cache.shape[1] != page_size:
         raise ValueError(f"k_cache has pages of {k_cache.shape[1]} slots, but page_size={page_size}")
     kv_dtype = k_cache.dtype if rows_packed(k_cache, v_cache) else None
     plan = plan_attention(query_lens, seq_lens.tolist(), block_tables.tolist(), page_size, q.device, kv_dtype)
-    return attend(q, k_cache, v_cache, plan, scale)
+    return attend(q, k_cache, v_cache, plan, scale, sinks)

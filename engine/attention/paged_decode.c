@@ -7,9 +7,10 @@
  * V between them); block_tables int32 [B, max_pages]; seq_lens int32 [B]. Position t of
  * sequence b is row t % page_size of page block_tables[b][t / page_size].
  * The H / Hkv query heads of one KV head share that head's keys (GQA without repeats).
- * One task is one sequence: its rows hold every KV head side by side, so reading them
- * whole keeps the reads sequential within a page. Exact softmax in two passes over the
- * context, in float32 (accumulating into `out`). With AVX2 and FMA (any x86 of the last
+ * One task is one sequence: its rows hold every KV head side by side, so reading them whole
+ * keeps the reads sequential within a page. Exact softmax in two passes over the context,
+ * in float32 (accumulating into `out`); `sinks` (NULL: none), one per query head, are one
+ * more score each, with no value row (GPT-OSS). With AVX2 and FMA (any x86 of the last
  * decade) the dot products and the weighted sums use 256-bit intrinsics; elsewhere plain
  * loops the compiler vectorizes. bfloat16 pages of head_dim 64 use AVX512-BF16's vdpbf16ps
  * where the CPU has it: keys scored straight from the page (no conversion of K), values
@@ -268,7 +269,7 @@ static inline void add_page_bf16(float *acc, const float *p, int64_t n, const ui
              const int32_t *block_tables, int64_t max_pages, const int32_t *seq_lens,          \
              int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t page_size,                 \
              int64_t page_stride, float scale, int64_t window, float softcap,                  \
-             float *out, int num_threads) {                                                    \
+             const float *sinks, float *out, int num_threads) {                                \
         const int64_t W = Hkv * D; /* W: one slot's row, all KV heads */                      \
         /* the page after next is prefetched a head's share at a time, between the heads' work */ \
         const int64_t chunk = (int64_t)(sizeof(KV_T) * page_size * W + H - 1) / H;            \
@@ -305,7 +306,7 @@ static inline void add_page_bf16(float *acc, const float *p, int64_t n, const ui
             }                                                                                  \
             for (int64_t j = 0; j < H; j++) {                                                  \
                 float *restrict st = scores + j * n;                                           \
-                float m = -INFINITY, sum = 0.0f;                                               \
+                float m = sinks ? sinks[j] : -INFINITY, sum = 0.0f;                            \
                 if (softcap > 0.0f) /* Gemma 2: scores capped, cap * tanh(score / cap) */       \
                     for (int64_t t = lo; t < n; t++) st[t] = softcap * tanhf(st[t] / softcap);  \
                 _Pragma("omp simd reduction(max : m)")                                         \
@@ -317,7 +318,7 @@ static inline void add_page_bf16(float *acc, const float *p, int64_t n, const ui
                     sum += e;                                                                  \
                 }                                                                              \
                 for (int64_t t = p0 * page_size; t < lo; t++) st[t] = 0.0f;                   \
-                total[j] = sum;                                                                \
+                total[j] = sinks ? sum + fast_exp(sinks[j] - m) : sum;                         \
             }                                                                                  \
             memset(acc, 0, sizeof(float) * H * D);                                             \
             for (int64_t p = p0, t0 = p0 * page_size; p < num_pages; p++, t0 += page_size) {   \

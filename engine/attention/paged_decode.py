@@ -28,7 +28,7 @@ _FLAGS = [*native.BASE_FLAGS, "-fno-math-errno", "-fno-trapping-math", "-fassoci
 _SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
-             ctypes.c_float, _ptr, ctypes.c_int]
+             ctypes.c_float, _ptr, _ptr, ctypes.c_int]
 _KERNELS = native.KernelLibrary(__file__, "paged_decode.c", dict.fromkeys(_SYMBOLS.values(), _ARGTYPES), _FLAGS)
 
 
@@ -38,14 +38,16 @@ def kernel_for(dtype: torch.dtype, device: torch.device):
 
 
 def paged_decode(kernel, q, k_cache, v_cache, block_tables, seq_lens, page_size: int, scale: float,
-                 out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                 out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """out [B, H, D] (q's dtype) for one query per sequence: q [B, H, D], one layer's
     k_cache / v_cache [num_pages, page_size, Hkv, D] page views (any page stride, the same
     for both; each page's rows contiguous), block_tables int32 [B, max_pages] (contiguous),
     seq_lens int32 [B] (context length including the query's own token). `out`, if given, is
     a contiguous float32 [B, H, D] to write into (saves a copy). `window` > 0: each query
     sees its last `window` positions only (a sliding-window layer); `softcap` > 0: each
-    scaled score s becomes softcap * tanh(s / softcap) (Gemma 2)."""
+    scaled score s becomes softcap * tanh(s / softcap) (Gemma 2). `sinks`, float32 [H] or
+    None: query head h's softmax has one more score, sinks[h], with no value (GPT-OSS)."""
     B, H, D = q.shape
     num_kv_heads = k_cache.shape[2]
     if (k_cache.shape[1] != page_size or v_cache.stride() != k_cache.stride()
@@ -53,14 +55,17 @@ def paged_decode(kernel, q, k_cache, v_cache, block_tables, seq_lens, page_size:
         # The kernel would read the wrong bytes: refuse rather than return garbage.
         raise ValueError(f"paged decode needs packed pages of {page_size} rows with equal K/V strides, "
                          f"got shape {tuple(k_cache.shape)}, strides {k_cache.stride()} / {v_cache.stride()}")
+    if sinks is not None:
+        if sinks.shape != (H,):
+            raise ValueError(f"sinks must be one per query head, [{H}], got {tuple(sinks.shape)}")
+        sinks = sinks.to("cpu", torch.float32).contiguous()  # held until the kernel returns
     qf = q.to(torch.float32).contiguous()
     if out is None or out.dtype != torch.float32 or not out.is_contiguous() or out.shape != (B, H, D):
         out = torch.empty(B, H, D, dtype=torch.float32)
     failed = kernel(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), B, H, num_kv_heads, D, page_size, k_cache.stride(0), scale, window, softcap,
-        out.data_ptr(),
-        torch.get_num_threads(),
+        None if sinks is None else sinks.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )
     if failed:
         raise MemoryError("paged decode kernel could not allocate its score buffers")

@@ -61,13 +61,14 @@ def _store_kv_kernel(
 
 
 def _paged_attention_kernel(
-    Q, KCache, VCache, Out, Lse, BlockTables, QueryStartLoc, SeqLens,
+    Q, KCache, VCache, Out, Lse, BlockTables, QueryStartLoc, SeqLens, Sinks,
     scale_log2e, page_size, num_splits, window, softcap,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     NUM_Q_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,6 +97,14 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        if HAS_SINKS:
+            # The sink is one more score (base 2 here) with no value: the softmax starts from
+            # it. Split 0 alone does, so the combine (one softmax over the splits' log-sum-exps)
+            # counts it once.
+            m_i = tl.load(Sinks + head, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            if SPLIT:
+                m_i = tl.where(split == 0, m_i, float("-inf"))
+            l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
         # The block's last query sees positions up to its own: nothing after it is loaded;
         # under a sliding window its first query sees none before its last `window`.
         kv_end = tl.minimum(seq_len, seq_len - num_new + (m_block + 1) * BLOCK_M)
@@ -200,7 +209,8 @@ def store_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size: int, scale: float,
                     max_query_len: int | None = None, num_splits: int | None = None,
-                    launch: tuple[int, int, int] | None = None, window: int = 0, softcap: float = 0.0):
+                    launch: tuple[int, int, int] | None = None, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None):
     """Attention of q [T, H, D] over the paged cache: sequence b's queries are rows
     query_start_loc[b]:query_start_loc[b+1], the last positions of a context of
     seq_lens[b] tokens (causal over them, full over the cached prefix).
@@ -214,7 +224,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     (`decode_splits`), 1 on a CPU. `launch` overrides `launch_config`'s (rows, tile, warps):
     benchmarks compare tiles with it. `window` > 0: each query sees its last `window`
     positions only (a sliding-window layer); `softcap` > 0: each scaled score s is
-    softcap * tanh(s / softcap) (Gemma 2)."""
+    softcap * tanh(s / softcap) (Gemma 2). `sinks`, float32 [H] on q's device or None:
+    query head h's softmax has one more score, sinks[h] (natural-log units, like the scaled
+    and capped scores), whose weight is dropped (GPT-OSS's attention sinks)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[1] != page_size:
@@ -223,6 +235,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported by the Triton kernel")
+    if sinks is not None and sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must be one per query head, [{num_heads}], got {tuple(sinks.shape)}")
     out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -257,6 +271,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     kernel = _load("_paged_attention_kernel")
     kernel[grid](
         q, k_cache, v_cache, part, lse, block_tables, query_start_loc, seq_lens,
+        q if sinks is None else sinks.to(torch.float32).contiguous(),  # q: never read without sinks
         scale * 1.4426950408889634, page_size, num_splits, window, float(softcap),  # log2(e): the kernel uses exp2
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), part.stride(0), part.stride(1),
@@ -264,7 +279,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         NUM_Q_PER_KV=group, GROUP_PAD=group_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, SPLIT=split, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, SPLIT=split, HAS_SINKS=sinks is not None, num_warps=num_warps,
     )
     if split:
         _load("_combine_splits_kernel")[(num_tokens, num_heads)](

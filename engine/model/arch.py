@@ -4,8 +4,9 @@ Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS
 with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's and
 Apertus's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
 adjacent dimensions, and GLM's rotate part of each head: reordered at load, `rope_order`);
-in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE) a
-layer's MLP is a set of experts, a few of which each token runs (`moe.Experts`). A checkpoint of any other kind is refused
+in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS) a
+layer's MLP is a set of experts, a few of which each token runs (`moe.Experts`; GPT-OSS's
+attention sinks, clamped SwiGLU and MXFP4 experts: `gpt_oss`). A checkpoint of any other kind is refused
 before its weights load, naming what it is. Weights of a family and a Llama would load
 alike, so serving one as the other gives wrong text with no error (Command R runs
 attention and the MLP side by side, Granite scales its residuals): the refusal is the only
@@ -23,11 +24,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .gpt_oss import split_experts
+
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
-               "glm", "glm4", "cwm", "mixtral",
+               "glm", "glm4", "cwm", "mixtral", "gpt_oss",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 PARTIAL_ROTARY = ("glm", "glm4")  # families that may rotate part of each head (partial_rotary_factor < 1)
@@ -66,6 +69,8 @@ class Architecture:
     # Rotary pairs of adjacent dimensions (GPT-J's; ERNIE 4.5, Helium, GLM), not of halves:
     # their q and k rows are reordered at load (`rope_order`), which leaves every score as it was.
     interleaved_rope: bool = False
+    sinks: bool = False  # a learned logit per query head joins each softmax as a key with no value (GPT-OSS)
+    clamped_swiglu: tuple[float, float] | None = None  # GPT-OSS's activation's (alpha, limit): gpt_oss.clamped_swiglu
     moe: MoE | None = None  # the experts, in a mixture-of-experts model
 
 
@@ -82,7 +87,7 @@ class MoE:
 def _moe(c, kind: str) -> MoE | None:
     if kind == "mixtral":
         return MoE(c.num_local_experts, c.num_experts_per_tok, True, True, (True,) * c.num_hidden_layers)
-    if kind in ("granitemoe", "granitemoeshared"):
+    if kind in ("granitemoe", "granitemoeshared", "gpt_oss"):
         return MoE(c.num_local_experts, c.num_experts_per_tok, False, False, (True,) * c.num_hidden_layers, True)
     if kind == "olmoe":
         return MoE(c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), False, (True,) * c.num_hidden_layers)
@@ -104,8 +109,8 @@ def architecture(hf_config) -> Architecture:
             f"model_type {kind!r} ({names}) is not supported: pdserve serves {', '.join(MODEL_TYPES)} "
             f"checkpoints; serve this model with a server that implements it")
     quant = getattr(c, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+    method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)) if quant else None
+    if quant and (kind, method) != ("gpt_oss", "mxfp4"):  # GPT-OSS's MXFP4 experts are dequantized at load
         raise UnsupportedModel(f"quantized checkpoints are not supported (quant_method {method!r}); "
                                f"serve the model's unquantized (bf16, fp16 or fp32) weights")
     # Gemma 2 and 3 take their activation from hidden_activation (transformers ignores hidden_act there).
@@ -161,6 +166,8 @@ def _family(c, kind: str, act: str) -> Architecture:
                                          "post_mlp_layernorm"))
     if kind == "arcee":
         return Architecture(activation=act, gated=False)
+    if kind == "gpt_oss":
+        return Architecture(activation=act, sinks=True, clamped_swiglu=(c.swiglu_alpha, c.swiglu_limit), moe=_moe(c, kind))
     if kind == "apertus":  # its norms' own names; xIELU's parameters are each layer's
         return Architecture(activation=act, gated=False, layer_norms=("attention_layernorm", None,
                                                                       "feedforward_layernorm", None))
@@ -209,7 +216,10 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
     """Phi-3's fused qkv_proj and gate_up_proj, split in place into Llama's q/k/v and
     gate/up names (the model fuses them again; tensor parallelism cuts them apart first);
     Mixtral's experts renamed as Qwen's (`mlp.experts.N.gate_proj`, ..., `mlp.gate`), and
-    Granite MoE's, stacked [experts, ...], split into them."""
+    Granite MoE's and GPT-OSS's, stacked [experts, ...], split into them (GPT-OSS's MXFP4
+    experts dequantized to the model's dtype first)."""
+    if hf_config.model_type == "gpt_oss":
+        split_experts(state, state["model.embed_tokens.weight"].dtype)
     if hf_config.model_type in ("granitemoe", "granitemoeshared"):
         _granite_experts(state)
     if hf_config.model_type == "mixtral":

@@ -79,13 +79,14 @@ class DecodeGraphs:
         ps, qsl = self.page_size, self.query_start[:b + 1]
         softcap, window = self.model.attn_softcap, self.model.window  # the model's: constants of the graph
 
-        def attend(q, k_cache, v_cache, scale, window=0):
+        def attend(q, k_cache, v_cache, scale, sinks=None, window=0):
             return triton_ops.paged_attention(q, k_cache, v_cache, tables, qsl, lens, ps, scale, max_query_len=1,
-                                              window=window, softcap=softcap)
+                                              window=window, softcap=softcap, sinks=sinks)
 
         step = StepAttention(slots, triton_ops.store_kv, attend)
         if window:  # the sliding layers'
-            step.attend_window = lambda q, k_cache, v_cache, scale: attend(q, k_cache, v_cache, scale, window)
+            step.attend_window = lambda q, k_cache, v_cache, scale, sinks=None: attend(q, k_cache, v_cache, scale,
+                                                                                       sinks, window)
         hidden = self.model.forward(ids, pos, self.kv_cache, step)
         return self.model.logits(hidden, out=self.logits[:b])
 

@@ -1,6 +1,6 @@
 """The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Gemma,
-Gemma 2, Gemma 3, OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) as plain tensor code over the paged KV
-cache.
+Gemma 2, Gemma 3, OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS; the list
+is arch.MODEL_TYPES) as plain tensor code over the paged KV cache.
 
 Tokens of all sequences in a step are one flat batch [T]: every linear layer is one
 matmul for the whole step, whatever mix of prefill chunks and decodes it holds. Per
@@ -9,7 +9,7 @@ q/k RMS norm (Qwen3), tied embeddings, rope scaling, Granite's multipliers, Smol
 layers without rope, Gemma's norms (1 + weight, added at load), GeLU and scaled embeddings,
 norms of the attention's and the MLP's outputs (OLMo 2, Gemma 2 and 3), sliding-window layers
 (Gemma 3's with rotary tables of their own), Gemma 2's capped scores and logits, experts in
-place of the MLP (`arch`, `moe`). Weights are fused at load time
+place of the MLP (`arch`, `moe`), GPT-OSS's attention sinks (`Layer.sinks`). Weights are fused at load time
 (q|k|v and gate|up) so each layer runs four matmuls; between them run four fused
 operations (`fused`: add + norm, rotary + KV store, SiLU-and-multiply, add + norm), so a
 layer is about nine calls.
@@ -27,6 +27,7 @@ from .. import collectives
 from ..lora import add_deltas
 from .arch import UnsupportedModel, architecture, geometry, reorder_heads, rope_order
 from .fused import FusedOps
+from .gpt_oss import clamped_swiglu
 from .linear import Linear
 from .moe import Experts
 from .rope import RotaryTables
@@ -48,6 +49,7 @@ class Layer:
     attn_out_norm: torch.Tensor | None = None  # of the attention's output, before the residual add
     mlp_out_norm: torch.Tensor | None = None
     xielu: tuple | None = None  # the layer's xIELU parameters (alpha_p, alpha_n, beta, eps): Apertus
+    sinks: torch.Tensor | None = None  # float32 [H]: each query head's attention sink (GPT-OSS)
 
 
 @dataclass
@@ -56,7 +58,7 @@ class StepAttention:
 
     slot_mapping: torch.Tensor  # int64 [T]
     store_kv: Callable  # (k_cache, v_cache, k, v, slot_mapping)
-    attend: Callable  # (q, k_cache, v_cache, scale) -> out
+    attend: Callable  # (q, k_cache, v_cache, scale, sinks=None) -> out
     layer_hook: Callable | None = None  # (layer_idx) after the layer's K/V is written
     # The rows whose hidden states are wanted (int64, in the order wanted), and `attend` for
     # them alone, each row the last query of its sequence; None: every row.
@@ -181,6 +183,7 @@ class LlamaModel:
                     mlp_out_norm=after_mlp and norm(after_mlp),
                     xielu=tuple(take(f"{m}act_fn.{n}") for n in ("alpha_p", "alpha_n", "beta", "eps"))
                     if arch.activation == "xielu" else None,
+                    sinks=maybe(a + "sinks").float() if arch.sinks else None,
                 )
             )
         self.norm = norm("model.norm.weight")
@@ -197,6 +200,7 @@ class LlamaModel:
         self.activation, self.gated, self.whole_qk_norm = arch.activation, arch.gated, arch.whole_qk_norm
         self.attn_softcap, self.logit_softcap = arch.attn_softcap, arch.logit_softcap
         self.query_scaling = arch.query_scaling
+        self.clamped_swiglu = arch.clamped_swiglu
         order = rope_order(c)  # q's and k's rows were reordered so at load (arch.to_llama_names)
         self.reorder_qk = None if order is None else (lambda rows: reorder_heads(rows, order))
 
@@ -210,6 +214,8 @@ class LlamaModel:
         chunk keeps one row, or none before its last chunk)."""
         ops = self.ops
         act_mul = ops.silu_mul if self.activation == "silu" else gelu_tanh_mul
+        if self.clamped_swiglu is not None:
+            act_mul = clamped_swiglu(*self.clamped_swiglu)
         # A dense MLP's activation of its gate_up output; without a gate, of up alone.
         mlp_act = UNGATED_ACTIVATIONS[self.activation] if not self.gated else (lambda up, _: act_mul(up))
         rope_ops = {kind: ops if tables is ops.rope else ops.with_rope(tables) for kind, tables in self.rope_tables.items()}
@@ -279,7 +285,7 @@ class LlamaModel:
                     return h[:0]
                 q, residual = q.index_select(0, step.keep), residual.index_select(0, step.keep)
                 attend, lora = (layer.window and step.attend_kept_window) or step.attend_kept, step.lora_kept
-            attn = attend(q, k_cache, v_cache, self.scale)
+            attn = attend(q, k_cache, v_cache, self.scale, layer.sinks)
             out = project(layer.o, attn.view(-1, q_size), i, "o")
             if self.tp:
                 collectives.all_reduce(out)

@@ -32,7 +32,7 @@ class SharedExpert:
 @dataclass
 class Experts:
     moe: MoE
-    router: torch.Tensor  # [experts, hidden]
+    router: Linear  # [experts, hidden], with GPT-OSS's bias
     gate_up: list[Linear]  # each expert's gate | up
     down: list[Linear]
     shared: SharedExpert | None = None
@@ -46,15 +46,17 @@ class Experts:
         if down is not None:
             shared = SharedExpert(fused(prefix + "shared_expert.", ("gate_proj", "up_proj")), Linear(down),
                                   maybe(prefix + "shared_expert_gate.weight"))
-        return cls(moe, take(prefix + "gate.weight"),
+        # The router stays plain F.linear: its logits pick the experts, so they round as transformers' do.
+        return cls(moe, Linear(take(prefix + "gate.weight"), maybe(prefix + "gate.bias"), pack=False),
                    [fused(f"{prefix}experts.{e}.", ("gate_proj", "up_proj")) for e in experts],
-                   [Linear(take(f"{prefix}experts.{e}.down_proj.weight")) for e in experts], shared)
+                   [Linear(take(f"{prefix}experts.{e}.down_proj.weight"), maybe(f"{prefix}experts.{e}.down_proj.bias"))
+                    for e in experts], shared)
 
     def __call__(self, h: torch.Tensor, act_mul) -> torch.Tensor:
         """The layer's MLP output [T, hidden] of normed hidden states h [T, hidden]; `act_mul`:
         the model's activation of the gate times the up projection (`ops.silu_mul`)."""
         k = self.moe.top_k
-        logits = F.linear(h, self.router)
+        logits = self.router(h)
         if self.moe.softmax_top_k:
             top, chosen = torch.topk(logits.float(), k, dim=-1)
             weights = torch.softmax(top, dim=-1)

@@ -174,16 +174,16 @@ class ModelRunner:
     def _device_attend(self, tensors, max_query_len: int, window: int = 0):
         tables, starts, lens = tensors
         ps, softcap = self.page_size, self.model.attn_softcap
-        return lambda q, k_cache, v_cache, scale: self.ops.paged_attention(
+        return lambda q, k_cache, v_cache, scale, sinks=None: self.ops.paged_attention(
             q, k_cache, v_cache, tables, starts, lens, ps, scale, max_query_len=max_query_len, window=window,
-            softcap=softcap)
+            softcap=softcap, sinks=sinks)
 
     def _attend_fn(self, query_lens, seq_lens, page_lists, window: int = 0):
         ps = self.page_size
         if self.backend == "torch":
             plan = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, ps, self.device, self.kv_cache.dtype,
                                           window, self.model.attn_softcap)
-            return lambda q, k_cache, v_cache, scale: cpu_ops.attend(q, k_cache, v_cache, plan, scale)
+            return lambda q, k_cache, v_cache, scale, sinks=None: cpu_ops.attend(q, k_cache, v_cache, plan, scale, sinks)
         tensors = [torch.from_numpy(a).to(self.device) for a in self._attention_inputs(query_lens, seq_lens, page_lists)]
         return self._device_attend(tensors, max(query_lens), window)
 

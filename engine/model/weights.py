@@ -58,7 +58,7 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, cast to `dtype`, by its Hugging Face name."""
+    """Every tensor of the checkpoint, by its Hugging Face name: floating ones cast to `dtype`."""
     state = {}
     # A progress bar on an interactive stderr only (tqdm's disable=None): logs stay clean.
     files = safetensors_files(model_dir)
@@ -70,6 +70,7 @@ def load_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str = "cp
                 bar.set_postfix_str(f"file {i + 1}/{len(files)}")
                 bar.total = (bar.total or 0) + len(names)
                 for name, served in names:
-                    state[served] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    t = f.get_tensor(name)  # quantized codes (GPT-OSS's MXFP4 uint8) keep their type
+                    state[served] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
                     bar.update()
     return state

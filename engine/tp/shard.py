@@ -85,7 +85,9 @@ def shard_state(state: dict[str, torch.Tensor], shard: TPShard, head_dim: int, w
     # MLP's, each expert's and a shared expert's may all differ.
     for key in [k for k in state if k.startswith("model.layers.")]:
         *_, name, kind = key.rsplit(".", 2)
-        if name in rows and kind in ("weight", "bias"):
+        if kind == "sinks":  # one per query head (GPT-OSS)
+            state[key] = state[key][shard.q_begin:shard.q_end].contiguous()
+        elif name in rows and kind in ("weight", "bias"):
             cut = rows[name] or shard.share(state[key].shape[0])
             state[key] = state[key][cut].contiguous()
         elif name in cols and kind == "weight":

@@ -26,25 +26,27 @@ def scattered_pool(num_kv_heads, head_dim, page_size, seq_lens, dtype, g: torch.
 
 
 def kernel_and_torch_plans(q, k_cache, v_cache, query_lens, seq_lens, page_lists, page_size, dtype, window=0,
-                           softcap=0.0):
+                           softcap=0.0, sinks=None):
     """Attend with the plan that uses the C kernels and with the one that does not (under
-    a sliding `window`, if > 0, scores capped at `softcap`, if > 0); assert the outputs agree
-    (fp32 1e-5, bf16 2e-2) and return both plans."""
+    a sliding `window`, if > 0, scores capped at `softcap`, if > 0, with attention `sinks`,
+    if given); assert the outputs agree (fp32 1e-5, bf16 2e-2) and return both plans."""
     with_kernel = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, page_size, "cpu", dtype, window, softcap)
     without = cpu_ops.plan_attention(query_lens, seq_lens, page_lists, page_size, "cpu", None, window, softcap)
     scale = q.shape[-1] ** -0.5
-    got = cpu_ops.attend(q, k_cache, v_cache, with_kernel, scale)
-    want = cpu_ops.attend(q, k_cache, v_cache, without, scale)
+    got = cpu_ops.attend(q, k_cache, v_cache, with_kernel, scale, sinks)
+    want = cpu_ops.attend(q, k_cache, v_cache, without, scale, sinks)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     return with_kernel, without
 
 
 def reference_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, page_size, scale,
-                        window=0, softcap=0.0):
+                        window=0, softcap=0.0, sinks=None):
     """Gather each sequence's context through its block table, then causal softmax
     attention of its queries, which are the last positions of the context (each seeing
-    its last `window` only, if > 0; scores capped at `softcap`, if > 0)."""
+    its last `window` only, if > 0; scores capped at `softcap`, if > 0; `sinks` [H], if
+    given, a last score column of head h's softmax, dropped after it, as transformers'
+    eager GPT-OSS attention does)."""
     device = q.device
     q, k_cache, v_cache, block_tables, query_start_loc, seq_lens = (
         t.cpu() for t in (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens))
@@ -65,7 +67,12 @@ def reference_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_
         scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         if window:
             scores = scores.masked_fill(pos[None, None, :] <= q_pos[None, :, None] - window, float("-inf"))
-        out[start:end] = torch.einsum("hnc,chd->nhd", scores.softmax(-1), v)
+        if sinks is not None:
+            column = sinks.float().cpu().view(-1, 1, 1).expand(-1, end - start, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[start:end] = torch.einsum("hnc,chd->nhd", probs, v)
     return out.to(device)
 
 

@@ -38,6 +38,17 @@ def test_cuda_decode_split_over_the_context_matches_reference(splits, dtype):
     torch.testing.assert_close(out.float(), reference_attention(*args, 16, 0.125).float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("query_lens, splits", [([1, 1, 1], 1), ([1, 1, 1], 3), ([1, 1, 9], None)])
+def test_cuda_attention_sinks_count_once_whatever_the_splits(query_lens, splits):
+    """GPT-OSS's sinks, compiled: decodes split over their context, and beside a prefill chunk."""
+    args = make_case(5, query_lens, [5, 700, 40], 16, 4, 64, 16, device="cuda")
+    sinks = torch.linspace(-2.0, 5.0, 16, device="cuda")
+    out = triton_ops.paged_attention(*args, 16, 0.125, max_query_len=max(query_lens), num_splits=splits, window=32,
+                                     sinks=sinks)
+    want = reference_attention(*args, 16, 0.125, window=32, sinks=sinks)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-5, rtol=2e-5)
+
+
 def test_cuda_store_kv_skips_padding_slots():
     kv = torch.zeros(4, 2, 2, 3, 2, 8, device="cuda")
     k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]

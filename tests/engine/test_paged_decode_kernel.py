@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine.attention import cpu_ops
 from pdserve.engine.attention.paged_decode import kernel_for
-from tests.engine.paged_cases import kernel_and_torch_plans, scattered_pool
+from tests.engine.paged_cases import kernel_and_torch_plans, reference_attention, scattered_pool
 
 
 def test_the_kernel_builds_here():
@@ -71,6 +71,39 @@ def test_capped_scores_match_the_plain_torch_path_and_change_the_output(dtype, k
     assert not torch.allclose(cpu_ops.attend(q, k_cache, v_cache, capped, 0.125),
                               cpu_ops.attend(q, k_cache, v_cache, cpu_ops.plan_attention(
                                   [1] * 3, lens, page_lists, 16, "cpu", dtype), 0.125))
+
+
+def _reference(q, k_cache, v_cache, query_lens, lens, page_lists, page_size, window, softcap, sinks):
+    """paged_cases' plain-torch reference over the same pages as the plans."""
+    tables = torch.tensor([pl + [0] * (max(map(len, page_lists)) - len(pl)) for pl in page_lists])
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    return reference_attention(q, k_cache, v_cache, tables, starts, torch.tensor(lens), page_size, 0.125,
+                               window, softcap, sinks)
+
+
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (7, 0.0), (40, 2.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_match_the_reference_in_decodes_and_chunks_over_a_context(window, softcap, dtype, kernel_isa):
+    # Decodes (the C kernel's runs, or the torch path's groups) around prefill chunks over a
+    # cached prefix (the C prefill kernel's, which takes no sink, or the torch path's); GQA 4,
+    # a sink per query head, each different, so one read through the wrong head shows.
+    query_lens, lens = [1, 1, 5, 1, 20], [70, 3, 33, 40, 20]
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache, page_lists = scattered_pool(2, 64, 16, lens, dtype, g)
+    q = torch.randn(sum(query_lens), 8, 64, generator=g).to(dtype)
+    sinks = torch.linspace(-2.0, 5.0, 8)  # below and above the scores' log-sum-exps
+    with_kernel, without = kernel_and_torch_plans(q, k_cache, v_cache, query_lens, lens, page_lists, 16, dtype,
+                                                  window, softcap, sinks)
+    assert with_kernel.decode_runs and without.decode_groups and not without.decode_runs
+    assert any(s.kernel is not None for s in with_kernel.prefills) == (not window and not softcap)
+    want = _reference(q, k_cache, v_cache, query_lens, lens, page_lists, 16, window, softcap, sinks)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for plan in (with_kernel, without):
+        got = cpu_ops.attend(q, k_cache, v_cache, plan, 0.125, sinks)
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+        assert not torch.allclose(got, cpu_ops.attend(q, k_cache, v_cache, plan, 0.125))  # the sinks matter
+    with pytest.raises(ValueError, match="one per query head"):  # a sink per KV head is a mistake
+        cpu_ops.attend(q, k_cache, v_cache, with_kernel, 0.125, sinks[:2])
 
 
 def test_kernel_refuses_views_whose_pages_are_not_packed():

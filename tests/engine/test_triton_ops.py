@@ -77,6 +77,35 @@ def test_a_sliding_window_and_capped_scores_match_the_reference(window, softcap,
     assert not torch.allclose(out, reference_attention(*args, 5, scale))  # the window or cap matters here
 
 
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (7, 0.0), (20, 0.5)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sinks_match_the_reference_once_per_query_head_split_or_not(window, softcap, splits):
+    # A sink per query head, each different (GQA 3: a read through the KV head's index shows),
+    # below and above the scores' log-sum-exps. Split decodes must count each sink once, not
+    # once a split; an empty context gives zeros still. Then prefill chunks over a prefix.
+    scale, sinks = 0.5, torch.linspace(-1.0, 4.0, 6)
+    args = make_case(9, [1, 1, 1, 1], [70, 5, 21, 0], 6, 2, 32, 4)
+    out = triton_ops.paged_attention(*args, 4, scale, max_query_len=1, num_splits=splits, window=window,
+                                     softcap=softcap, sinks=sinks)
+    want = reference_attention(*args, 4, scale, window, softcap, sinks)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(out[:3], reference_attention(*args, 4, scale, window, softcap)[:3])  # they matter
+    args = make_case(10, [40, 3, 1], [90, 3, 17], 6, 2, 32, 5)
+    out = triton_ops.paged_attention(*args, 5, scale, window=window, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(out, reference_attention(*args, 5, scale, window, softcap, sinks), atol=2e-5, rtol=2e-5)
+
+
+def test_sinks_in_half_precision_and_as_the_torch_path_has_them():
+    args = make_case(11, [1, 6], [20, 26], 4, 2, 64, 16, dtype=torch.float16)
+    sinks = torch.tensor([0.5, 3.0, -1.0, 2.0])
+    out = triton_ops.paged_attention(*args, 16, 0.125, sinks=sinks)
+    torch.testing.assert_close(out.float(), reference_attention(*args, 16, 0.125, sinks=sinks), atol=2e-3, rtol=2e-3)
+    q, k_cache, v_cache, *rest = make_case(11, [1, 6], [20, 26], 4, 2, 64, 16)
+    finite = (q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), *rest)  # the torch path reads whole pages
+    torch.testing.assert_close(triton_ops.paged_attention(*finite, 16, 0.125, sinks=sinks),
+                               cpu_ops.paged_attention(*finite, 16, 0.125, sinks=sinks), atol=2e-5, rtol=2e-5)
+
+
 def test_an_empty_context_gives_zeros_split_or_not():
     q, k_cache, v_cache, tables, starts, lens = make_case(5, [1, 1], [9, 9], 4, 2, 16, 4)
     lens = torch.tensor([9, 0], dtype=lens.dtype)
