@@ -9,13 +9,17 @@ End of turn: a chat model ends its answer with the token that closes a turn in i
 (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`), which need not be the config's eos (a ChatML
 template over a checkpoint whose eos is `<|endoftext|>`). `end_of_turn_ids` collects every
 candidate: the eos of config.json, of generation_config.json and of the tokenizer, and the
-special token that follows an assistant message in the rendered template.
+special token that follows an assistant message in the rendered template; in the harmony
+format (GPT-OSS's) that is `<|end|>`, which closes one message of an answer of several, so
+there the turn ends at `<|return|>` and `<|call|>` instead (router/harmony.py).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from pdserve.router.harmony import TURN_ENDS, speaks_harmony
 
 # Content no template changes, found again in the rendered text to see what follows it.
 PROBE = "pdserve-end-of-turn-probe"
@@ -176,8 +180,12 @@ def end_of_turn_ids(tokenizer, model_dir: Path, config: dict) -> list[int]:
     generation = model_dir / "generation_config.json"
     generation_eos = json.loads(generation.read_text()).get("eos_token_id") \
         if generation.exists() else None
-    ids = [*_ids(config.get("eos_token_id")), *_ids(generation_eos),
-           *_ids(tokenizer.eos_token_id), *_ids(_turn_closer(tokenizer))]
+    if speaks_harmony(tokenizer.chat_template):
+        vocab = tokenizer.get_vocab()
+        closers = [vocab[t] for t in TURN_ENDS if t in vocab]
+    else:
+        closers = _ids(_turn_closer(tokenizer))
+    ids = [*_ids(config.get("eos_token_id")), *_ids(generation_eos), *_ids(tokenizer.eos_token_id), *closers]
     return list(dict.fromkeys(ids))
 
 

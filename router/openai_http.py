@@ -227,6 +227,8 @@ class OpenAIFrontend:
                     observer.fields[name] = body[name]
             if chat:  # stops at the template's end of turn, as a gRPC conversation does
                 sampling = validation.chat_sampling(sampling, self.tokenizer)
+                if self.tokenizer.harmony and not sampling.HasField("skip_special_tokens"):
+                    sampling.skip_special_tokens = False  # the channels' markers, for router/harmony.py
             ids_of = {request_id: prompts[0]} if len(prompts) == 1 else \
                 {f"{request_id}-{i}": ids for i, ids in enumerate(prompts)}
             for i, (one_id, ids) in enumerate(ids_of.items()):
@@ -245,7 +247,8 @@ class OpenAIFrontend:
         shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", model,
                       ChoiceLogprobs(self._token_text, chat, as_ids),
                       None if chat else echo_of(body, prompts, self.tokenizer, sampling.HasField("logprobs")),
-                      tools, self.tokenizer.opens_thinking(prompts[0]) if chat and self.tokenizer.thinks else None)
+                      tools, self.tokenizer.opens_thinking(prompts[0]) if chat and self.tokenizer.thinks else None,
+                      chat and self.tokenizer.harmony)
         shape.scored = {} if body.get("prompt_logprobs") is not None else None
         if want_ids:
             shape.return_token_ids(prompts, sampling.n or 1)

@@ -11,18 +11,21 @@ import secrets
 from pdserve.router.echo import Echo
 from pdserve.router.choice_logprobs import ChoiceLogprobs
 from pdserve.router.openai_protocol import chunk, invalid, now, usage_body
+from pdserve.router.harmony import HarmonyStream
 from pdserve.router.reasoning import ReasoningStream
 from pdserve.router.tools import CallStream, Tools, merge_calls
 
 
 class Shape:
     def __init__(self, chat: bool, response_id: str, model: str, logprobs: ChoiceLogprobs,
-                 echo: Echo | None = None, tools: Tools | None = None, thinking: bool | None = None) -> None:
+                 echo: Echo | None = None, tools: Tools | None = None, thinking: bool | None = None,
+                 harmony: bool = False) -> None:
         """`thinking`: None for a model that does not think, else whether the prompt opened
-        its think block (router/reasoning.py)."""
+        its think block (router/reasoning.py); `harmony`: the model answers in channels
+        (router/harmony.py), its reasoning in one."""
         self.chat, self.id, self.model, self.logprobs, self.echo = chat, response_id, model, logprobs, echo
-        self.tools, self.thinking = tools, thinking
-        self.thoughts: dict[int, ReasoningStream] = {}
+        self.tools, self.thinking, self.harmony = tools, thinking, harmony
+        self.thoughts: dict[int, ReasoningStream | HarmonyStream] = {}
         self.reasoning: dict[int, str] = {}
         self.kind = "chat.completion" if chat else "text_completion"
         self.created = now()
@@ -82,8 +85,9 @@ class Shape:
         text, entries, finish = self.echo.choice(msg) if self.echo else \
             (msg.text, list(msg.logprobs), msg.finish_reason)
         reasoning = ""
-        if self.thinking is not None:
-            thought = self.thoughts.setdefault(msg.index, ReasoningStream(self.thinking))
+        if self.harmony or self.thinking is not None:
+            thought = self.thoughts.setdefault(msg.index, HarmonyStream() if self.harmony else
+                                               ReasoningStream(self.thinking))
             reasoning, text = thought.feed(text)
             if finish:
                 more_reasoning, more_text = thought.finish()
@@ -133,7 +137,7 @@ class Shape:
                 delta["content"] = text
             if deltas:
                 delta["tool_calls"] = deltas
-            if (self.tools or self.thinking is not None) and not delta and logprobs is None and finish is None \
+            if (self.tools or self.thinking is not None or self.harmony) and not delta and logprobs is None and finish is None \
                     and not ids.get("token_ids"):
                 return out  # text held back (a tag, the calls): nothing to say yet
             choice = {"index": msg.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **ids}
@@ -152,7 +156,7 @@ class Shape:
             logprobs = self.logprobs.render(self.entries.get(i), i)
             if self.chat:
                 message = {"role": "assistant", "content": self.text[i]}
-                if self.thinking is not None:
+                if self.thinking is not None or self.harmony:
                     message["reasoning_content"] = self.reasoning[i] or None
                 if self.calls.get(i):  # OpenAI's: no content but what the calls left
                     message.update(content=self.text[i].strip() or None, tool_calls=self.calls[i])

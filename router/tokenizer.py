@@ -21,6 +21,7 @@ from pathlib import Path
 from pdserve.models.catalogue import served_name
 from pdserve.runtime.errors import NodeError
 from pdserve.router import chat, reasoning
+from pdserve.router.harmony import speaks_harmony
 from pdserve.router.tool_dialects import dialect_named, dialect_of
 from pdserve.router.tools import Tools, template_inputs
 from pdserve.router.validation import max_prompt_chars
@@ -97,6 +98,7 @@ class PromptTokenizer:
         # What ends a chat answer; a conversation's request also stops there (validation.py).
         self.end_of_turn_ids = chat.end_of_turn_ids(self.tokenizer, path, config)
         self.thinks = reasoning.thinks(self.tokenizer.chat_template)  # router/reasoning.py
+        self.harmony = speaks_harmony(self.tokenizer.chat_template)  # router/harmony.py (GPT-OSS)
         self.tool_dialect = dialect_of(self.tokenizer.chat_template) if tool_call_parser == "auto" \
             else dialect_named(tool_call_parser, self.tokenizer.chat_template)  # router/tool_dialects.py
 

@@ -22,12 +22,13 @@ from pdserve.router.tool_dialects import HERMES
 
 class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
     def __init__(self, name: str, matched: int = 0, tokens=(5, 6, 7), token_delay_s=0.0,
-                 fail: dict | None = None, texts: list[str] | None = None):
-        """`texts`: each token's text (default "<id>")."""
+                 fail: dict | None = None, texts: list[str] | None = None, finish: str = "length"):
+        """`texts`: each token's text (default "<id>"); `finish`: the last one's finish reason."""
         self.name = name
         self.matched = matched
         self.tokens = tokens if texts is None else tuple(range(10, 10 + len(texts)))
         self.texts = texts
+        self.finish = finish
         self.token_delay_s = token_delay_s
         self.fail = fail or {}  # rpc name -> StatusCode
         self.calls: list[tuple[str, object]] = []
@@ -99,7 +100,7 @@ class FakeWorker(pdserve_pb2_grpc.WorkerServicer):
             last = i == len(self.tokens) - 1
             text = f"<{t}>" if self.texts is None else self.texts[i]
             yield pdserve_pb2.GenerateResponse(request_id=request.request_id, text=text,
-                                               token_ids=[t], finish_reason="length" if last else "")
+                                               token_ids=[t], finish_reason=self.finish if last else "")
         yield pdserve_pb2.GenerateResponse(request_id=request.request_id, usage=pdserve_pb2.Usage(
             prompt_tokens=4, completion_tokens=len(self.tokens), total_tokens=4 + len(self.tokens)))
 
@@ -129,6 +130,7 @@ async def start_fake(worker: FakeWorker) -> tuple[grpc.aio.Server, str]:
 class CharTokenizer:
     card = ModelCard(model="fake", vocab_size=256, max_model_len=128, eos_token_ids=[2])
     thinks = False  # no think tags (router/reasoning.py)
+    harmony = False  # no channels (router/harmony.py)
     tool_dialect = HERMES  # router/tool_dialects.py
 
     def encode(self, text):
