@@ -29,8 +29,9 @@ def check_messages(messages, max_chars: int) -> list[dict]:
     """`messages` as [{"role": str, "content": str}]: every role a non-empty string, every
     content a string or a list of OpenAI text parts (joined), at most `max_chars` of content
     in all (a bound on the work the template and the tokenizer do). An assistant message
-    may instead carry `tool_calls` (its content then may be null) and a tool message its
-    `tool_call_id`; router/tools.py renders those."""
+    may instead carry `tool_calls` (its content then may be null), and its reasoning
+    (`reasoning_content`, or `reasoning`), and a tool message its `tool_call_id`;
+    router/tools.py renders those."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, "
                          f"got {messages!r:.80}")
@@ -49,9 +50,17 @@ def check_messages(messages, max_chars: int) -> list[dict]:
             checked["tool_calls"] = _tool_calls(i, calls)
         if isinstance(message.get("tool_call_id"), str):
             checked["tool_call_id"] = message["tool_call_id"]
+        reasoning = next((message[k] for k in ("reasoning_content", "reasoning") if message.get(k) is not None), None)
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise ValueError(f"messages[{i}].reasoning_content must be a string (an earlier answer's "
+                                 f"reasoning), got {reasoning!r:.80}")
+            # Qwen3's template reads an answer's reasoning as reasoning_content, GPT-OSS's as
+            # thinking (which it writes back where a call followed it, as harmony asks).
+            checked["reasoning_content"] = checked["thinking"] = reasoning
         out.append(checked)
-    chars = sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
-                for m in out)
+    chars = sum(len(m["content"]) + len(m.get("thinking", "")) +
+                sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ())) for m in out)
     if chars > max_chars:
         raise ValueError(f"messages of {chars} characters are longer than the model's context "
                          f"can hold (at most {max_chars} characters)")

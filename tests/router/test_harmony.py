@@ -17,7 +17,8 @@ from tests.router.test_tools import TOOLS
 # gpt-oss's template, much shortened: its messages' shape, tools in the developer message.
 HARMONY_TEMPLATE = (
     "{% if tools %}<|start|>developer<|message|># Tools{% for t in tools %}{{ t | tojson }}{% endfor %}<|end|>"
-    "{% endif %}{% for m in messages %}<|start|>{{ m['role'] }}{% if m['role'] == 'assistant' %}"
+    "{% endif %}{% for m in messages %}{% if m.get('thinking') %}<|start|>assistant<|channel|>analysis<|message|>"
+    "{{ m['thinking'] }}<|end|>{% endif %}<|start|>{{ m['role'] }}{% if m['role'] == 'assistant' %}"
     "<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 
@@ -79,6 +80,17 @@ def test_a_harmony_answer_ends_at_return_or_call_not_at_the_end_of_a_message(tmp
     vocab = tok.get_vocab()
     # An assistant message closes with <|end|> in the template, but an answer goes on past it.
     assert vocab["<|end|>"] not in ends and {vocab["<|return|>"], vocab["<|call|>"], 2} <= set(ends)
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_an_earlier_answers_reasoning_goes_back_to_the_template_as_its_thinking(tmp_path, field):
+    tokenizer = PromptTokenizer(str(write_tokenizer_only(tmp_path, HARMONY_TEMPLATE)))
+    messages = [{"role": "user", "content": "capital?"}, {"role": "assistant", "content": "Paris.", field: "Easy."},
+                {"role": "user", "content": "and of Italy?"}]
+    text = tokenizer.tokenizer.decode(tokenizer.chat_ids(messages))
+    assert "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Paris." in text
+    with pytest.raises(ValueError, match=r"messages\[1\]\.reasoning_content must be a string.*\['Easy'\]"):
+        tokenizer.chat_ids([*messages[:1], {**messages[1], field: ["Easy"]}])
 
 
 PIECES = ["<|channel|>", "analysis", "<|message|>", "Need the", " weather.", "<|end|>", "<|start|>", "assistant",
