@@ -82,9 +82,9 @@ def stage_parity(device: str, workdir: Path, quick: bool) -> dict:
 # scores and windows (gemma2), rope tables by layer kind (gemma3), NoPE layers (smollm3,
 # exaone4), experts (qwen2_moe), norms over all heads (olmo2), scaled queries (ministral3),
 # reordered partial rope (glm4), an ungated MLP (apertus), fused projections (phi3),
-# attention sinks and clamped experts (gpt_oss).
+# attention sinks and clamped experts (gpt_oss), grouped sigmoid routing (glm4_moe).
 GPU_FAMILIES = ("gemma2", "gemma3", "smollm3", "exaone4", "qwen2_moe", "olmo2", "ministral3", "glm4", "apertus", "phi3",
-                "gpt_oss")
+                "gpt_oss", "glm4_moe")
 
 
 def stage_families(device: str, workdir: Path, quick: bool) -> dict:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3",
             "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5",
-            "helium", "glm", "glm4", "cwm", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss")
+            "helium", "glm", "glm4", "cwm", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss",
+            "glm4_moe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -74,7 +75,7 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 def _config(family: str, vocab_size: int, **overrides):
     from transformers import (ApertusConfig, ArceeConfig, CwmConfig, Ernie4_5Config, Exaone4Config, Gemma2Config,
-                              Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
+                              Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
                               GraniteMoeSharedConfig, HeliumConfig, LlamaConfig, Ministral3Config, MinistralConfig,
                               MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
@@ -209,6 +210,11 @@ def _config(family: str, vocab_size: int, **overrides):
                       swiglu_limit=0.5, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                          "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                                                          "original_max_position_embeddings": 512})
+    elif family == "glm4_moe":  # a dense first layer; 8 experts in 4 groups, 2 kept; a shared expert
+        cls = Glm4MoeConfig
+        common.update(head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                      topk_group=2, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+                      routed_scaling_factor=2.5, num_hidden_layers=3)
     else:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     common.update(overrides)
@@ -251,6 +257,9 @@ def write_checkpoint(
                 p.normal_(0.0, 1.0)
             elif ".act_fn.alpha_" in name:  # xIELU's, alike in every layer at first
                 p.add_(torch.randn_like(p) * 0.3)
+        for name, b in model.named_buffers():  # a router's correction bias (GLM-4.5's), a buffer
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
     model.eval().to(getattr(torch, weights_dtype))
     kwargs = {"safe_serialization": True}
     if max_shard_size:

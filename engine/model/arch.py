@@ -4,7 +4,7 @@ Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS
 with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's and
 Apertus's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
 adjacent dimensions, and GLM's rotate part of each head: reordered at load, `rope_order`);
-in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS) a
+in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5) a
 layer's MLP is a set of experts, a few of which each token runs (`moe.Experts`; GPT-OSS's
 attention sinks, clamped SwiGLU and MXFP4 experts: `gpt_oss`). A checkpoint of any other kind is refused
 before its weights load, naming what it is. Weights of a family and a Llama would load
@@ -30,10 +30,10 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
-               "glm", "glm4", "cwm", "mixtral", "gpt_oss",
+               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
-PARTIAL_ROTARY = ("glm", "glm4")  # families that may rotate part of each head (partial_rotary_factor < 1)
+PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe")  # families that may rotate part of each head (partial_rotary_factor < 1)
 UNGATED = {"arcee": ("relu2",), "apertus": ("xielu",)}  # families whose MLP is up, activation, down
 
 
@@ -82,6 +82,11 @@ class MoE:
     weights_fp32: bool  # Mixtral weighs expert outputs in float32; Qwen's in the model's dtype
     layers: tuple[bool, ...]  # whether each layer's MLP is the experts (Qwen's mlp_only_layers are not)
     softmax_top_k: bool = False  # the weights: a softmax of the top-k logits (Granite), not of them all
+    # DeepSeek-V3's routing (GLM-4.5): sigmoid scores in float32, experts chosen by score plus
+    # a correction bias within the best `groups[1]` of `groups[0]` groups, weights times `scaling`.
+    sigmoid: bool = False
+    groups: tuple[int, int] = (1, 1)
+    scaling: float = 1.0
 
 
 def _moe(c, kind: str) -> MoE | None:
@@ -91,6 +96,10 @@ def _moe(c, kind: str) -> MoE | None:
         return MoE(c.num_local_experts, c.num_experts_per_tok, False, False, (True,) * c.num_hidden_layers, True)
     if kind == "olmoe":
         return MoE(c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), False, (True,) * c.num_hidden_layers)
+    if kind == "glm4_moe":  # its first first_k_dense_replace layers dense
+        return MoE(c.n_routed_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), True,
+                   tuple(i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)), sigmoid=True,
+                   groups=(c.n_group, c.topk_group), scaling=c.routed_scaling_factor)
     if kind not in ("qwen2_moe", "qwen3_moe"):
         return None
     # As transformers builds the layers: sparse every decoder_sparse_step-th, but not those listed.
@@ -220,6 +229,11 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
     experts dequantized to the model's dtype first)."""
     if hf_config.model_type == "gpt_oss":
         split_experts(state, state["model.embed_tokens.weight"].dtype)
+    # GLM-4.5's multi-token-prediction layers, past the last: not run here.
+    for key in [k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= hf_config.num_hidden_layers]:
+        del state[key]
+    for key in [k for k in state if ".mlp.shared_experts." in k]:  # GLM-4.5's: Qwen2-MoE's, ungated
+        state[key.replace(".mlp.shared_experts.", ".mlp.shared_expert.")] = state.pop(key)
     if hf_config.model_type in ("granitemoe", "granitemoeshared"):
         _granite_experts(state)
     if hf_config.model_type == "mixtral":

@@ -1,7 +1,8 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): a router picks
-each token's top-k experts, each an MLP of its own, and their outputs are summed, weighted by
-the router's probabilities; Qwen2-MoE adds a shared expert every token runs, gated by a
-sigmoid, Granite MoE (shared) one ungated.
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5):
+a router picks each token's top-k experts, each an MLP of its own, and their outputs are
+summed, weighted by the router's probabilities (GLM-4.5: DeepSeek-V3's sigmoid scores, `MoE`);
+Qwen2-MoE adds a shared expert every token runs, gated by a sigmoid, Granite MoE (shared)
+and GLM-4.5 one ungated.
 
 As transformers runs it: the experts in order, each on its tokens alone (gathered, then
 added back with `index_add_`), the weights applied in float32 for Mixtral and in the
@@ -36,6 +37,7 @@ class Experts:
     gate_up: list[Linear]  # each expert's gate | up
     down: list[Linear]
     shared: SharedExpert | None = None
+    correction: torch.Tensor | None = None  # float32 [experts]: added to the scores that choose (MoE.sigmoid)
 
     @classmethod
     def load(cls, moe: MoE, prefix: str, take, maybe, fused) -> "Experts":
@@ -50,19 +52,21 @@ class Experts:
         return cls(moe, Linear(take(prefix + "gate.weight"), maybe(prefix + "gate.bias"), pack=False),
                    [fused(f"{prefix}experts.{e}.", ("gate_proj", "up_proj")) for e in experts],
                    [Linear(take(f"{prefix}experts.{e}.down_proj.weight"), maybe(f"{prefix}experts.{e}.down_proj.bias"))
-                    for e in experts], shared)
+                    for e in experts], shared, maybe(prefix + "gate.e_score_correction_bias"))
 
     def __call__(self, h: torch.Tensor, act_mul) -> torch.Tensor:
         """The layer's MLP output [T, hidden] of normed hidden states h [T, hidden]; `act_mul`:
         the model's activation of the gate times the up projection (`ops.silu_mul`)."""
         k = self.moe.top_k
-        logits = self.router(h)
-        if self.moe.softmax_top_k:
+        if self.moe.sigmoid:
+            weights, chosen = self._sigmoid_route(h)
+        elif self.moe.softmax_top_k:
+            logits = self.router(h)
             top, chosen = torch.topk(logits.float(), k, dim=-1)
             weights = torch.softmax(top, dim=-1)
         else:
-            weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
-        if self.moe.normalize:
+            weights, chosen = torch.topk(torch.softmax(self.router(h), dim=-1, dtype=torch.float32), k, dim=-1)
+        if self.moe.normalize and not self.moe.sigmoid:
             weights /= weights.sum(dim=-1, keepdim=True)
         if not self.moe.weights_fp32:
             weights = weights.to(h.dtype)
@@ -85,3 +89,21 @@ class Experts:
             y = s.down(act_mul(s.gate_up(h)))
             out = out + (y if s.gate is None else torch.sigmoid(F.linear(h, s.gate)) * y)
         return out
+
+    def _sigmoid_route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) [T, k] as DeepSeek-V3 routes, in float32 as transformers' GLM-4.5
+        keeps its router: experts chosen by sigmoid score plus the correction bias, only from
+        the groups whose two best such scores sum highest; weighted by their own scores."""
+        moe, T = self.moe, h.shape[0]
+        scores = F.linear(h.float(), self.router.weight.float()).sigmoid()
+        choice = scores if self.correction is None else scores + self.correction.float()
+        groups, kept = moe.groups
+        if kept < groups:
+            best = choice.view(T, groups, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
+            mask = torch.zeros_like(best).scatter_(1, torch.topk(best, kept, dim=-1)[1], 1.0)
+            choice = choice.masked_fill(~mask.bool().repeat_interleave(moe.experts // groups, dim=1), float("-inf"))
+        chosen = torch.topk(choice, moe.top_k, dim=-1)[1]
+        weights = scores.gather(1, chosen)
+        if moe.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * moe.scaling, chosen

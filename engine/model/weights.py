@@ -70,7 +70,10 @@ def load_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str = "cp
                 bar.set_postfix_str(f"file {i + 1}/{len(files)}")
                 bar.total = (bar.total or 0) + len(names)
                 for name, served in names:
-                    t = f.get_tensor(name)  # quantized codes (GPT-OSS's MXFP4 uint8) keep their type
-                    state[served] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                    # Quantized codes (GPT-OSS's MXFP4 uint8) keep their type; a router's
+                    # correction bias (GLM-4.5's) stays float32, as transformers keeps it.
+                    t = f.get_tensor(name)
+                    cast = torch.float32 if name.endswith("e_score_correction_bias") else dtype
+                    state[served] = t.to(device=device, dtype=cast if t.is_floating_point() else t.dtype)
                     bar.update()
     return state
