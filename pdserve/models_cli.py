@@ -29,7 +29,7 @@ def add_model_flag(p: argparse.ArgumentParser) -> None:
                         "answers give the first")
 
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic")  # router/tool_dialects.py
+TOOL_CALL_PARSERS = ("auto", "hermes", "glm45", "llama3_json", "mistral", "pythonic")  # router/tool_dialects.py
 
 
 def add_chat_flags(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,11 @@
   `[ARGS]`), each call is `[TOOL_CALLS]name[ARGS]{...}`, after any text, one after another:
   both markers are special tokens, so such an "auto" request keeps special tokens in its
   text (`skip_special_tokens: false`, unless the request says otherwise) for them to be read.
+- "glm45": `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>`
+  blocks anywhere in the text (GLM-4.5, 4.6, 4.7: a template that writes `<arg_key>`), a
+  value as written where the function's parameter is a string, else read as JSON (as the
+  template writes one). Its markers may be special tokens, so such an "auto" request keeps
+  special tokens in its text as Mistral v11's does.
 - "pythonic": the answer is a Python list of calls with keyword arguments,
   `[get_weather(city="Paris"), get_time()]` (Llama 4's template, and Llama 3.2's pythonic
   one), each argument a literal; read with `ast`, never run.
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|\Z)", re.S)
 PYTHON_TAG, TOOL_CALLS, ARGS, CALL_ID = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+GLM_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,8 @@ class Dialect:
     def parse(self, text: str, functions: dict) -> tuple[str, list[tuple[str, str]]] | None:
         """(content left, [(name, arguments text)]) of an answer that makes calls to
         `functions`, or None when any part of it does not parse as a call to one of them."""
+        if self.name == "glm45":
+            return _blocks(text, functions, _glm_call)
         if self.special_tokens:
             return _marked(text, functions)
         if self.anywhere:
@@ -68,7 +76,8 @@ class Dialect:
 
 HERMES = Dialect("hermes", (HERMES_OPEN,), anywhere=True)
 MISTRAL_V11 = Dialect("mistral", (TOOL_CALLS,), anywhere=True, special_tokens=True)
-DIALECTS = {d.name: d for d in (HERMES, Dialect("llama3_json", (PYTHON_TAG, "{"), anywhere=False),
+GLM45 = Dialect("glm45", (HERMES_OPEN,), anywhere=True, special_tokens=True)
+DIALECTS = {d.name: d for d in (HERMES, GLM45, Dialect("llama3_json", (PYTHON_TAG, "{"), anywhere=False),
                                  Dialect("mistral", (TOOL_CALLS, "["), anywhere=False),
                                  Dialect("pythonic", ("[",), anywhere=False))}
 
@@ -80,6 +89,8 @@ def dialect_of(chat_template: str | None) -> Dialect:
         return HERMES
     if TOOL_CALLS in chat_template:
         return MISTRAL_V11 if ARGS in chat_template else DIALECTS["mistral"]
+    if "<arg_key>" in chat_template:
+        return GLM45
     if "[func_name1(" in chat_template:  # "put it in the format of [func_name1(params_name1=...), ...]"
         return DIALECTS["pythonic"]
     if HERMES_OPEN in chat_template:
@@ -123,13 +134,14 @@ def _values(text: str, separator: str) -> tuple[list, int]:
             return values, at
 
 
-def _blocks(text: str, functions: dict):
+def _blocks(text: str, functions: dict, read=lambda inside, _: json.loads(inside)):
+    """`<tool_call>` blocks, each `read` into a call object (Hermes': a JSON one)."""
     calls, rest, at = [], [], 0
     for found in HERMES_BLOCK.finditer(text):
         rest.append(text[at:found.start()])
         at = found.end()
         try:
-            call = call_of(json.loads(found.group(1)), functions)
+            call = call_of(read(found.group(1), functions), functions)
         except ValueError:
             return None
         if call is None:
@@ -137,6 +149,32 @@ def _blocks(text: str, functions: dict):
         calls.append(call)
     rest.append(text[at:])
     return "".join(rest).strip(), calls
+
+
+def _glm_call(inside: str, functions: dict) -> dict:
+    """GLM-4.5's `name<arg_key>k</arg_key><arg_value>v</arg_value>...` as a call object;
+    ValueError where anything else is in it."""
+    name, _, args = inside.partition("<arg_key>")
+    args = "<arg_key>" + args if _ else ""
+    pairs, at = [], 0
+    for found in GLM_ARG.finditer(args):
+        if found.start() != at:
+            raise ValueError("text between arguments")
+        pairs.append(found.groups())
+        at = found.end()
+    if args[at:].strip():
+        raise ValueError("text after the arguments")
+    properties = (functions.get(name.strip(), {}).get("parameters") or {}).get("properties") or {}
+    return {"name": name.strip(), "arguments": {k: _glm_value(v, properties.get(k)) for k, v in pairs}}
+
+
+def _glm_value(text: str, schema):
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # a string the schema does not type
 
 
 def _marked(text: str, functions: dict):
