@@ -16,7 +16,7 @@ from pathlib import Path
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3",
             "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5",
             "helium", "glm", "glm4", "cwm", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss",
-            "glm4_moe")
+            "glm4_moe", "dots1")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -74,11 +74,12 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import (ApertusConfig, ArceeConfig, CwmConfig, Ernie4_5Config, Exaone4Config, Gemma2Config,
-                              Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
-                              GraniteMoeSharedConfig, HeliumConfig, LlamaConfig, Ministral3Config, MinistralConfig,
-                              MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
+    from transformers import (ApertusConfig, ArceeConfig, CwmConfig, Dots1Config, Ernie4_5Config, Exaone4Config,
+                              Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig,
+                              GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, HeliumConfig,
+                              LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
+                              Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -215,6 +216,11 @@ def _config(family: str, vocab_size: int, **overrides):
         common.update(head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
                       topk_group=2, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
                       routed_scaling_factor=2.5, num_hidden_layers=3)
+    elif family == "dots1":  # GLM-4.5's routing under Qwen3's attention; an 8-token window on its last layer
+        cls = Dots1Config
+        common.update(head_dim=16, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                      num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
+                      routed_scaling_factor=2.5, num_hidden_layers=3, sliding_window=8, max_window_layers=2)
     else:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     common.update(overrides)

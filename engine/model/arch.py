@@ -4,7 +4,7 @@ Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS
 with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's and
 Apertus's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
 adjacent dimensions, and GLM's rotate part of each head: reordered at load, `rope_order`);
-in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5) a
+in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5, dots.llm1) a
 layer's MLP is a set of experts, a few of which each token runs (`moe.Experts`; GPT-OSS's
 attention sinks, clamped SwiGLU and MXFP4 experts: `gpt_oss`). A checkpoint of any other kind is refused
 before its weights load, naming what it is. Weights of a family and a Llama would load
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
-               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe",
+               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe")  # families that may rotate part of each head (partial_rotary_factor < 1)
@@ -96,7 +96,7 @@ def _moe(c, kind: str) -> MoE | None:
         return MoE(c.num_local_experts, c.num_experts_per_tok, False, False, (True,) * c.num_hidden_layers, True)
     if kind == "olmoe":
         return MoE(c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), False, (True,) * c.num_hidden_layers)
-    if kind == "glm4_moe":  # its first first_k_dense_replace layers dense
+    if kind in ("glm4_moe", "dots1"):  # DeepSeek-V3's routing; the first first_k_dense_replace layers dense
         return MoE(c.n_routed_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), True,
                    tuple(i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)), sigmoid=True,
                    groups=(c.n_group, c.topk_group), scaling=c.routed_scaling_factor)
