@@ -16,7 +16,7 @@ from pathlib import Path
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3",
             "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5",
             "helium", "glm", "glm4", "cwm", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss",
-            "glm4_moe", "dots1")
+            "glm4_moe", "dots1", "ernie4_5_moe")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -74,12 +74,12 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, vocab_size: int, **overrides):
-    from transformers import (ApertusConfig, ArceeConfig, CwmConfig, Dots1Config, Ernie4_5Config, Exaone4Config,
-                              Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig,
-                              GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, HeliumConfig,
-                              LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
-                              Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
+    from transformers import (ApertusConfig, ArceeConfig, CwmConfig, Dots1Config, Ernie4_5Config, Ernie4_5_MoeConfig,
+                              Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
+                              GlmConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              HeliumConfig, LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig,
+                              MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -221,6 +221,10 @@ def _config(family: str, vocab_size: int, **overrides):
         common.update(head_dim=16, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
                       num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
                       routed_scaling_factor=2.5, num_hidden_layers=3, sliding_window=8, max_window_layers=2)
+    elif family == "ernie4_5_moe":  # a dense first layer, 8 experts (2 a token) and a shared one; biases
+        cls = Ernie4_5_MoeConfig
+        common.update(head_dim=16, moe_intermediate_size=32, moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
+                      moe_layer_start_index=1, num_hidden_layers=3, use_bias=True)
     else:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     common.update(overrides)
@@ -263,9 +267,11 @@ def write_checkpoint(
                 p.normal_(0.0, 1.0)
             elif ".act_fn.alpha_" in name:  # xIELU's, alike in every layer at first
                 p.add_(torch.randn_like(p) * 0.3)
-        for name, b in model.named_buffers():  # a router's correction bias (GLM-4.5's), a buffer
+        # A router's correction bias (GLM-4.5's buffer, ERNIE's parameter): small beside the
+        # scores, so that the choice still depends on the token.
+        for name, t in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.3)
+                t.normal_(0.0, 0.05)
     model.eval().to(getattr(torch, weights_dtype))
     kwargs = {"safe_serialization": True}
     if max_shard_size:

@@ -4,7 +4,7 @@ Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS
 with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's and
 Apertus's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
 adjacent dimensions, and GLM's rotate part of each head: reordered at load, `rope_order`);
-in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5, dots.llm1) a
+in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE) a
 layer's MLP is a set of experts, a few of which each token runs (`moe.Experts`; GPT-OSS's
 attention sinks, clamped SwiGLU and MXFP4 experts: `gpt_oss`). A checkpoint of any other kind is refused
 before its weights load, naming what it is. Weights of a family and a Llama would load
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
-               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1",
+               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe")  # families that may rotate part of each head (partial_rotary_factor < 1)
@@ -84,6 +84,7 @@ class MoE:
     softmax_top_k: bool = False  # the weights: a softmax of the top-k logits (Granite), not of them all
     # DeepSeek-V3's routing (GLM-4.5): sigmoid scores in float32, experts chosen by score plus
     # a correction bias within the best `groups[1]` of `groups[0]` groups, weights times `scaling`.
+    # (ERNIE 4.5's: softmax scores in float32, chosen by score plus a correction bias.)
     sigmoid: bool = False
     groups: tuple[int, int] = (1, 1)
     scaling: float = 1.0
@@ -96,6 +97,10 @@ def _moe(c, kind: str) -> MoE | None:
         return MoE(c.num_local_experts, c.num_experts_per_tok, False, False, (True,) * c.num_hidden_layers, True)
     if kind == "olmoe":
         return MoE(c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), False, (True,) * c.num_hidden_layers)
+    if kind == "ernie4_5_moe":  # experts every moe_layer_interval-th layer of [start, end]
+        layers = tuple((i + 1) % c.moe_layer_interval == 0 and c.moe_layer_start_index <= i <= c.moe_layer_end_index
+                       for i in range(c.num_hidden_layers))
+        return MoE(c.moe_num_experts, c.moe_k, True, False, layers)
     if kind in ("glm4_moe", "dots1"):  # DeepSeek-V3's routing; the first first_k_dense_replace layers dense
         return MoE(c.n_routed_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), True,
                    tuple(i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)), sigmoid=True,
@@ -167,8 +172,8 @@ def _family(c, kind: str, act: str) -> Architecture:
         beta = params.get("llama_4_scaling_beta")
         scaling = (beta, params["original_max_position_embeddings"]) if beta else None
         return Architecture(activation=act, query_scaling=scaling)
-    if kind in ("ernie4_5", "helium", "glm"):
-        return Architecture(activation=act, interleaved_rope=True)
+    if kind in ("ernie4_5", "ernie4_5_moe", "helium", "glm"):
+        return Architecture(activation=act, interleaved_rope=True, moe=_moe(c, kind))
     if kind == "glm4":  # norms before and after attention and the MLP, as Gemma 2's
         return Architecture(activation=act, interleaved_rope=True,
                             layer_norms=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm",
@@ -232,8 +237,10 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
     # GLM-4.5's multi-token-prediction layers, past the last: not run here.
     for key in [k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= hf_config.num_hidden_layers]:
         del state[key]
-    for key in [k for k in state if ".mlp.shared_experts." in k]:  # GLM-4.5's: Qwen2-MoE's, ungated
+    for key in [k for k in state if ".mlp.shared_experts." in k]:  # GLM-4.5's, ERNIE's: Qwen2-MoE's, ungated
         state[key.replace(".mlp.shared_experts.", ".mlp.shared_expert.")] = state.pop(key)
+    for key in [k for k in state if k.endswith(".mlp.moe_statics.e_score_correction_bias")]:  # ERNIE's, [1, E]
+        state[key.replace(".moe_statics.", ".gate.")] = state.pop(key).view(-1)
     if hf_config.model_type in ("granitemoe", "granitemoeshared"):
         _granite_experts(state)
     if hf_config.model_type == "mixtral":

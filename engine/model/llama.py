@@ -195,7 +195,8 @@ class LlamaModel:
         lm_head = maybe("lm_head.weight")
         tied = lm_head is None or getattr(c, "tie_word_embeddings", False)
         # Only rank 0 samples: another rank holds no LM head.
-        self.lm_head = None if shard is not None and shard.rank else Linear(self.embed if tied else lm_head)
+        head_bias = maybe("lm_head.bias")  # ERNIE 4.5 MoE's, with use_bias
+        self.lm_head = None if shard is not None and shard.rank else Linear(self.embed if tied else lm_head, head_bias)
         self.moe = moe
         self.activation, self.gated, self.whole_qk_norm = arch.activation, arch.gated, arch.whole_qk_norm
         self.attn_softcap, self.logit_softcap = arch.attn_softcap, arch.logit_softcap

@@ -46,7 +46,8 @@ class Experts:
         shared = None
         down = maybe(prefix + "shared_expert.down_proj.weight")
         if down is not None:
-            shared = SharedExpert(fused(prefix + "shared_expert.", ("gate_proj", "up_proj")), Linear(down),
+            shared = SharedExpert(fused(prefix + "shared_expert.", ("gate_proj", "up_proj")),
+                                  Linear(down, maybe(prefix + "shared_expert.down_proj.bias")),
                                   maybe(prefix + "shared_expert_gate.weight"))
         # The router stays plain F.linear: its logits pick the experts, so they round as transformers' do.
         return cls(moe, Linear(take(prefix + "gate.weight"), maybe(prefix + "gate.bias"), pack=False),
@@ -58,15 +59,15 @@ class Experts:
         """The layer's MLP output [T, hidden] of normed hidden states h [T, hidden]; `act_mul`:
         the model's activation of the gate times the up projection (`ops.silu_mul`)."""
         k = self.moe.top_k
-        if self.moe.sigmoid:
-            weights, chosen = self._sigmoid_route(h)
+        if self.moe.sigmoid or self.correction is not None:
+            weights, chosen = self._corrected_route(h)
         elif self.moe.softmax_top_k:
             logits = self.router(h)
             top, chosen = torch.topk(logits.float(), k, dim=-1)
             weights = torch.softmax(top, dim=-1)
         else:
             weights, chosen = torch.topk(torch.softmax(self.router(h), dim=-1, dtype=torch.float32), k, dim=-1)
-        if self.moe.normalize and not self.moe.sigmoid:
+        if self.moe.normalize and not (self.moe.sigmoid or self.correction is not None):
             weights /= weights.sum(dim=-1, keepdim=True)
         if not self.moe.weights_fp32:
             weights = weights.to(h.dtype)
@@ -90,12 +91,14 @@ class Experts:
             out = out + (y if s.gate is None else torch.sigmoid(F.linear(h, s.gate)) * y)
         return out
 
-    def _sigmoid_route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, experts) [T, k] as DeepSeek-V3 routes, in float32 as transformers' GLM-4.5
-        keeps its router: experts chosen by sigmoid score plus the correction bias, only from
-        the groups whose two best such scores sum highest; weighted by their own scores."""
+    def _corrected_route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) [T, k] as DeepSeek-V3 routes (GLM-4.5) or ERNIE 4.5, in float32 as
+        transformers keeps their routers: experts chosen by score (sigmoid; ERNIE's softmax)
+        plus the correction bias, only from the groups whose two best such scores sum
+        highest; weighted by their own scores."""
         moe, T = self.moe, h.shape[0]
-        scores = F.linear(h.float(), self.router.weight.float()).sigmoid()
+        logits = F.linear(h.float(), self.router.weight.float())
+        scores = logits.sigmoid() if moe.sigmoid else torch.softmax(logits, dim=-1)
         choice = scores if self.correction is None else scores + self.correction.float()
         groups, kept = moe.groups
         if kept < groups:
