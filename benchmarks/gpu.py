@@ -82,9 +82,10 @@ def stage_parity(device: str, workdir: Path, quick: bool) -> dict:
 # scores and windows (gemma2), rope tables by layer kind (gemma3), NoPE layers (smollm3,
 # exaone4), experts (qwen2_moe), norms over all heads (olmo2), scaled queries (ministral3),
 # reordered partial rope (glm4), an ungated MLP (apertus), fused projections (phi3),
-# attention sinks and clamped experts (gpt_oss), grouped sigmoid routing (glm4_moe).
+# attention sinks and clamped experts (gpt_oss), grouped sigmoid routing (glm4_moe), q and k
+# normed after rope (hunyuan_v1_dense).
 GPU_FAMILIES = ("gemma2", "gemma3", "smollm3", "exaone4", "qwen2_moe", "olmo2", "ministral3", "glm4", "apertus", "phi3",
-                "gpt_oss", "glm4_moe")
+                "gpt_oss", "glm4_moe", "hunyuan_v1_dense")
 
 
 def stage_families(device: str, workdir: Path, quick: bool) -> dict:

@@ -4,7 +4,8 @@ Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS
 with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's and
 Apertus's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
 adjacent dimensions, and GLM's rotate part of each head: reordered at load, `rope_order`);
-in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE) a
+HunYuan's q and k are normed after their rotation; in the mixture-of-experts families
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE) a
 layer's MLP is a set of experts, a few of which each token runs (`moe.Experts`; GPT-OSS's
 attention sinks, clamped SwiGLU and MXFP4 experts: `gpt_oss`). A checkpoint of any other kind is refused
 before its weights load, naming what it is. Weights of a family and a Llama would load
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
-               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe",
+               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe")  # families that may rotate part of each head (partial_rotary_factor < 1)
@@ -52,6 +53,7 @@ class Architecture:
     # MLP, of its output); None: no such norm.
     layer_norms: tuple = ("input_layernorm", None, "post_attention_layernorm", None)
     whole_qk_norm: bool = False  # q and k normed over all their heads at once, not head by head (OLMo 2, OLMoE)
+    qk_norm_after_rope: bool = False  # q and k normed by head after their rotation, not before (HunYuan)
     residual_multiplier: float = 1.0  # each block's output's scale before the residual add (Granite)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     logits_divisor: float = 1.0  # Granite's logits_scaling
@@ -180,6 +182,8 @@ def _family(c, kind: str, act: str) -> Architecture:
                                          "post_mlp_layernorm"))
     if kind == "arcee":
         return Architecture(activation=act, gated=False)
+    if kind == "hunyuan_v1_dense":
+        return Architecture(activation=act, qk_norm_after_rope=True)
     if kind == "gpt_oss":
         return Architecture(activation=act, sinks=True, clamped_swiglu=(c.swiglu_alpha, c.swiglu_limit), moe=_moe(c, kind))
     if kind == "apertus":  # its norms' own names; xIELU's parameters are each layer's
@@ -237,6 +241,8 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
     # GLM-4.5's multi-token-prediction layers, past the last: not run here.
     for key in [k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= hf_config.num_hidden_layers]:
         del state[key]
+    for key in [k for k in state if ".self_attn.query_layernorm." in k or ".self_attn.key_layernorm." in k]:
+        state[key.replace("query_layernorm", "q_norm").replace("key_layernorm", "k_norm")] = state.pop(key)  # HunYuan's
     for key in [k for k in state if ".mlp.shared_experts." in k]:  # GLM-4.5's, ERNIE's: Qwen2-MoE's, ungated
         state[key.replace(".mlp.shared_experts.", ".mlp.shared_expert.")] = state.pop(key)
     for key in [k for k in state if k.endswith(".mlp.moe_statics.e_score_correction_bias")]:  # ERNIE's, [1, E]

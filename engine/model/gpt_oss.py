@@ -1,5 +1,6 @@
-"""What GPT-OSS adds to the decoder: its experts stored stacked (transposed, gate and up
-interleaved, and in the released checkpoints quantized to MXFP4), and its clamped SwiGLU.
+"""What GPT-OSS adds to the decoder's loading: its experts stored stacked (transposed, gate
+and up interleaved, and in the released checkpoints quantized to MXFP4). Its clamped SwiGLU
+is activations.clamped_swiglu.
 
 Its attention sinks (one learned logit per query head, a key with no value that takes its
 share of every softmax) are the attention kernels' `sinks`; its alternating sliding and full
@@ -52,16 +53,3 @@ def split_experts(state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
                 state[f"{prefix}{e}.{name}.weight"] = weight.T.contiguous()
                 if bias is not None:
                     state[f"{prefix}{e}.{name}.bias"] = bias.contiguous()
-
-
-def clamped_swiglu(alpha: float, limit: float):
-    """GPT-OSS's activation of gate | up [T, 2I]: the gate clamped from above at `limit`, the
-    up projection to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
-
-    def act_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        inter = gate_up.shape[1] // 2
-        gate = gate_up[:, :inter].clamp(max=limit)
-        up = gate_up[:, inter:].clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-    return act_mul

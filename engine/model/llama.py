@@ -27,10 +27,10 @@ from .. import collectives
 from ..lora import add_deltas
 from .arch import UnsupportedModel, architecture, geometry, reorder_heads, rope_order
 from .fused import FusedOps
-from .gpt_oss import clamped_swiglu
+from .activations import UNGATED_ACTIVATIONS, clamped_swiglu, gelu_tanh_mul
 from .linear import Linear
 from .moe import Experts
-from .rope import RotaryTables
+from .rope import RotaryTables, apply_rope
 
 
 @dataclass
@@ -72,29 +72,6 @@ class StepAttention:
     # None: no row has an adapter.
     lora: list | None = None
     lora_kept: list | None = None
-
-
-def relu2(up: torch.Tensor, _: Layer) -> torch.Tensor:
-    """An ungated MLP's activation, relu(x)^2 (Arcee)."""
-    return F.relu(up).square_()
-
-
-def xielu(up: torch.Tensor, layer: Layer) -> torch.Tensor:
-    """xIELU (Apertus), with the layer's parameters, as transformers computes it."""
-    alpha_p, alpha_n, beta, eps = layer.xielu
-    alpha_p, alpha_n = F.softplus(alpha_p), beta + F.softplus(alpha_n)
-    return torch.where(up > 0, alpha_p * up * up + beta * up,
-                       (torch.expm1(torch.min(up, eps)) - up) * alpha_n + beta * up)
-
-
-UNGATED_ACTIVATIONS = {"relu2": relu2, "xielu": xielu}
-
-
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeLU (tanh approximation: transformers' gelu_pytorch_tanh) of the gate times the up
-    projection, as `silu_mul` (Gemma's MLP)."""
-    inter = gate_up.shape[1] // 2
-    return F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
 
 
 class LlamaModel:
@@ -202,6 +179,7 @@ class LlamaModel:
         self.attn_softcap, self.logit_softcap = arch.attn_softcap, arch.logit_softcap
         self.query_scaling = arch.query_scaling
         self.clamped_swiglu = arch.clamped_swiglu
+        self.qk_norm_after_rope = arch.qk_norm_after_rope
         order = rope_order(c)  # q's and k's rows were reordered so at load (arch.to_llama_names)
         self.reorder_qk = None if order is None else (lambda rows: reorder_heads(rows, order))
 
@@ -268,8 +246,11 @@ class LlamaModel:
             if self.whole_qk_norm:  # over all heads at once (OLMo 2, OLMoE)
                 qkv = whole_qk_norm(qkv, q_norm, k_norm)
                 q_norm = k_norm = None
-            q = rope_ops[layer.rope].rope_store(
-                qkv, positions, q_norm, k_norm, k_cache, v_cache, step.slot_mapping, step.store_kv)
+            if self.qk_norm_after_rope:
+                q = self._rope_then_norm(qkv, positions, layer, k_cache, v_cache, step)
+            else:
+                q = rope_ops[layer.rope].rope_store(
+                    qkv, positions, q_norm, k_norm, k_cache, v_cache, step.slot_mapping, step.store_kv)
             if query_scale is not None:
                 q = q * query_scale
             # Tensor-parallel: the layer's KV is in every rank's pool only once the o
@@ -306,6 +287,23 @@ class LlamaModel:
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h, residual = add_norm(out_norm(x, layer.mlp_out_norm), residual, following)
         return h
+
+    def _rope_then_norm(self, qkv, positions, layer: Layer, k_cache, v_cache, step: StepAttention) -> torch.Tensor:
+        """q [T, H, D] of HunYuan's order (rotated, then normed by head in float32 and scaled in
+        the dtype, as transformers' RMS norm), k so too and stored with v: plain torch, which
+        the fused rope-and-store kernels (normed first) are not."""
+        T, D = qkv.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * D, self.num_kv_heads * D
+        tables = self.rope_tables.get(layer.rope) or self.rope
+        cos, sin = tables.lookup(positions)
+
+        def normed(x, weight):
+            return F.rms_norm(apply_rope(x, cos, sin).float(), (D,), eps=self.eps).to(x.dtype) * weight
+
+        q = normed(qkv[:, :q_size].view(T, self.num_heads, D), layer.q_norm)
+        k = normed(qkv[:, q_size:q_size + kv_size].view(T, self.num_kv_heads, D), layer.k_norm)
+        step.store_kv(k_cache, v_cache, k, qkv[:, q_size + kv_size:].view(T, self.num_kv_heads, D), step.slot_mapping)
+        return q
 
     def lora_sizes(self) -> dict[str, list[int]]:
         """The output parts of each of the whole model's fused projections (every rank's

@@ -14,6 +14,11 @@ def inverse_frequencies(hf_config, head_dim: int, layer_type: str | None = None)
     if layer_type is not None:
         params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
+    base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if rope_type == "dynamic" and params.get("alpha"):
+        # HunYuan's NTK-alpha, labelled "dynamic" but fixed: only the base stretches, by
+        # alpha^(D / (D - 2)), whatever the length (transformers' HunYuan reads it so too).
+        base, rope_type = base * params["alpha"] ** (head_dim / (head_dim - 2)), "default"
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -22,7 +27,6 @@ def inverse_frequencies(hf_config, head_dim: int, layer_type: str | None = None)
         kind = {} if layer_type is None else {"layer_type": layer_type}
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kind)
         return inv_freq.float(), float(attention_scaling)
-    base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     dim = int(head_dim * params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
     exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     return 1.0 / (base**exponent), 1.0

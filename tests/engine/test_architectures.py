@@ -106,7 +106,7 @@ def gemma3_multimodal_checkpoint(path):
     import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
-    from pdserve.engine.checkpoint import _config
+    from pdserve.engine.families import config_of as _config
 
     write_tokenizer(path)
     text = _config("gemma3", 512)
@@ -140,7 +140,7 @@ def test_a_multimodal_mistral3_serves_its_language_model_as_transformers_runs_it
     import torch
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
 
-    from pdserve.engine.checkpoint import _config
+    from pdserve.engine.families import config_of as _config
 
     d = tmp_path / "m3"
     write_tokenizer(d)

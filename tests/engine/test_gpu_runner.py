@@ -50,7 +50,8 @@ def test_bucket_sizes_cover_every_batch_up_to_the_largest():
                                                ("llama", "layer-major"), ("qwen2_moe", "page-major"),
                                                ("gemma", "page-major"), ("olmo2", "page-major"),
                                                ("ministral3", "page-major"), ("apertus", "page-major"),
-                                               ("glm4", "page-major"), ("gpt_oss", "page-major")])
+                                               ("glm4", "page-major"), ("gpt_oss", "page-major"),
+                                               ("hunyuan_v1_dense", "page-major")])
 def test_gpu_step_path_generates_transformers_greedy_tokens(checkpoint_dirs, hf_greedy, family, kv_layout):
     model = checkpoint_dirs(family)
     # 3 sequences run the graph of 4 (one padding row); page size 3 and a 16-token budget
