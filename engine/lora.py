@@ -134,6 +134,9 @@ def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], d
                             f"(rank {rank}, {hi - lo} outputs; got {got}): it was made for another base model")
         if module in ("q_proj", "k_proj") and reorder is not None:  # its rows as the model's (arch.rope_order)
             B = reorder(B)
+        elif module == "qkv_proj" and reorder is not None:  # Phi-4-mini's fused q|k|v: its q and k parts
+            q, kv = sizes["qkv"][0], sizes["qkv"][1]
+            B = torch.cat([reorder(B[:q]), reorder(B[q:q + kv]), B[q + kv:]])
         target = (A, B * scale if folded else B, int(lo), int(hi))
         if shard is not None and shard.world > 1:
             target = _rank_share(target, projection, sizes, shard, head_dim)

@@ -34,7 +34,7 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3
                "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
-PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe")  # families that may rotate part of each head (partial_rotary_factor < 1)
+PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe", "phi3")  # families that may rotate part of each head (partial_rotary_factor < 1)
 UNGATED = {"arcee": ("relu2",), "apertus": ("xielu",)}  # families whose MLP is up, activation, down
 
 
@@ -255,10 +255,6 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
             for old, name in _MIXTRAL:
                 new = new.replace(old, name)
             state[new] = state.pop(key)
-    order = rope_order(hf_config)
-    if order is not None:
-        for key in [k for k in state if k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "q_norm", "k_norm")]:
-            state[key] = reorder_heads(state[key], order)
     heads, kv_heads, head_dim = geometry(hf_config)
     sizes = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)),
              "gate_up_proj": (("gate_proj", "up_proj"), (hf_config.intermediate_size,) * 2)}
@@ -267,6 +263,10 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
         names, split = sizes[fused]
         for name, part in zip(names, state.pop(key).split(split, dim=0)):
             state[f"{prefix}.{name}.{kind}"] = part.contiguous()
+    order = rope_order(hf_config)  # after the split: Phi-4-mini's fused q|k|v rotates part of each head too
+    if order is not None:
+        for key in [k for k in state if k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "q_norm", "k_norm")]:
+            state[key] = reorder_heads(state[key], order)
 
 
 def _granite_experts(state: dict[str, torch.Tensor]) -> None:

@@ -49,3 +49,23 @@ def test_reordered_rows_rotated_by_the_tables_score_as_the_model(factor, interle
     cos, sin = tables.lookup(positions)
     got = torch.einsum("qhd,khd->hqk", apply_rope(q, cos, sin), apply_rope(k, cos, sin))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_phi4_minis_partial_rope_through_its_fused_qkv_and_an_adapter_of_it_match_transformers(tmp_path):
+    """Phi-4-mini: Phi-3's fused q|k|v rotating 3/4 of each head (LongRoPE's factors of that
+    many pairs), reordered after the split; a LoRA adapter of qkv_proj reordered alike."""
+    from pdserve.engine import LLM
+    from pdserve.engine.checkpoint import write_checkpoint, write_lora_adapter
+    from tests.engine.test_lora import peft_greedy, run_all
+
+    pairs = 6  # of head_dim 16 at factor 0.75
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + i / 10 for i in range(pairs)], "long_factor": [4.0 + i for i in range(pairs)],
+            "original_max_position_embeddings": 64}
+    base = write_checkpoint(tmp_path / "phi4", family="phi3", max_position_embeddings=256, partial_rotary_factor=0.75,
+                            original_max_position_embeddings=64, rope_parameters=rope)
+    adapter = write_lora_adapter(base, tmp_path / "a", seed=2, targets=("qkv_proj", "o_proj"))
+    llm = LLM(str(base), page_size=4, num_pages=64, lora_modules=[f"a={adapter}"])
+    prompt = list(range(3, 30))
+    assert run_all(llm.engine, [(prompt, None), (prompt, "a")], 8) == [peft_greedy(base, None, prompt, 8),
+                                                                       peft_greedy(base, adapter, prompt, 8)]
