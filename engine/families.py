@@ -98,6 +98,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(head_dim=16, moe_intermediate_size=32, moe_num_experts=8, moe_k=2,
                                                 moe_num_shared_experts=1, moe_layer_start_index=1,
                                                 num_hidden_layers=3, use_bias=True)),
+    # GLM-4.5's routing in every layer (no dense one, no intermediate_size) under Llama's attention
+    "solar_open": ("SolarOpenConfig", dict({k: v for k, v in _GROUPED.items() if k != "first_k_dense_replace"},
+                                           attention_bias=True)),
     # q and k normed after their rotation; NTK-alpha rope (transformers' "dynamic" with alpha)
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(head_dim=16, rope_parameters={
         "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0})),
@@ -120,4 +123,6 @@ def config_of(family: str, vocab_size: int, **overrides):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
                   initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
                   dtype="float32")
+    if family == "solar_open":  # a config field it refuses
+        del common["intermediate_size"]
     return getattr(transformers, name)(**{**common, **fields, **overrides})

@@ -5,7 +5,7 @@ with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's 
 Apertus's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
 adjacent dimensions, and GLM's rotate part of each head: reordered at load, `rope_order`);
 HunYuan's q and k are normed after their rotation; in the mixture-of-experts families
-(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE) a
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, Solar Open) a
 layer's MLP is a set of experts, a few of which each token runs (`moe.Experts`; GPT-OSS's
 attention sinks, clamped SwiGLU and MXFP4 experts: `gpt_oss`). A checkpoint of any other kind is refused
 before its weights load, naming what it is. Weights of a family and a Llama would load
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
-               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense",
+               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense", "solar_open",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe", "phi3")  # families that may rotate part of each head (partial_rotary_factor < 1)
@@ -103,9 +103,10 @@ def _moe(c, kind: str) -> MoE | None:
         layers = tuple((i + 1) % c.moe_layer_interval == 0 and c.moe_layer_start_index <= i <= c.moe_layer_end_index
                        for i in range(c.num_hidden_layers))
         return MoE(c.moe_num_experts, c.moe_k, True, False, layers)
-    if kind in ("glm4_moe", "dots1"):  # DeepSeek-V3's routing; the first first_k_dense_replace layers dense
+    if kind in ("glm4_moe", "dots1", "solar_open"):  # DeepSeek-V3's routing; the first first_k_dense_replace dense
+        dense = getattr(c, "first_k_dense_replace", 0)  # (Solar Open's: none)
         return MoE(c.n_routed_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), True,
-                   tuple(i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)), sigmoid=True,
+                   tuple(i >= dense for i in range(c.num_hidden_layers)), sigmoid=True,
                    groups=(c.n_group, c.topk_group), scaling=c.routed_scaling_factor)
     if kind not in ("qwen2_moe", "qwen3_moe"):
         return None
@@ -257,7 +258,7 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
             state[new] = state.pop(key)
     heads, kv_heads, head_dim = geometry(hf_config)
     sizes = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)),
-             "gate_up_proj": (("gate_proj", "up_proj"), (hf_config.intermediate_size,) * 2)}
+             "gate_up_proj": (("gate_proj", "up_proj"), (getattr(hf_config, "intermediate_size", 0),) * 2)}
     for key in [k for k in state if k.rsplit(".", 2)[-2] in sizes]:
         prefix, fused, kind = key.rsplit(".", 2)
         names, split = sizes[fused]

@@ -310,7 +310,7 @@ class LlamaModel:
         together), as LoRA adapters target them: the attention's alone in a mixture of
         experts, whose experts adapters are not run on."""
         heads, kv_heads, D = geometry(self.config)
-        inter = self.config.intermediate_size
+        inter = getattr(self.config, "intermediate_size", 0)  # (Solar Open, all experts, has none)
         sizes = {"qkv": [heads * D, kv_heads * D, kv_heads * D], "o": [self.hidden_size]}
         gate_up = [inter, inter] if self.gated else [inter]  # (an ungated MLP's up alone)
         return sizes if self.moe else {**sizes, "gate_up": gate_up, "down": [self.hidden_size]}
