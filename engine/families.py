@@ -13,6 +13,10 @@ _TWO_KINDS = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_at
 _GROUPED = dict(head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
                 topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, num_hidden_layers=3)
 
+_GRANITE_MOE = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, embedding_multiplier=2.0,
+                           residual_multiplier=0.8, attention_multiplier=0.125, logits_scaling=2.0,
+                           tie_word_embeddings=True)
+
 # family: (transformers' config class, what sets it apart from the common fields)
 CONFIGS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {}),
@@ -81,9 +85,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     # 8 experts, 2 a token, not renormalised; q and k normed whole
     "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # experts stored stacked; multipliers that leave them a say
-    "granitemoe": ("GraniteMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
-                                            embedding_multiplier=2.0, residual_multiplier=0.8,
-                                            attention_multiplier=0.125, logits_scaling=2.0, tie_word_embeddings=True)),
+    "granitemoe": ("GraniteMoeConfig", _GRANITE_MOE),
     # sinks; an 8-token window on its first layer, YaRN; a clamp that bites
     "gpt_oss": ("GptOssConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
                                      sliding_window=8, swiglu_limit=0.5, rope_parameters={
@@ -101,6 +103,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     # GLM-4.5's routing in every layer (no dense one, no intermediate_size) under Llama's attention
     "solar_open": ("SolarOpenConfig", dict({k: v for k, v in _GROUPED.items() if k != "first_k_dense_replace"},
                                            attention_bias=True)),
+    # Granite's multipliers, windows of 8 on its 2nd and 3rd layers, sinks; its 3rd layer without rope
+    "granite_swa": ("GraniteSWAConfig", dict(num_hidden_layers=3, sliding_window=8, embedding_multiplier=2.0,
+                                             residual_multiplier=0.8, attention_multiplier=0.125, logits_scaling=2.0,
+                                             layer_rope_theta=[10000.0, 500000.0, 0])),
+    # Granite MoE's shared expert beside its routed ones, under GraniteSWA's attention
+    "granitemoe_swa": ("GraniteMoeSWAConfig", dict(_GRANITE_MOE, shared_intermediate_size=96, num_hidden_layers=3,
+                                                   sliding_window=8, layer_rope_theta=[10000.0, 500000.0, 0])),
     # q and k normed after their rotation; NTK-alpha rope (transformers' "dynamic" with alpha)
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(head_dim=16, rope_parameters={
         "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0})),

@@ -25,13 +25,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .gpt_oss import split_experts
-
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
-               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense", "solar_open",
+               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense", "solar_open", "granite_swa",
+               "granitemoe_swa",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe", "phi3")  # families that may rotate part of each head (partial_rotary_factor < 1)
@@ -95,7 +94,7 @@ class MoE:
 def _moe(c, kind: str) -> MoE | None:
     if kind == "mixtral":
         return MoE(c.num_local_experts, c.num_experts_per_tok, True, True, (True,) * c.num_hidden_layers)
-    if kind in ("granitemoe", "granitemoeshared", "gpt_oss"):
+    if kind in ("granitemoe", "granitemoeshared", "granitemoe_swa", "gpt_oss"):
         return MoE(c.num_local_experts, c.num_experts_per_tok, False, False, (True,) * c.num_hidden_layers, True)
     if kind == "olmoe":
         return MoE(c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), False, (True,) * c.num_hidden_layers)
@@ -192,10 +191,12 @@ def _family(c, kind: str, act: str) -> Architecture:
                                                                       "feedforward_layernorm", None))
     if kind == "smollm3":
         return Architecture(rope_kinds=tuple("" if rope else "none" for rope in c.no_rope_layers))
-    if kind.startswith("granite"):
+    if kind.startswith("granite"):  # GraniteSWA's: sinks, and a rope base by layer (0: none)
+        thetas = getattr(c, "layer_rope_theta", None) or ()
+        kinds = tuple("none" if not t else f"theta={float(t)}" for t in thetas)
         return Architecture(embedding_multiplier=c.embedding_multiplier, residual_multiplier=c.residual_multiplier,
                             attention_scale=c.attention_multiplier, logits_divisor=c.logits_scaling,
-                            activation=act, moe=_moe(c, kind))
+                            activation=act, moe=_moe(c, kind), sinks=kind.endswith("_swa"), rope_kinds=kinds)
     return Architecture(activation=act, moe=_moe(c, kind))
 
 
@@ -225,66 +226,6 @@ def _windows(c) -> tuple[int, ...]:
     if getattr(c, "use_sliding_window", True) is False:
         return ()
     return (window,) * c.num_hidden_layers if window else ()
-
-
-_MIXTRAL = (("block_sparse_moe.gate.", "mlp.gate."), ("block_sparse_moe.experts.", "mlp.experts."),
-            (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
-
-
-def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
-    """Phi-3's fused qkv_proj and gate_up_proj, split in place into Llama's q/k/v and
-    gate/up names (the model fuses them again; tensor parallelism cuts them apart first);
-    Mixtral's experts renamed as Qwen's (`mlp.experts.N.gate_proj`, ..., `mlp.gate`), and
-    Granite MoE's and GPT-OSS's, stacked [experts, ...], split into them (GPT-OSS's MXFP4
-    experts dequantized to the model's dtype first)."""
-    if hf_config.model_type == "gpt_oss":
-        split_experts(state, state["model.embed_tokens.weight"].dtype)
-    # GLM-4.5's multi-token-prediction layers, past the last: not run here.
-    for key in [k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= hf_config.num_hidden_layers]:
-        del state[key]
-    for key in [k for k in state if ".self_attn.query_layernorm." in k or ".self_attn.key_layernorm." in k]:
-        state[key.replace("query_layernorm", "q_norm").replace("key_layernorm", "k_norm")] = state.pop(key)  # HunYuan's
-    for key in [k for k in state if ".mlp.shared_experts." in k]:  # GLM-4.5's, ERNIE's: Qwen2-MoE's, ungated
-        state[key.replace(".mlp.shared_experts.", ".mlp.shared_expert.")] = state.pop(key)
-    for key in [k for k in state if k.endswith(".mlp.moe_statics.e_score_correction_bias")]:  # ERNIE's, [1, E]
-        state[key.replace(".moe_statics.", ".gate.")] = state.pop(key).view(-1)
-    if hf_config.model_type in ("granitemoe", "granitemoeshared"):
-        _granite_experts(state)
-    if hf_config.model_type == "mixtral":
-        for key in [k for k in state if ".block_sparse_moe." in k]:
-            new = key
-            for old, name in _MIXTRAL:
-                new = new.replace(old, name)
-            state[new] = state.pop(key)
-    heads, kv_heads, head_dim = geometry(hf_config)
-    sizes = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)),
-             "gate_up_proj": (("gate_proj", "up_proj"), (getattr(hf_config, "intermediate_size", 0),) * 2)}
-    for key in [k for k in state if k.rsplit(".", 2)[-2] in sizes]:
-        prefix, fused, kind = key.rsplit(".", 2)
-        names, split = sizes[fused]
-        for name, part in zip(names, state.pop(key).split(split, dim=0)):
-            state[f"{prefix}.{name}.{kind}"] = part.contiguous()
-    order = rope_order(hf_config)  # after the split: Phi-4-mini's fused q|k|v rotates part of each head too
-    if order is not None:
-        for key in [k for k in state if k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "q_norm", "k_norm")]:
-            state[key] = reorder_heads(state[key], order)
-
-
-def _granite_experts(state: dict[str, torch.Tensor]) -> None:
-    for key in [k for k in state if ".block_sparse_moe." in k or ".shared_mlp." in k]:
-        layer, _, part = key.partition(".block_sparse_moe.") if ".block_sparse_moe." in key else key.partition(".shared_mlp.")
-        w = state.pop(key)
-        if part == "router.layer.weight":
-            state[f"{layer}.mlp.gate.weight"] = w
-        elif ".shared_mlp." in key:  # gate | up, down
-            names = ("gate_proj", "up_proj") if part == "input_linear.weight" else ("down_proj",)
-            for name, piece in zip(names, w.chunk(len(names), dim=0)):
-                state[f"{layer}.mlp.shared_expert.{name}.weight"] = piece.contiguous()
-        else:  # input_linear [E, 2I, H]: each expert's gate | up; output_linear [E, H, I]: its down
-            names = ("gate_proj", "up_proj") if part == "input_linear.weight" else ("down_proj",)
-            for e, expert in enumerate(w):
-                for name, piece in zip(names, expert.chunk(len(names), dim=0)):
-                    state[f"{layer}.mlp.experts.{e}.{name}.weight"] = piece.contiguous()
 
 
 def served_context(hf_config, asked: int | None) -> int:

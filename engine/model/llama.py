@@ -103,7 +103,7 @@ class LlamaModel:
         self.vocab_size = c.vocab_size
         self.dtype = dtype
         # Rotary tables by layer kind ("": the model's; "none": a NoPE layer's, rotating nothing).
-        tables = {kind: RotaryTables(c, self.head_dim, max_positions, dtype, device, kind or None)
+        tables = {kind: RotaryTables.of_kind(c, kind, self.head_dim, max_positions, dtype, device)
                   for kind in dict.fromkeys(rope_kinds) if kind != "none"} or {
                   "": RotaryTables(c, self.head_dim, max_positions, dtype, device)}
         self.rope = next(iter(tables.values()))
@@ -180,7 +180,7 @@ class LlamaModel:
         self.query_scaling = arch.query_scaling
         self.clamped_swiglu = arch.clamped_swiglu
         self.qk_norm_after_rope = arch.qk_norm_after_rope
-        order = rope_order(c)  # q's and k's rows were reordered so at load (arch.to_llama_names)
+        order = rope_order(c)  # q's and k's rows were reordered so at load (names.to_llama_names)
         self.reorder_qk = None if order is None else (lambda rows: reorder_heads(rows, order))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, step: StepAttention) -> torch.Tensor:

@@ -41,7 +41,7 @@ class Experts:
 
     @classmethod
     def load(cls, moe: MoE, prefix: str, take, maybe, fused) -> "Experts":
-        """The experts under `prefix` (`model.layers.N.mlp.`), Qwen's names (arch.to_llama_names)."""
+        """The experts under `prefix` (`model.layers.N.mlp.`), Qwen's names (names.to_llama_names)."""
         experts = range(moe.experts)
         shared = None
         down = maybe(prefix + "shared_expert.down_proj.weight")

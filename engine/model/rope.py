@@ -4,6 +4,8 @@ types such as Llama 3's from `transformers.modeling_rope_utils`)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -51,6 +53,17 @@ class RotaryTables:
             sin = torch.cat([sin, torch.zeros(max_positions, still)], dim=1)
         self.cos = cos.to(dtype=dtype, device=device)
         self.sin = sin.to(dtype=dtype, device=device)
+
+    @classmethod
+    def of_kind(cls, hf_config, kind: str, head_dim: int, max_positions: int, dtype, device) -> "RotaryTables":
+        """The tables of a layer kind (arch.Architecture.rope_kinds): "" the model's, a key of
+        its rope parameters by layer type (Gemma 3's), or "theta=X", the model's parameters
+        with that base (GraniteSWA's per-layer `layer_rope_theta`)."""
+        if kind.startswith("theta="):
+            hf_config = copy.deepcopy(hf_config)
+            hf_config.rope_parameters = {**hf_config.rope_parameters, "rope_theta": float(kind[len("theta="):])}
+            kind = ""
+        return cls(hf_config, head_dim, max_positions, dtype, device, kind or None)
 
     def identity(self) -> "RotaryTables":
         """Tables of the same shape that rotate nothing (cos 1, sin 0: x * 1 + y * 0 is x

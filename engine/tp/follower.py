@@ -59,7 +59,8 @@ def main(argv: list[str]) -> int:
     from ..kv_pool import mapped_pool
     from ..lora import load_adapters
     from ..model import LlamaModel, ModelRunner
-    from ..model.arch import architecture, to_llama_names
+    from ..model.arch import architecture
+    from ..model.names import to_llama_names
     from ..model.weights import load_config, load_state_dict
     from ..native import keep_step_buffers
     from .. import collectives

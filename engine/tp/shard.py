@@ -102,7 +102,8 @@ def shard_state(state: dict[str, torch.Tensor], shard: TPShard, head_dim: int, w
 def load_model(config, hf_config, dtype: torch.dtype, max_model_len: int):
     """(rank 0's model, every rank's TPShard): the whole model when one rank."""
     from ..model import LlamaModel
-    from ..model.arch import architecture, geometry, to_llama_names
+    from ..model.arch import architecture, geometry
+    from ..model.names import to_llama_names
     from ..model.weights import load_state_dict
 
     c = hf_config

@@ -1,0 +1,72 @@
+"""A checkpoint's weight names and layouts as the engine loads them (Llama's, Qwen's experts):
+every family's own names renamed, fused or stacked tensors split, quantized experts
+dequantized, and q's and k's rows put in the order the kernels rotate them (arch.rope_order)."""
+
+from __future__ import annotations
+
+import torch
+
+from .arch import geometry, reorder_heads, rope_order
+from .gpt_oss import split_experts
+
+_MIXTRAL = (("block_sparse_moe.gate.", "mlp.gate."), ("block_sparse_moe.experts.", "mlp.experts."),
+            (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+
+def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
+    """Phi-3's fused qkv_proj and gate_up_proj, split in place into Llama's q/k/v and
+    gate/up names (the model fuses them again; tensor parallelism cuts them apart first);
+    Mixtral's experts renamed as Qwen's (`mlp.experts.N.gate_proj`, ..., `mlp.gate`), and
+    Granite MoE's and GPT-OSS's, stacked [experts, ...], split into them (GPT-OSS's MXFP4
+    experts dequantized to the model's dtype first)."""
+    if hf_config.model_type == "gpt_oss":
+        split_experts(state, state["model.embed_tokens.weight"].dtype)
+    # GLM-4.5's multi-token-prediction layers, past the last: not run here.
+    for key in [k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= hf_config.num_hidden_layers]:
+        del state[key]
+    for key in [k for k in state if ".self_attn.query_layernorm." in k or ".self_attn.key_layernorm." in k]:
+        state[key.replace("query_layernorm", "q_norm").replace("key_layernorm", "k_norm")] = state.pop(key)  # HunYuan's
+    for key in [k for k in state if ".mlp.shared_experts." in k]:  # GLM-4.5's, ERNIE's: Qwen2-MoE's, ungated
+        state[key.replace(".mlp.shared_experts.", ".mlp.shared_expert.")] = state.pop(key)
+    for key in [k for k in state if k.endswith(".mlp.moe_statics.e_score_correction_bias")]:  # ERNIE's, [1, E]
+        state[key.replace(".moe_statics.", ".gate.")] = state.pop(key).view(-1)
+    if hf_config.model_type in ("granitemoe", "granitemoeshared", "granitemoe_swa"):
+        _granite_experts(state)
+    if hf_config.model_type == "mixtral":
+        for key in [k for k in state if ".block_sparse_moe." in k]:
+            new = key
+            for old, name in _MIXTRAL:
+                new = new.replace(old, name)
+            state[new] = state.pop(key)
+    heads, kv_heads, head_dim = geometry(hf_config)
+    sizes = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)),
+             "gate_up_proj": (("gate_proj", "up_proj"), (getattr(hf_config, "intermediate_size", 0),) * 2)}
+    for key in [k for k in state if k.rsplit(".", 2)[-2] in sizes]:
+        prefix, fused, kind = key.rsplit(".", 2)
+        names, split = sizes[fused]
+        for name, part in zip(names, state.pop(key).split(split, dim=0)):
+            state[f"{prefix}.{name}.{kind}"] = part.contiguous()
+    order = rope_order(hf_config)  # after the split: Phi-4-mini's fused q|k|v rotates part of each head too
+    if order is not None:
+        for key in [k for k in state if k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "q_norm", "k_norm")]:
+            state[key] = reorder_heads(state[key], order)
+
+
+def _granite_experts(state: dict[str, torch.Tensor]) -> None:
+    for key in [k for k in state if ".block_sparse_moe." in k or ".shared_mlp." in k]:
+        layer, _, part = key.partition(".block_sparse_moe.") if ".block_sparse_moe." in key else key.partition(".shared_mlp.")
+        w = state.pop(key)
+        # GraniteMoeSWA's checkpoints name them as transformers 5 does: router.weight,
+        # experts.gate_up_proj and experts.down_proj.
+        gate_up = part in ("input_linear.weight", "experts.gate_up_proj")
+        if part in ("router.layer.weight", "router.weight"):
+            state[f"{layer}.mlp.gate.weight"] = w
+        elif ".shared_mlp." in key:  # gate | up, down
+            names = ("gate_proj", "up_proj") if gate_up else ("down_proj",)
+            for name, piece in zip(names, w.chunk(len(names), dim=0)):
+                state[f"{layer}.mlp.shared_expert.{name}.weight"] = piece.contiguous()
+        else:  # input_linear [E, 2I, H]: each expert's gate | up; output_linear [E, H, I]: its down
+            names = ("gate_proj", "up_proj") if gate_up else ("down_proj",)
+            for e, expert in enumerate(w):
+                for name, piece in zip(names, expert.chunk(len(names), dim=0)):
+                    state[f"{layer}.mlp.experts.{e}.{name}.weight"] = piece.contiguous()
