@@ -14,14 +14,18 @@ _MIXTRAL = (("block_sparse_moe.gate.", "mlp.gate."), ("block_sparse_moe.experts.
 
 
 def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
-    """Phi-3's fused qkv_proj and gate_up_proj, split in place into Llama's q/k/v and
-    gate/up names (the model fuses them again; tensor parallelism cuts them apart first);
-    Mixtral's experts renamed as Qwen's (`mlp.experts.N.gate_proj`, ..., `mlp.gate`), and
-    Granite MoE's and GPT-OSS's, stacked [experts, ...], split into them (GPT-OSS's MXFP4
-    experts dequantized to the model's dtype first)."""
+    """`state` in place as the engine loads it:
+    - Phi-3's fused qkv_proj and gate_up_proj split into Llama's q/k/v and gate/up names
+      (the model fuses them again; tensor parallelism cuts them apart first);
+    - Mixtral's experts renamed as Qwen's (`mlp.experts.N.gate_proj`, ..., `mlp.gate`), and
+      Granite MoE's and GPT-OSS's, stacked [experts, ...], split into them (GPT-OSS's MXFP4
+      experts dequantized to the model's dtype first);
+    - GLM-4.5's and ERNIE's `shared_experts`, ERNIE's correction bias and HunYuan's q and k
+      norms under the names the others use; layers past the last (GLM-4.5's
+      multi-token prediction) dropped;
+    - q's and k's rows reordered where the model rotates them otherwise (arch.rope_order)."""
     if hf_config.model_type == "gpt_oss":
         split_experts(state, state["model.embed_tokens.weight"].dtype)
-    # GLM-4.5's multi-token-prediction layers, past the last: not run here.
     for key in [k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= hf_config.num_hidden_layers]:
         del state[key]
     for key in [k for k in state if ".self_attn.query_layernorm." in k or ".self_attn.key_layernorm." in k]:
