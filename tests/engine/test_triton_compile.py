@@ -5,7 +5,7 @@ memory, which would put slow memory traffic inside the kernels' loops. The inter
 tests check what the kernels compute; these, that the compiler takes them as launched
 (constexpr branches, loop bounds and types the interpreter does not check) and that their
 tiles fit (`triton_ops.launch_config`), across head dims 64, 128 and 256, bfloat16 and
-IEEE fp32, before any device time is spent.
+IEEE fp32, and GPT-OSS's sinks, before any device time is spent.
 
 Each case runs the engine's own wrapper on CPU tensors with the kernel launch recorded
 instead of run, and compiles the kernel for exactly the arguments it was given. The cases
@@ -110,12 +110,14 @@ def _attention_case(dtype, query_lens, seq_lens, heads=32, kv_heads=8, head_dim=
     return q, pool[:, 1, 0], pool[:, 1, 1], tables, starts, torch.tensor(seq_lens, dtype=torch.int64)
 
 
-def attention(dtype, shape, head_dim, heads=32, kv_heads=8) -> list:
+def attention(dtype, shape, head_dim, heads=32, kv_heads=8, sinks=False) -> list:
+    """`sinks`: as GPT-OSS launches it, with sinks (the HAS_SINKS branch) and a 128-key window."""
     calls = _recorded(triton_ops)
     query_lens = [70, 1] if shape == "prefill" else [1, 1]
     args = _attention_case(dtype, query_lens, [75, 300], heads, kv_heads, head_dim)
     splits = triton_ops.MAX_SPLITS if shape == "split" else 1  # a batch of one on a GPU splits in 16
-    triton_ops.paged_attention(*args, 16, 0.125, max_query_len=max(query_lens), num_splits=splits)
+    extra = dict(sinks=torch.zeros(heads), window=128) if sinks else {}
+    triton_ops.paged_attention(*args, 16, 0.125, max_query_len=max(query_lens), num_splits=splits, **extra)
     return calls
 
 
@@ -151,6 +153,11 @@ CASES = {  # name: (what launches, its arguments, the kernels it launches)
     **{f"attention_{shape}_{str(dtype)[6:]}_dim128_group32": (
         attention, (dtype, shape, 128, 32, 1), ATTENTION + (["_combine_splits_kernel"] if shape == "split" else []))
        for shape in ("decode", "split") for dtype in (torch.float32, torch.bfloat16)},
+    # GPT-OSS's: 64 query heads on 8 KV heads of 64 dims, sinks and a window
+    **{f"attention_{shape}_bf16_dim64_sinks": (
+        attention, (torch.bfloat16, shape, 64, 64, 8, True),
+        ATTENTION + (["_combine_splits_kernel"] if shape == "split" else []))
+       for shape in ("decode", "split", "prefill")},
     "store_kv": (store_kv, (), ["_store_kv_kernel"]),
     **{f"fused_layer_ops_{name}": (
         fused_layer_ops, geometry, ["_add_rms_norm_kernel", "_add_rms_norm_kernel", "_rope_store_kernel", "_silu_mul_kernel"])
