@@ -59,7 +59,8 @@ class Experts:
         """The layer's MLP output [T, hidden] of normed hidden states h [T, hidden]; `act_mul`:
         the model's activation of the gate times the up projection (`ops.silu_mul`)."""
         k = self.moe.top_k
-        if self.moe.sigmoid or self.correction is not None:
+        corrected = self.moe.sigmoid or self.correction is not None  # weighed (and renormalised) there
+        if corrected:
             weights, chosen = self._corrected_route(h)
         elif self.moe.softmax_top_k:
             logits = self.router(h)
@@ -67,7 +68,7 @@ class Experts:
             weights = torch.softmax(top, dim=-1)
         else:
             weights, chosen = torch.topk(torch.softmax(self.router(h), dim=-1, dtype=torch.float32), k, dim=-1)
-        if self.moe.normalize and not (self.moe.sigmoid or self.correction is not None):
+        if self.moe.normalize and not corrected:
             weights /= weights.sum(dim=-1, keepdim=True)
         if not self.moe.weights_fp32:
             weights = weights.to(h.dtype)

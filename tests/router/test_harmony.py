@@ -12,6 +12,7 @@ from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.router.tool_dialects import HERMES, dialect_of
 from tests.chat_checkpoint import write_tokenizer_only
 from tests.router.fake_worker import FakeWorker, openai_router, run
+from tests.router.test_reasoning import fed
 from tests.router.test_tools import TOOLS
 
 # gpt-oss's template, much shortened: its messages' shape, tools in the developer message.
@@ -30,12 +31,7 @@ BLOCK = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</too
 
 
 def split(text: str, cuts: list[int]) -> tuple[str, str]:
-    stream, reasoning, content = HarmonyStream(), "", ""
-    for a, b in zip([0, *cuts], [*cuts, len(text)]):
-        r, c = stream.feed(text[a:b])
-        reasoning, content = reasoning + r, content + c
-    r, c = stream.finish()
-    return reasoning + r, content + c
+    return fed(HarmonyStream(), text, cuts)
 
 
 @pytest.mark.parametrize("text,want", [

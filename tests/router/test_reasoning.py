@@ -20,7 +20,13 @@ THINKING_TEMPLATE = (  # Qwen3's shape, much shortened: past answers lose their 
 
 
 def split(text: str, cuts: list[int], started: bool = False) -> tuple[str, str]:
-    stream, reasoning, content = ReasoningStream(started), "", ""
+    return fed(ReasoningStream(started), text, cuts)
+
+
+def fed(stream, text: str, cuts: list[int]) -> tuple[str, str]:
+    """(reasoning, content) of `text` fed to `stream` (a ReasoningStream or a HarmonyStream)
+    in the pieces `cuts` makes, then finished."""
+    reasoning, content = "", ""
     for a, b in zip([0, *cuts], [*cuts, len(text)]):
         r, c = stream.feed(text[a:b])
         reasoning, content = reasoning + r, content + c
