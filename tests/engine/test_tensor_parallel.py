@@ -20,9 +20,10 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # normed by head, after rope or over every head, fused projections, multipliers, windows and
 # caps, rope by layer kind, reordered partial rope, ungated MLPs and xIELU's parameters,
 # experts (shared, gated, stacked, grouped, with biases), sinks, an LM head's bias.
-TP_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "olmo2", "ernie4_5", "glm4", "arcee",
-               "apertus", "hunyuan_v1_dense", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe", "ernie4_5_moe",
-               "granitemoe_swa")
+# (GPT-OSS's biases cover Qwen2's and ERNIE 4.5's; OLMoE and GraniteMoeSWA only combine what
+# OLMo 2, Granite, the experts and GPT-OSS's sinks split.)
+TP_FAMILIES = ("llama", "qwen3", "phi3", "granite", "gemma2", "gemma3", "olmo2", "glm4", "arcee", "apertus",
+               "hunyuan_v1_dense", "mixtral", "qwen2_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe")
 
 
 def tp_llm(model_dir: str, tp: int = 2, **kw) -> LLM:

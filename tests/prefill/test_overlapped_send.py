@@ -90,7 +90,7 @@ def test_overlapped_send_whose_window_never_comes_times_out_without_writing(node
         gates = Gates(GATED)
         role = nodes.role(gates=gates)
         send = asyncio.ensure_future(role.remote_send_overlapped(
-            OverlappedSend("g-o", PROMPT, END, timeout_s=5.0)))
+            OverlappedSend("g-o", PROMPT, END, timeout_s=0.3)))
         await within(gates.reached("prefill", "g-o"))
         clock.advance(6.0)
         gates.open("prefill", "g-o")
