@@ -113,6 +113,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     # q and k normed after their rotation; NTK-alpha rope (transformers' "dynamic" with alpha)
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(head_dim=16, rope_parameters={
         "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0})),
+    # the same attention; experts chosen by a softmax router, and a shared MLP every token runs
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(head_dim=16, num_experts=8, moe_topk=2, rope_parameters={
+        "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0})),
 }
 FAMILIES = tuple(CONFIGS)
 # Written by tests of their own, not each family's: Granite MoE's ungated shared expert.

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
-               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense", "solar_open", "granite_swa",
+               "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "solar_open", "granite_swa",
                "granitemoe_swa",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
@@ -99,6 +99,11 @@ def _moe(c, kind: str) -> MoE | None:
         return MoE(c.num_local_experts, c.num_experts_per_tok, False, False, (True,) * c.num_hidden_layers, True)
     if kind == "olmoe":
         return MoE(c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), False, (True,) * c.num_hidden_layers)
+    if kind == "hunyuan_v1_moe":  # every layer's experts, weighed in the model's dtype
+        top_k = {c.moe_topk} if isinstance(c.moe_topk, int) else set(c.moe_topk)
+        if len(top_k) != 1:
+            raise UnsupportedModel(f"moe_topk differs by layer ({c.moe_topk}); pdserve runs one top-k in every layer")
+        return MoE(c.num_experts, top_k.pop(), True, False, (True,) * c.num_hidden_layers)
     if kind == "ernie4_5_moe":  # experts every moe_layer_interval-th layer of [start, end]
         layers = tuple((i + 1) % c.moe_layer_interval == 0 and c.moe_layer_start_index <= i <= c.moe_layer_end_index
                        for i in range(c.num_hidden_layers))
@@ -183,8 +188,8 @@ def _family(c, kind: str, act: str) -> Architecture:
                                          "post_mlp_layernorm"))
     if kind == "arcee":
         return Architecture(activation=act, gated=False)
-    if kind == "hunyuan_v1_dense":
-        return Architecture(activation=act, qk_norm_after_rope=True)
+    if kind in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
+        return Architecture(activation=act, qk_norm_after_rope=True, moe=_moe(c, kind))
     if kind == "gpt_oss":
         return Architecture(activation=act, sinks=True, clamped_swiglu=(c.swiglu_alpha, c.swiglu_limit), moe=_moe(c, kind))
     if kind == "apertus":  # its norms' own names; xIELU's parameters are each layer's

@@ -20,8 +20,8 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
     - Mixtral's experts renamed as Qwen's (`mlp.experts.N.gate_proj`, ..., `mlp.gate`), and
       Granite MoE's and GPT-OSS's, stacked [experts, ...], split into them (GPT-OSS's MXFP4
       experts dequantized to the model's dtype first);
-    - GLM-4.5's and ERNIE's `shared_experts`, ERNIE's correction bias and HunYuan's q and k
-      norms under the names the others use; layers past the last (GLM-4.5's
+    - GLM-4.5's and ERNIE's `shared_experts`, ERNIE's correction bias, HunYuan's q and k
+      norms, shared MLP and router under the names the others use; layers past the last (GLM-4.5's
       multi-token prediction) dropped;
     - q's and k's rows reordered where the model rotates them otherwise (arch.rope_order)."""
     if hf_config.model_type == "gpt_oss":
@@ -30,8 +30,11 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
         del state[key]
     for key in [k for k in state if ".self_attn.query_layernorm." in k or ".self_attn.key_layernorm." in k]:
         state[key.replace("query_layernorm", "q_norm").replace("key_layernorm", "k_norm")] = state.pop(key)  # HunYuan's
-    for key in [k for k in state if ".mlp.shared_experts." in k]:  # GLM-4.5's, ERNIE's: Qwen2-MoE's, ungated
-        state[key.replace(".mlp.shared_experts.", ".mlp.shared_expert.")] = state.pop(key)
+    for key in [k for k in state if ".mlp.shared_experts." in k or ".mlp.shared_mlp." in k]:  # GLM-4.5's, ERNIE's,
+        state[key.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # HunYuan's: Qwen2-MoE's, ungated
+              .replace(".mlp.shared_mlp.", ".mlp.shared_expert.")] = state.pop(key)
+    for key in [k for k in state if k.endswith(".mlp.gate.wg.weight")]:  # HunYuan's router
+        state[key.replace(".gate.wg.", ".gate.")] = state.pop(key)
     for key in [k for k in state if k.endswith(".mlp.moe_statics.e_score_correction_bias")]:  # ERNIE's, [1, E]
         state[key.replace(".moe_statics.", ".gate.")] = state.pop(key).view(-1)
     if hf_config.model_type in ("granitemoe", "granitemoeshared", "granitemoe_swa"):

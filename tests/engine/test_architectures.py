@@ -63,6 +63,13 @@ def test_a_supported_kind_run_otherwise_is_refused(tmp_path, fields, says):
         LLM(str(d), num_pages=8)
 
 
+def test_a_top_k_by_layer_is_refused_naming_it(tmp_path):
+    d = write_checkpoint(tmp_path / "m", family="hunyuan_v1_moe")
+    edit_config(d, moe_topk=[2, 1])
+    with pytest.raises(UnsupportedModel, match=r"moe_topk differs by layer \(\[2, 1\]\)"):
+        LLM(str(d), num_pages=8)
+
+
 @pytest.mark.parametrize("family, fields", [
     ("mistral", {"sliding_window": 12}),
     ("phi3", {"sliding_window": 12}),
