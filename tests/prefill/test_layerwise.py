@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ import torch
 import pdserve.prefill.layerwise
 import pdserve.prefill.sending
 from pdserve.kvtransfer.layout import KVLayout
+from pdserve.prefill.layer_stream import StreamFailed
 from pdserve.prefill.requests import OverlappedSend, RemoteSend
 from pdserve.proto.tags import notification_tag
 from pdserve.runtime.errors import PeerUnavailable, RequestAborted
@@ -300,3 +303,23 @@ def test_on_a_gpu_a_layer_is_written_only_once_its_cuda_event_has_completed(node
         assert await started_tokens(nodes.decode, "g") == expected
 
     asyncio.run(go())
+
+
+def test_a_stream_that_fails_in_the_loops_last_turn_is_not_logged_as_never_retrieved(caplog):
+    # An aborted send's end is often never awaited: asyncio must not log its StreamFailed,
+    # even when the loop stops in the very turn that sets it.
+    loop = asyncio.new_event_loop()
+
+    async def fail_and_return():
+        ended = Future()
+        on_loop = pdserve.prefill.layerwise.on_loop(ended)
+        ended.set_exception(StreamFailed("aborted"))
+        return on_loop
+
+    ended = loop.run_until_complete(fail_and_return())
+    loop.close()
+    assert ended.done()  # and its exception unread here, as an unawaited send's is
+    with caplog.at_level("ERROR", logger="asyncio"):
+        del ended
+        gc.collect()
+    assert "never retrieved" not in caplog.text
