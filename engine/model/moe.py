@@ -1,8 +1,8 @@
 """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5):
 a router picks each token's top-k experts, each an MLP of its own, and their outputs are
 summed, weighted by the router's probabilities (GLM-4.5: DeepSeek-V3's sigmoid scores, `MoE`);
-Qwen2-MoE adds a shared expert every token runs, gated by a sigmoid, Granite MoE (shared)
-and GLM-4.5 one ungated.
+Qwen2-MoE adds a shared expert every token runs, gated by a sigmoid, Granite MoE (shared),
+GLM-4.5 and HunYuan one ungated.
 
 As transformers runs it: the experts in order, each on its tokens alone (gathered, then
 added back with `index_add_`), the weights applied in float32 for Mixtral and in the
