@@ -9,6 +9,7 @@ store has run when the span is recorded.
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import Future
 from typing import NamedTuple
 
@@ -60,3 +61,32 @@ class LayerStream:
     @property
     def aimed(self) -> bool:
         return self.peer is not None
+
+
+def on_loop(future: Future) -> asyncio.Future:
+    """A stream's end as a future of the running loop. Its StreamFailed counts as seen as it
+    is set: an aborted send's end may never be awaited (only a fence reads it), and asyncio
+    would log "exception was never retrieved" for each such one, also for one set in the
+    loop's last turn, before a done callback could read it (asyncio.wrap_future's way)."""
+    loop = asyncio.get_running_loop()
+    ended = loop.create_future()
+
+    def settle(done: Future) -> None:  # on the loop
+        if ended.done():
+            return
+        if done.cancelled():
+            ended.cancel()
+        elif (error := done.exception()) is not None:
+            ended.set_exception(error)
+            ended.exception()  # seen
+        else:
+            ended.set_result(done.result())
+
+    def wake(done: Future) -> None:  # on the thread that ended `future`
+        try:
+            loop.call_soon_threadsafe(settle, done)
+        except RuntimeError:  # the loop has closed: nothing waits for it any more
+            pass
+
+    future.add_done_callback(wake)
+    return ended

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+import pdserve.prefill.layer_stream
 import pdserve.prefill.layerwise
 import pdserve.prefill.sending
 from pdserve.kvtransfer.layout import KVLayout
@@ -193,7 +194,7 @@ def test_an_abort_in_the_middle_of_a_layer_wise_window_stops_its_writes_and_free
         assert await asyncio.to_thread(reached.wait, WAIT_S)
         stream = role.in_flight["a"].stream
         abort = asyncio.ensure_future(role.abort("a"))
-        await asyncio.wait([asyncio.wrap_future(stream.future)], timeout=WAIT_S)  # stopped, drained
+        await asyncio.wait([pdserve.prefill.layer_stream.on_loop(stream.future)], timeout=WAIT_S)  # stopped, drained
         written = len(node[1].writes)
         proceed.set()  # the rest of the prefill computes layers: none of them may be written
         assert await within(abort) is True
@@ -308,11 +309,13 @@ def test_on_a_gpu_a_layer_is_written_only_once_its_cuda_event_has_completed(node
 def test_a_stream_that_fails_in_the_loops_last_turn_is_not_logged_as_never_retrieved(caplog):
     # An aborted send's end is often never awaited: asyncio must not log its StreamFailed,
     # even when the loop stops in the very turn that sets it.
+    gc.collect()  # what earlier tests left is not this test's
+    caplog.clear()
     loop = asyncio.new_event_loop()
 
     async def fail_and_return():
         ended = Future()
-        on_loop = pdserve.prefill.layerwise.on_loop(ended)
+        on_loop = pdserve.prefill.layer_stream.on_loop(ended)
         ended.set_exception(StreamFailed("aborted"))
         return on_loop
 
