@@ -116,6 +116,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     # the same attention; experts chosen by a softmax router, and a shared MLP every token runs
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(head_dim=16, num_experts=8, moe_topk=2, rope_parameters={
         "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0})),
+    # every 2nd layer NoPE, its queries scaled up from position 7 on; the others' q and k normed
+    # without a weight after rotating adjacent pairs; a dense first layer, then 4 experts (2 a
+    # token) whose inputs the router's sigmoids scale, and a shared one
+    "llama4": ("Llama4TextConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size_mlp=96,
+                                        interleave_moe_layer_step=2, no_rope_layer_interval=2, floor_scale=8,
+                                        attn_scale=0.5, rope_parameters={**_LLAMA3_ROPE, "rope_theta": 500000.0})),
 }
 FAMILIES = tuple(CONFIGS)
 # Written by tests of their own, not each family's: Granite MoE's ungated shared expert.

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 from pathlib import Path
 
+from pdserve.context import context_limit
 from pdserve.models.catalogue import served_name
 from pdserve.runtime.errors import NodeError
 from pdserve.router import chat, reasoning
@@ -89,7 +90,7 @@ class PromptTokenizer:
         self.card = ModelCard(
             model=names[0] if names else served_name(model_dir),
             vocab_size=int(config["vocab_size"]),
-            max_model_len=int(config.get("max_position_embeddings", 0)),
+            max_model_len=int(context_limit(config.get)[0]),  # the nodes' own (pdserve/context.py)
             eos_token_ids=list(eos) if isinstance(eos, (list, tuple)) else
             ([eos] if eos is not None else []),
             aliases=tuple(names[1:]),

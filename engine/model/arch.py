@@ -6,7 +6,7 @@ Apertus's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary p
 adjacent dimensions, and GLM's rotate part of each head: reordered at load, `rope_order`);
 HunYuan's q and k are normed after their rotation; GPT-OSS's and GraniteSWA's attention has
 sinks; in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE
-and MoE SWA, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, Solar Open) a layer's MLP is a set
+and MoE SWA, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, Solar Open, HunYuan MoE, Llama 4) a layer's MLP is a set
 of experts, a few of which each token runs (`moe.Experts`). Their checkpoints' own names and
 layouts become the engine's at load (`names.to_llama_names`). A checkpoint of any other
 kind is refused before its weights load, naming what it is. Weights of a family and a Llama would load
@@ -15,8 +15,9 @@ attention and the MLP side by side, Granite scales its residuals): the refusal i
 guard. A sliding window (Mistral 7B v0.1's, Phi-3's, Qwen2's with use_sliding_window,
 Gemma 2's and 3's, OLMo 3's, EXAONE 4's) is run as such, a query seeing its last W keys.
 Where transformers changes how a model attends past some length (LongRoPE's second set of
-frequencies), the engine runs contexts up to that length only, where its output is still
-the model's; Ministral 3's queries, scaled up past a length, are scaled so here too.
+frequencies, Llama 4's chunks: pdserve/context.py), the engine runs contexts up to that
+length only, where its output is still the model's; Ministral 3's and Llama 4's queries,
+scaled up past a length, are scaled so here too.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from pdserve.context import context_limit
+
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
                "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "solar_open", "granite_swa",
-               "granitemoe_swa",
+               "granitemoe_swa", "llama4_text",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe", "phi3")  # families that may rotate part of each head (partial_rotary_factor < 1)
@@ -65,15 +68,31 @@ class Architecture:
     windows: tuple[int, ...] = ()  # each layer's sliding window, 0 for none: a query sees its last W keys
     attn_softcap: float = 0.0  # > 0: each attention score s is attn_softcap * tanh(s / attn_softcap) (Gemma 2)
     logit_softcap: float = 0.0  # the same of the logits
-    # Ministral 3 (Llama 4's attention scaling): each query times 1 + beta * log(1 +
-    # floor(position / length)) with (beta, length) these; None: none.
-    query_scaling: tuple[float, int] | None = None
+    # Llama 4's attention scaling (Ministral 3's too): each query times 1 + beta * log(1 +
+    # floor(position / length)); None: none.
+    query_scaling: QueryScaling | None = None
     # Rotary pairs of adjacent dimensions (GPT-J's; ERNIE 4.5, Helium, GLM), not of halves:
     # their q and k rows are reordered at load (`rope_order`), which leaves every score as it was.
     interleaved_rope: bool = False
     sinks: bool = False  # a learned logit per query head joins each softmax as a key with no value (GPT-OSS)
     clamped_swiglu: tuple[float, float] | None = None  # GPT-OSS's activation's (alpha, limit): gpt_oss.clamped_swiglu
     moe: MoE | None = None  # the experts, in a mixture-of-experts model
+
+
+@dataclass(frozen=True)
+class QueryScaling:
+    beta: float
+    length: int
+    from_one: bool = False  # Llama 4 counts positions from 1 (floor((position + 1) / length))
+    layers: tuple[bool, ...] = ()  # the layers whose queries it scales; (): all (Llama 4: its NoPE ones)
+
+    def scales(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[T, 1, 1] of positions [T], in float32 and then the dtype as transformers computes them."""
+        if self.from_one:  # Llama 4's own expression, so that it rounds alike
+            scales = torch.log1p(torch.floor((positions.float() + 1.0) / self.length)) * self.beta + 1.0
+        else:
+            scales = 1 + self.beta * torch.log(1 + torch.floor(positions / self.length))
+        return scales.to(dtype)[:, None, None]
 
 
 @dataclass(frozen=True)
@@ -90,6 +109,8 @@ class MoE:
     sigmoid: bool = False
     groups: tuple[int, int] = (1, 1)
     scaling: float = 1.0
+    # Llama 4's: the sigmoid of each chosen logit scales the expert's input, not its output.
+    scales_input: bool = False
 
 
 def _moe(c, kind: str) -> MoE | None:
@@ -104,6 +125,9 @@ def _moe(c, kind: str) -> MoE | None:
         if len(top_k) != 1:
             raise UnsupportedModel(f"moe_topk differs by layer ({c.moe_topk}); pdserve runs one top-k in every layer")
         return MoE(c.num_experts, top_k.pop(), True, False, (True,) * c.num_hidden_layers)
+    if kind == "llama4_text":  # experts in the moe_layers, the others dense MLPs of intermediate_size_mlp
+        return MoE(c.num_local_experts, c.num_experts_per_tok, False, False,
+                   tuple(i in c.moe_layers for i in range(c.num_hidden_layers)), scales_input=True)
     if kind == "ernie4_5_moe":  # experts every moe_layer_interval-th layer of [start, end]
         layers = tuple((i + 1) % c.moe_layer_interval == 0 and c.moe_layer_start_index <= i <= c.moe_layer_end_index
                        for i in range(c.num_hidden_layers))
@@ -145,17 +169,12 @@ def architecture(hf_config) -> Architecture:
         return _gemma2_or_3(c, act)
     if getattr(c, "clip_qkv", None) is not None:
         raise UnsupportedModel(f"clip_qkv {c.clip_qkv} is not supported (q, k and v clamped)")
-    limit, why = c.max_position_embeddings, ""
     params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     factor = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
     if factor != 1 and kind not in PARTIAL_ROTARY:  # transformers' own model would not rotate part of a head
         raise UnsupportedModel(f"partial rotary embeddings (partial_rotary_factor {factor}) are not supported for "
                                f"{kind} (only {', '.join(PARTIAL_ROTARY)} rotate part of each head)")
-    if params.get("rope_type", params.get("type")) == "longrope":
-        # Past this length transformers switches every position to the long factors.
-        original = params.get("original_max_position_embeddings") or c.original_max_position_embeddings
-        if original < limit:
-            limit, why = original, f"LongRoPE's original_max_position_embeddings ({original})"
+    limit, why = context_limit(lambda name, default: getattr(c, name, default))
     return replace(_family(c, kind, act), context_limit=limit, why_limited=why, windows=_windows(c))
 
 
@@ -178,7 +197,7 @@ def _family(c, kind: str, act: str) -> Architecture:
         return Architecture(whole_qk_norm=True, activation=act, moe=_moe(c, kind))
     if kind == "ministral3":
         beta = params.get("llama_4_scaling_beta")
-        scaling = (beta, params["original_max_position_embeddings"]) if beta else None
+        scaling = QueryScaling(beta, params["original_max_position_embeddings"]) if beta else None
         return Architecture(activation=act, query_scaling=scaling)
     if kind in ("ernie4_5", "ernie4_5_moe", "helium", "glm"):
         return Architecture(activation=act, interleaved_rope=True, moe=_moe(c, kind))
@@ -195,6 +214,12 @@ def _family(c, kind: str, act: str) -> Architecture:
     if kind == "apertus":  # its norms' own names; xIELU's parameters are each layer's
         return Architecture(activation=act, gated=False, layer_norms=("attention_layernorm", None,
                                                                       "feedforward_layernorm", None))
+    if kind == "llama4_text":  # NoPE layers (queries scaled by position there); weightless q and k norms after rope
+        rope = tuple(bool(r) for r in c.no_rope_layers)
+        scaling = QueryScaling(c.attn_scale, c.floor_scale, True, tuple(not r for r in rope))
+        return Architecture(activation=act, interleaved_rope=True, qk_norm_after_rope=True, moe=_moe(c, kind),
+                            rope_kinds=tuple("" if r else "none" for r in rope),
+                            query_scaling=scaling if c.attn_temperature_tuning else None)
     if kind == "smollm3":
         return Architecture(rope_kinds=tuple("" if rope else "none" for rope in c.no_rope_layers))
     if kind.startswith("granite"):  # GraniteSWA's: sinks, and a rope base by layer (0: none)

@@ -228,10 +228,8 @@ class LlamaModel:
             return torch.cat([(q * scale[:, :1] * q_norm.float()).to(qkv.dtype),
                               (k * scale[:, 1:] * k_norm.float()).to(qkv.dtype), v], dim=1)
 
-        query_scale = None
-        if self.query_scaling is not None:  # per position, as transformers computes it: in float32, then the dtype
-            beta, length = self.query_scaling
-            query_scale = (1 + beta * torch.log(1 + torch.floor(positions / length))).to(self.dtype)[:, None, None]
+        scaling = self.query_scaling
+        query_scale = None if scaling is None else scaling.scales(positions, self.dtype)
 
         residual = F.embedding(input_ids, self.embed)
         if self.embedding_multiplier != 1:
@@ -246,12 +244,12 @@ class LlamaModel:
             if self.whole_qk_norm:  # over all heads at once (OLMo 2, OLMoE)
                 qkv = whole_qk_norm(qkv, q_norm, k_norm)
                 q_norm = k_norm = None
-            if self.qk_norm_after_rope:
+            if self.qk_norm_after_rope and q_norm is not None:  # (Llama 4's NoPE layers have none)
                 q = self._rope_then_norm(qkv, positions, layer, k_cache, v_cache, step)
             else:
                 q = rope_ops[layer.rope].rope_store(
                     qkv, positions, q_norm, k_norm, k_cache, v_cache, step.slot_mapping, step.store_kv)
-            if query_scale is not None:
+            if query_scale is not None and (not scaling.layers or scaling.layers[i]):
                 q = q * query_scale
             # Tensor-parallel: the layer's KV is in every rank's pool only once the o
             # projection's all-reduce returned, so the hook (which may send it) waits for that.

@@ -1,8 +1,9 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5):
-a router picks each token's top-k experts, each an MLP of its own, and their outputs are
-summed, weighted by the router's probabilities (GLM-4.5: DeepSeek-V3's sigmoid scores, `MoE`);
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS, GLM-4.5,
+Llama 4): a router picks each token's top-k experts, each an MLP of its own, and their outputs
+are summed, weighted by the router's probabilities (GLM-4.5: DeepSeek-V3's sigmoid scores,
+`MoE`; Llama 4 weighs each expert's input by the sigmoid of its logit instead);
 Qwen2-MoE adds a shared expert every token runs, gated by a sigmoid, Granite MoE (shared),
-GLM-4.5 and HunYuan one ungated.
+GLM-4.5, HunYuan and Llama 4 one ungated.
 
 As transformers runs it: the experts in order, each on its tokens alone (gathered, then
 added back with `index_add_`), the weights applied in float32 for Mixtral and in the
@@ -62,6 +63,9 @@ class Experts:
         corrected = self.moe.sigmoid or self.correction is not None  # weighed (and renormalised) there
         if corrected:
             weights, chosen = self._corrected_route(h)
+        elif self.moe.scales_input:  # Llama 4: the sigmoid of each chosen logit, in float32
+            top, chosen = torch.topk(self.router(h), k, dim=-1)
+            weights = torch.sigmoid(top.float())
         elif self.moe.softmax_top_k:
             logits = self.router(h)
             top, chosen = torch.topk(logits.float(), k, dim=-1)
@@ -84,8 +88,11 @@ class Experts:
             pairs = order[begin:begin + n]
             begin += n
             tokens = pairs // k
-            y = self.down[e](act_mul(self.gate_up[e](h.index_select(0, tokens))))
-            out.index_add_(0, tokens, (y * weights[pairs, None]).to(out.dtype))
+            x = h.index_select(0, tokens)
+            if self.moe.scales_input:
+                x = x * weights[pairs, None]
+            y = self.down[e](act_mul(self.gate_up[e](x)))
+            out.index_add_(0, tokens, (y if self.moe.scales_input else y * weights[pairs, None]).to(out.dtype))
         if self.shared is not None:
             s = self.shared
             y = s.down(act_mul(s.gate_up(h)))

@@ -109,7 +109,7 @@ def load_model(config, hf_config, dtype: torch.dtype, max_model_len: int):
     c = hf_config
     heads, kv_heads, head_dim = geometry(c)
     widths = (getattr(c, "intermediate_size", 0), getattr(c, "moe_intermediate_size", 0), getattr(c, "shared_expert_intermediate_size", 0),
-              getattr(c, "shared_intermediate_size", 0))
+              getattr(c, "shared_intermediate_size", 0), getattr(c, "intermediate_size_mlp", 0))
     shards = split_model(heads, kv_heads, min(w for w in widths if w), config.tensor_parallel_size)
     state = load_state_dict(config.model_dir, dtype, config.device)
     to_llama_names(state, c)

@@ -13,6 +13,7 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.checkpoint import write_checkpoint, write_tokenizer
 from pdserve.engine.model.arch import UnsupportedModel
+from pdserve.router.tokenizer import PromptTokenizer
 
 
 def greedy_pair(model_dir, prompt, n):
@@ -90,6 +91,7 @@ def test_longrope_runs_within_its_original_context(tmp_path):
     ref, ours, llm = greedy_pair(d, list(range(3, 27)), 8)
     assert ours == ref
     assert llm.engine.max_model_len == 32
+    assert PromptTokenizer(str(d)).card.max_model_len == 32  # the router offers what the nodes serve
 
 
 def test_granite_moes_shared_expert_runs_beside_its_routed_ones(tmp_path):
@@ -131,8 +133,6 @@ def gemma3_multimodal_checkpoint(path):
 
 
 def test_a_multimodal_gemma3_serves_its_language_model_as_transformers_runs_it(tmp_path):
-    from pdserve.router.tokenizer import PromptTokenizer
-
     d = gemma3_multimodal_checkpoint(tmp_path / "g3mm")
     rng = random.Random(2)
     ref, ours, llm = greedy_pair(d, [rng.randrange(6, 512) for _ in range(27)], 10)  # past the 8-token window
@@ -164,3 +164,42 @@ def test_a_multimodal_mistral3_serves_its_language_model_as_transformers_runs_it
             torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
     ours = LLM(str(d), page_size=4, num_pages=32).generate([ids], SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert ours.token_ids == ref
+
+
+def test_llama4_runs_within_its_first_attention_chunk(tmp_path, caplog):
+    # Past attention_chunk_size its rope layers attend within chunks, which no backend masks.
+    d = write_checkpoint(tmp_path / "l4", family="llama4", attention_chunk_size=40)
+    ref, ours, llm = greedy_pair(d, list(range(3, 30)), 8)  # positions 7 on: the NoPE layer's queries scaled
+    assert ours == ref
+    assert llm.engine.max_model_len == 40
+    with caplog.at_level("WARNING"):
+        assert LLM(str(d), num_pages=8, max_model_len=64).engine.max_model_len == 40
+    assert "max_model_len 64 is cut to 40, Llama 4's attention_chunk_size (40)" in caplog.text
+    assert PromptTokenizer(str(d)).card.max_model_len == 40
+    config = json.loads((d / "config.json").read_text())
+    del config["layer_types"]  # as the released checkpoints' configs: transformers fills it in
+    (d / "config.json").write_text(json.dumps(config))
+    assert LLM(str(d), num_pages=8).engine.max_model_len == PromptTokenizer(str(d)).card.max_model_len == 40
+
+
+def test_a_multimodal_llama4_serves_its_language_model_as_transformers_runs_it(tmp_path):
+    from transformers import Llama4Config, Llama4ForConditionalGeneration, Llama4VisionConfig
+
+    from pdserve.engine.families import config_of as _config
+    from pdserve.engine.model.weights import load_state_dict
+
+    d = tmp_path / "l4mm"
+    write_tokenizer(d)
+    vision = Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8, vision_output_dim=32, projector_input_dim=32,
+                                projector_output_dim=64)
+    torch.manual_seed(0)
+    Llama4ForConditionalGeneration(Llama4Config(text_config=_config("llama4", 512).to_dict(),
+                                                vision_config=vision.to_dict(), image_token_index=5)).save_pretrained(str(d))
+    ids = [random.Random(4).randrange(6, 512) for _ in range(30)]
+    with torch.inference_mode():
+        ref = Llama4ForConditionalGeneration.from_pretrained(str(d)).eval().generate(
+            torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    ours = LLM(str(d), page_size=4, num_pages=32).generate([ids], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert ours.token_ids == ref
+    assert not [name for name in load_state_dict(d, torch.float32) if not name.startswith(("model.", "lm_head."))]
