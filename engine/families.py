@@ -122,6 +122,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "llama4": ("Llama4TextConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size_mlp=96,
                                         interleave_moe_layer_step=2, no_rope_layer_interval=2, floor_scale=8,
                                         attn_scale=0.5, rope_parameters={**_LLAMA3_ROPE, "rope_theta": 500000.0})),
+    # attention and the MLP side by side off one LayerNorm, adjacent rotary pairs, logits scaled
+    "cohere": ("CohereConfig", dict(logit_scale=0.5, tie_word_embeddings=True)),
+    # Cohere's layers, an 8-token window on its first, no rope on its second (full) one
+    "cohere2": ("Cohere2Config", dict(logit_scale=0.5, sliding_window=8, tie_word_embeddings=True,
+                                      layer_types=["sliding_attention", "full_attention"])),
 }
 FAMILIES = tuple(CONFIGS)
 # Written by tests of their own, not each family's: Granite MoE's ungated shared expert.
@@ -143,4 +148,6 @@ def config_of(family: str, vocab_size: int, **overrides):
                   dtype="float32")
     if family == "solar_open":  # a config field it refuses
         del common["intermediate_size"]
+    if family.startswith("cohere"):  # LayerNorms: layer_norm_eps alone, as its configs have
+        del common["rms_norm_eps"]
     return getattr(transformers, name)(**{**common, **fields, **overrides})

@@ -5,14 +5,14 @@ with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's 
 Apertus's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
 adjacent dimensions, and GLM's rotate part of each head: reordered at load, `rope_order`);
 HunYuan's q and k are normed after their rotation; GPT-OSS's and GraniteSWA's attention has
-sinks; in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE
+sinks; Cohere's (Command R's) attention and MLP run side by side off one LayerNorm; in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE
 and MoE SWA, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, Solar Open, HunYuan MoE, Llama 4) a layer's MLP is a set
 of experts, a few of which each token runs (`moe.Experts`). Their checkpoints' own names and
 layouts become the engine's at load (`names.to_llama_names`). A checkpoint of any other
 kind is refused before its weights load, naming what it is. Weights of a family and a Llama would load
 alike, so serving one as the other gives wrong text with no error (Command R runs
-attention and the MLP side by side, Granite scales its residuals): the refusal is the only
-guard. A sliding window (Mistral 7B v0.1's, Phi-3's, Qwen2's with use_sliding_window,
+attention and the MLP side by side off one LayerNorm, Granite scales its residuals): the
+refusal, or the family's own `Architecture`, is the only guard. A sliding window (Mistral 7B v0.1's, Phi-3's, Qwen2's with use_sliding_window,
 Gemma 2's and 3's, OLMo 3's, EXAONE 4's) is run as such, a query seeing its last W keys.
 Where transformers changes how a model attends past some length (LongRoPE's second set of
 frequencies, Llama 4's chunks: pdserve/context.py), the engine runs contexts up to that
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
                "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "solar_open", "granite_swa",
-               "granitemoe_swa", "llama4_text",
+               "granitemoe_swa", "llama4_text", "cohere", "cohere2",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe", "phi3")  # families that may rotate part of each head (partial_rotary_factor < 1)
@@ -58,6 +58,9 @@ class Architecture:
     whole_qk_norm: bool = False  # q and k normed over all their heads at once, not head by head (OLMo 2, OLMoE)
     qk_norm_after_rope: bool = False  # q and k normed by head after their rotation, not before (HunYuan)
     residual_multiplier: float = 1.0  # each block's output's scale before the residual add (Granite)
+    layer_norm: bool = False  # norms subtract the mean first: LayerNorm without a bias (Cohere's)
+    parallel: bool = False  # attention and the MLP side by side off one norm, both added to the residual (Cohere)
+    logit_scale: float = 1.0  # the logits' multiplier (Cohere)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     logits_divisor: float = 1.0  # Granite's logits_scaling
     context_limit: int = 0  # the longest context served
@@ -220,6 +223,16 @@ def _family(c, kind: str, act: str) -> Architecture:
         return Architecture(activation=act, interleaved_rope=True, qk_norm_after_rope=True, moe=_moe(c, kind),
                             rope_kinds=tuple("" if r else "none" for r in rope),
                             query_scaling=scaling if c.attn_temperature_tuning else None)
+    if kind in ("cohere", "cohere2"):  # Command R, R7B, A; Aya: adjacent rotary pairs
+        if getattr(c, "use_qk_norm", False):
+            raise UnsupportedModel("use_qk_norm is not supported (Command R+'s layer norms of q and k, a weight "
+                                   "for each head)")
+        # Cohere 2's full layers have no rope; its sliding ones (with a window) do.
+        kinds = tuple("" if t == "sliding_attention" and c.sliding_window else "none"
+                      for t in c.layer_types) if kind == "cohere2" else ()
+        return Architecture(activation=act, interleaved_rope=True, layer_norm=True, parallel=True,
+                            logit_scale=c.logit_scale, layer_norms=("input_layernorm", None, None, None),
+                            rope_kinds=kinds)
     if kind == "smollm3":
         return Architecture(rope_kinds=tuple("" if rope else "none" for rope in c.no_rope_layers))
     if kind.startswith("granite"):  # GraniteSWA's: sinks, and a rope base by layer (0: none)

@@ -63,3 +63,11 @@ class TorchOps:
     def silu_mul(self, gate_up):
         inter = gate_up.shape[1] // 2
         return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A LayerNorm without a bias (Cohere's) as transformers computes it: in float32, the mean
+    subtracted, then the dtype. Plain torch: no kernel here fuses it."""
+    h = x.float()
+    centered = h - h.mean(-1, keepdim=True)
+    return (weight.float() * (centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)

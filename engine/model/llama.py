@@ -9,7 +9,8 @@ q/k RMS norm (Qwen3), tied embeddings, rope scaling, Granite's multipliers, Smol
 layers without rope, Gemma's norms (1 + weight, added at load), GeLU and scaled embeddings,
 norms of the attention's and the MLP's outputs (OLMo 2, Gemma 2 and 3), sliding-window layers
 (Gemma 3's with rotary tables of their own), Gemma 2's capped scores and logits, experts in
-place of the MLP (`arch`, `moe`), GPT-OSS's attention sinks (`Layer.sinks`). Weights are fused at load time
+place of the MLP (`arch`, `moe`), GPT-OSS's attention sinks (`Layer.sinks`), Cohere's LayerNorms
+and its attention and MLP side by side. Weights are fused at load time
 (q|k|v and gate|up) so each layer runs four matmuls; between them run four fused
 operations (`fused`: add + norm, rotary + KV store, SiLU-and-multiply, add + norm), so a
 layer is about nine calls.
@@ -28,6 +29,7 @@ from ..lora import add_deltas
 from .arch import UnsupportedModel, architecture, geometry, reorder_heads, rope_order
 from .fused import FusedOps
 from .activations import UNGATED_ACTIVATIONS, clamped_swiglu, gelu_tanh_mul
+from .layer_ops import layer_norm
 from .linear import Linear
 from .moe import Experts
 from .rope import RotaryTables, apply_rope
@@ -92,13 +94,14 @@ class LlamaModel:
         if shard is not None:
             self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.num_layers = c.num_hidden_layers
-        self.eps = c.rms_norm_eps
         arch = architecture(c)
+        self.eps = c.layer_norm_eps if arch.layer_norm else c.rms_norm_eps
         self.scale = arch.attention_scale or self.head_dim**-0.5
         self.embedding_multiplier, self.residual_multiplier = arch.embedding_multiplier, arch.residual_multiplier
         if arch.multiplier_in_dtype:
             self.embedding_multiplier = torch.tensor(arch.embedding_multiplier, dtype=dtype).item()
-        self.logits_divisor = arch.logits_divisor
+        self.logits_divisor, self.logit_scale = arch.logits_divisor, arch.logit_scale
+        self.layer_norm, self.parallel = arch.layer_norm, arch.parallel
         rope_kinds = arch.rope_kinds or ("",) * self.num_layers
         self.vocab_size = c.vocab_size
         self.dtype = dtype
@@ -207,11 +210,11 @@ class LlamaModel:
                 add_deltas(y, x, i, name, lora)
             return y
 
-        def add_norm(x, residual, weight):  # ops.add_rms_norm; without a weight, (the sum, the sum)
-            if weight is not None:
+        def add_norm(x, residual, weight):  # ops.add_rms_norm (Cohere: a LayerNorm); without a weight, (the sum, the sum)
+            if weight is not None and not self.layer_norm:
                 return ops.add_rms_norm(x, residual, weight)
             total = x if residual is None else residual + x
-            return total, total
+            return (total if weight is None else layer_norm(total, weight, self.eps)), total
 
         def out_norm(x, weight):  # a block's output normed, in float32 as transformers does (OLMo 2)
             return x if weight is None else F.rms_norm(x.float(), (x.shape[-1],), weight.float(), self.eps).to(x.dtype)
@@ -263,7 +266,7 @@ class LlamaModel:
                         if step.layer_hook is not None:
                             step.layer_hook(i)
                     return h[:0]
-                q, residual = q.index_select(0, step.keep), residual.index_select(0, step.keep)
+                q, residual, h = (t.index_select(0, step.keep) for t in (q, residual, h))  # (h: a parallel MLP's)
                 attend, lora = (layer.window and step.attend_kept_window) or step.attend_kept, step.lora_kept
             attn = attend(q, k_cache, v_cache, self.scale, layer.sinks)
             out = project(layer.o, attn.view(-1, q_size), i, "o")
@@ -273,7 +276,10 @@ class LlamaModel:
                     step.layer_hook(i)
             if self.residual_multiplier != 1:  # of the whole sum, as transformers scales it
                 out = out * self.residual_multiplier
-            h, residual = add_norm(out_norm(out, layer.attn_out_norm), residual, layer.post_norm)
+            if self.parallel:  # Cohere: the MLP reads the attention's input; the residual adds both in turn
+                residual = residual + out
+            else:
+                h, residual = add_norm(out_norm(out, layer.attn_out_norm), residual, layer.post_norm)
             if layer.experts is not None:
                 x = layer.experts(h, act_mul)
             else:
@@ -322,5 +328,7 @@ class LlamaModel:
         logits = raw.float() if out is None else out.copy_(raw)
         if self.logit_softcap:  # Gemma 2: tanh-capped, as transformers caps them
             logits.div_(self.logit_softcap).tanh_().mul_(self.logit_softcap)
+        if self.logit_scale != 1:  # Cohere's
+            logits.mul_(self.logit_scale)
         return logits if self.logits_divisor == 1 else logits.div_(self.logits_divisor)
 

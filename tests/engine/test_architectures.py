@@ -30,14 +30,14 @@ def greedy_pair(model_dir, prompt, n):
     return ref[0, len(prompt):].tolist(), ours.token_ids, llm
 
 
-def cohere_checkpoint(path):
-    """A tiny Command R (Cohere): Llama's weight names, but attention and the MLP run side by
-    side off one LayerNorm, and its logits are scaled."""
-    from transformers import AutoModelForCausalLM, CohereConfig
+def stablelm_checkpoint(path):
+    """A tiny StableLM: Llama's weight names, but LayerNorms with biases and a quarter of each
+    head rotated, which a Llama's loader would drop without a word."""
+    from transformers import AutoModelForCausalLM, StableLmConfig
 
     write_tokenizer(path)
-    config = CohereConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = StableLmConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
     return path
 
@@ -48,8 +48,8 @@ def edit_config(model_dir, **fields):
 
 
 def test_a_model_of_another_kind_is_refused_naming_it(tmp_path):
-    with pytest.raises(UnsupportedModel, match=r"model_type 'cohere' \(CohereForCausalLM\) is not supported"):
-        LLM(str(cohere_checkpoint(tmp_path)), num_pages=8)
+    with pytest.raises(UnsupportedModel, match=r"model_type 'stablelm' \(StableLmForCausalLM\) is not supported"):
+        LLM(str(stablelm_checkpoint(tmp_path)), num_pages=8)
 
 
 @pytest.mark.parametrize("fields, says", [
@@ -61,6 +61,13 @@ def test_a_supported_kind_run_otherwise_is_refused(tmp_path, fields, says):
     d = write_checkpoint(tmp_path / "m", family="llama")
     edit_config(d, **fields)
     with pytest.raises(UnsupportedModel, match=says):
+        LLM(str(d), num_pages=8)
+
+
+def test_command_r_plus_qk_norms_are_refused_naming_them(tmp_path):
+    d = write_checkpoint(tmp_path / "m", family="cohere")
+    edit_config(d, use_qk_norm=True)
+    with pytest.raises(UnsupportedModel, match=r"use_qk_norm is not supported \(Command R\+'s layer norms"):
         LLM(str(d), num_pages=8)
 
 

@@ -19,11 +19,12 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # and run on one rank in every other test): plain, biases (row-parallel ones once), q and k
 # normed by head, after rope or over every head, fused projections, multipliers, windows and
 # caps, rope by layer kind, reordered partial rope, ungated MLPs and xIELU's parameters,
-# experts (shared, gated, stacked, grouped, with biases), sinks, an LM head's bias.
+# experts (shared, gated, stacked, grouped, with biases), sinks, an LM head's bias, attention
+# and the MLP side by side (Cohere: two all-reduces of one layer's input).
 # (GPT-OSS's biases cover Qwen2's and ERNIE 4.5's; OLMoE and GraniteMoeSWA only combine what
-# OLMo 2, Granite, the experts and GPT-OSS's sinks split.)
+# OLMo 2, Granite, the experts and GPT-OSS's sinks split; Llama 4's experts split as Mixtral's.)
 TP_FAMILIES = ("llama", "qwen3", "phi3", "granite", "gemma2", "gemma3", "olmo2", "glm4", "arcee", "apertus",
-               "hunyuan_v1_dense", "mixtral", "qwen2_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe")
+               "hunyuan_v1_dense", "mixtral", "qwen2_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "cohere")
 
 
 def tp_llm(model_dir: str, tp: int = 2, **kw) -> LLM:
