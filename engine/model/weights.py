@@ -3,7 +3,8 @@
 
 Of a multimodal checkpoint whose language model is a family served here (Gemma 3's 4B and
 up, `Gemma3ForConditionalGeneration`; Mistral Small 3.1 and 3.2, `Mistral3ForConditionalGeneration`;
-Llama 4, `Llama4ForConditionalGeneration`), the language model alone is loaded: its text config
+Llama 4, `Llama4ForConditionalGeneration`; Aya Vision and Command A Vision, whose language
+models are Cohere's), the language model alone is loaded: its text config
 and its weights, renamed as the text model's own; the vision tower is never read."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 
-TEXT_PARTS = ("gemma3", "mistral3", "llama4")  # multimodal model types whose language model is served
+# multimodal model types whose language model is served
+TEXT_PARTS = ("gemma3", "mistral3", "llama4", "aya_vision", "cohere2_vision")
 _TEXT_PREFIXES = ("language_model.model.", "model.language_model.")  # its weights', as saved
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
                  "vision_model.", "model.vision_model.")  # (Llama 4's)

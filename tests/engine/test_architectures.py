@@ -210,3 +210,29 @@ def test_a_multimodal_llama4_serves_its_language_model_as_transformers_runs_it(t
     ours = LLM(str(d), page_size=4, num_pages=32).generate([ids], SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert ours.token_ids == ref
     assert not [name for name in load_state_dict(d, torch.float32) if not name.startswith(("model.", "lm_head."))]
+
+
+@pytest.mark.parametrize("kind, text", [("AyaVision", "cohere2"), ("Cohere2Vision", "cohere2")])  # Aya Vision 8B; Command A Vision
+def test_a_multimodal_cohere_serves_its_language_model_as_transformers_runs_it(tmp_path, kind, text):
+    import transformers
+    from transformers import SiglipVisionConfig
+
+    from pdserve.engine.families import config_of as _config
+    from pdserve.engine.model.weights import load_state_dict
+
+    d = tmp_path / kind
+    write_tokenizer(d)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    model_class = getattr(transformers, f"{kind}ForConditionalGeneration")
+    torch.manual_seed(0)
+    image = {"image_token_index": 5} if kind == "AyaVision" else {"image_token_id": 5}
+    model_class(getattr(transformers, f"{kind}Config")(text_config=_config(text, 512).to_dict(),
+                                                       vision_config=vision.to_dict(), **image)).save_pretrained(str(d))
+    ids = [random.Random(5).randrange(6, 512) for _ in range(30)]  # past the 8-token window
+    with torch.inference_mode():
+        ref = model_class.from_pretrained(str(d)).eval().generate(
+            torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    ours = LLM(str(d), page_size=4, num_pages=32).generate([ids], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert ours.token_ids == ref
+    assert not [name for name in load_state_dict(d, torch.float32) if not name.startswith(("model.", "lm_head."))]
