@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text",
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
                "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "solar_open", "granite_swa",
-               "granitemoe_swa", "llama4_text", "cohere", "cohere2",
+               "granitemoe_swa", "llama4_text", "cohere", "cohere2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
+               "qwen3_vl_moe_text",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe", "phi3")  # families that may rotate part of each head (partial_rotary_factor < 1)
@@ -140,12 +141,13 @@ def _moe(c, kind: str) -> MoE | None:
         return MoE(c.n_routed_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), True,
                    tuple(i >= dense for i in range(c.num_hidden_layers)), sigmoid=True,
                    groups=(c.n_group, c.topk_group), scaling=c.routed_scaling_factor)
-    if kind not in ("qwen2_moe", "qwen3_moe"):
+    if kind not in ("qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text"):
         return None
     # As transformers builds the layers: sparse every decoder_sparse_step-th, but not those listed.
-    layers = tuple(i not in c.mlp_only_layers and c.num_experts > 0 and (i + 1) % c.decoder_sparse_step == 0
+    layers = tuple(i not in (c.mlp_only_layers or ()) and c.num_experts > 0 and (i + 1) % c.decoder_sparse_step == 0
                    for i in range(c.num_hidden_layers))
-    return MoE(c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob), False, layers)
+    # (Qwen3-VL-MoE renormalises always.)
+    return MoE(c.num_experts, c.num_experts_per_tok, bool(getattr(c, "norm_topk_prob", True)), False, layers)
 
 
 def architecture(hf_config) -> Architecture:

@@ -20,8 +20,8 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
     - Mixtral's experts renamed as Qwen's (`mlp.experts.N.gate_proj`, ..., `mlp.gate`), and
       Granite MoE's and GPT-OSS's, stacked [experts, ...], split into them (GPT-OSS's MXFP4
       experts dequantized to the model's dtype first);
-    - Llama 4's `feed_forward` as `mlp`, its stacked experts split, its weightless q and k
-      norms as norms of ones;
+    - Llama 4's `feed_forward` as `mlp`, its stacked experts split (Qwen3-VL-MoE's too), its
+      weightless q and k norms as norms of ones;
     - GLM-4.5's and ERNIE's `shared_experts`, ERNIE's correction bias, HunYuan's q and k
       norms, shared MLP and router under the names the others use; layers past the last (GLM-4.5's
       multi-token prediction) dropped;
@@ -43,6 +43,8 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
         _granite_experts(state)
     if hf_config.model_type == "llama4_text":
         _llama4(state, hf_config)
+    if hf_config.model_type == "qwen3_vl_moe_text":
+        split_stacked_experts(state, hf_config.hidden_size, transposed=None)
     if hf_config.model_type == "mixtral":
         for key in [k for k in state if ".block_sparse_moe." in k]:
             new = key
@@ -83,18 +85,28 @@ def _granite_experts(state: dict[str, torch.Tensor]) -> None:
                     state[f"{layer}.mlp.experts.{e}.{name}.weight"] = piece.contiguous()
 
 
+def split_stacked_experts(state: dict[str, torch.Tensor], hidden: int, transposed: bool | None) -> None:
+    """Experts stacked [E, ...] (`mlp.experts.gate_up_proj`, gate | up, and `down_proj`) split
+    into Qwen's names. `transposed`: each expert stored [in, out] (Llama 4's); None: [out, in]
+    unless its shape says otherwise (Qwen3-VL-MoE: transformers 5 saves [out, in], the released
+    checkpoints [in, out]; a square one is taken as transformers takes it, [out, in])."""
+    for key in [k for k in state if k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+        prefix, w = key[:-len(key.rsplit(".", 1)[1])], state.pop(key)
+        gate_up = key.endswith("gate_up_proj")
+        flip = transposed if transposed is not None else (w.shape[2] if gate_up else w.shape[1]) != hidden
+        names = ("gate_proj", "up_proj") if gate_up else ("down_proj",)
+        for e, expert in enumerate(w):
+            for name, part in zip(names, (expert.T if flip else expert).chunk(len(names), dim=0)):
+                state[f"{prefix}{e}.{name}.weight"] = part.contiguous()
+
+
 def _llama4(state: dict[str, torch.Tensor], c) -> None:
     """Llama 4's `feed_forward` as Qwen's `mlp` (its router `gate`); its stacked experts,
     gate_up_proj [E, hidden, 2I] (gate | up) and down_proj [E, I, hidden], split into them;
     on its rope layers, q and k normed without a weight (use_qk_norm): by weights of ones."""
     for key in [k for k in state if ".feed_forward." in k]:
         state[key.replace(".feed_forward.router.", ".mlp.gate.").replace(".feed_forward.", ".mlp.")] = state.pop(key)
-    for key in [k for k in state if k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
-        prefix, w = key[:-len(key.rsplit(".", 1)[1])], state.pop(key)
-        names = ("gate_proj", "up_proj") if key.endswith("gate_up_proj") else ("down_proj",)
-        for e, expert in enumerate(w):
-            for name, part in zip(names, expert.chunk(len(names), dim=1)):
-                state[f"{prefix}{e}.{name}.weight"] = part.T.contiguous()
+    split_stacked_experts(state, c.hidden_size, transposed=True)
     if c.use_qk_norm:
         embed = state["model.embed_tokens.weight"]
         ones = torch.ones(geometry(c)[2], dtype=embed.dtype, device=embed.device)

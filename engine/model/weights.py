@@ -4,7 +4,8 @@
 Of a multimodal checkpoint whose language model is a family served here (Gemma 3's 4B and
 up, `Gemma3ForConditionalGeneration`; Mistral Small 3.1 and 3.2, `Mistral3ForConditionalGeneration`;
 Llama 4, `Llama4ForConditionalGeneration`; Aya Vision and Command A Vision, whose language
-models are Cohere's), the language model alone is loaded: its text config
+models are Cohere's; Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE), the language model
+alone is loaded: its text config
 and its weights, renamed as the text model's own; the vision tower is never read."""
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from tqdm import tqdm
 
 
 # multimodal model types whose language model is served
-TEXT_PARTS = ("gemma3", "mistral3", "llama4", "aya_vision", "cohere2_vision")
+TEXT_PARTS = ("gemma3", "mistral3", "llama4", "aya_vision", "cohere2_vision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+              "qwen3_vl_moe")
 _TEXT_PREFIXES = ("language_model.model.", "model.language_model.")  # its weights', as saved
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                 "vision_model.", "model.vision_model.")  # (Llama 4's)
+                 "vision_model.", "model.vision_model.",  # (Llama 4's)
+                 "visual.", "model.visual.")  # (Qwen-VL's)
 
 
 def load_config(model_dir: str | Path):
@@ -29,7 +32,12 @@ def load_config(model_dir: str | Path):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_dir))
-    return config.get_text_config() if config.model_type in TEXT_PARTS else config
+    if config.model_type not in TEXT_PARTS:
+        return config
+    text = config.get_text_config()
+    # transformers ties the LM head to the embeddings by the whole model's flag, not its text config's
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+    return text
 
 
 def _served_name(name: str) -> str | None:
