@@ -85,7 +85,7 @@ def stage_parity(device: str, workdir: Path, quick: bool) -> dict:
 # attention sinks and clamped experts (gpt_oss), grouped sigmoid routing (glm4_moe), q and k
 # normed after rope (hunyuan_v1_dense).
 GPU_FAMILIES = ("gemma2", "gemma3", "smollm3", "exaone4", "qwen2_moe", "olmo2", "ministral3", "glm4", "apertus", "phi3",
-                "gpt_oss", "glm4_moe", "hunyuan_v1_dense")
+                "gpt_oss", "glm4_moe", "hunyuan_v1_dense", "cohere2", "llama4")
 
 
 def stage_families(device: str, workdir: Path, quick: bool) -> dict:

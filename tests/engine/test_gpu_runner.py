@@ -51,7 +51,7 @@ def test_bucket_sizes_cover_every_batch_up_to_the_largest():
                                                ("gemma", "page-major"), ("olmo2", "page-major"),
                                                ("ministral3", "page-major"), ("apertus", "page-major"),
                                                ("glm4", "page-major"), ("gpt_oss", "page-major"),
-                                               ("hunyuan_v1_dense", "page-major")])
+                                               ("hunyuan_v1_dense", "page-major"), ("llama4", "page-major")])
 def test_gpu_step_path_generates_transformers_greedy_tokens(checkpoint_dirs, hf_greedy, family, kv_layout):
     model = checkpoint_dirs(family)
     # 3 sequences run the graph of 4 (one padding row); page size 3 and a 16-token budget
@@ -201,10 +201,10 @@ def test_a_node_with_a_layer_hook_still_decodes_through_the_graphs(checkpoint_di
     assert engine.release("sent") and engine.num_free_pages() == engine.num_total_pages()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma2", "exaone4"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "exaone4", "cohere2"])
 def test_the_gpu_path_runs_sliding_windows_and_capped_scores_past_the_window(checkpoint_dirs, hf_greedy, family):
-    # 8-token windows; Gemma 2's scores capped; EXAONE 4's full layer rotating nothing. The graphs run
-    # the sliding layers' window too.
+    # 8-token windows; Gemma 2's scores capped; EXAONE 4's full layer rotating nothing (Cohere 2's
+    # too, beside its LayerNorms). The graphs run the sliding layers' window too.
     llm = gpu_path_llm(checkpoint_dirs(family), max_num_seqs=4, page_size=3, max_num_batched_tokens=16)
     assert llm.engine.max_model_len == 2048
     prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12]]
