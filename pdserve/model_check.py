@@ -45,9 +45,12 @@ def _pdserve_greedy(model_dir: str, ids: list[int], tokens: int) -> list[int]:
 
 def _transformers_greedy(model_dir: str, ids: list[int], tokens: int) -> list[int]:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    except ValueError:  # a multimodal model transformers runs only whole (Aya Vision, Qwen2.5-VL)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     out, cache, step = [], None, torch.tensor([ids])
     with torch.inference_mode():
         for _ in range(tokens):

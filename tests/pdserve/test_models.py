@@ -70,3 +70,18 @@ def test_models_check_says_whether_a_directory_is_served_as_transformers_runs_it
     monkeypatch.setattr(arch, "_family", lambda c, kind, act: dataclasses.replace(family(c, kind, act), sinks=False))
     code, result, err = check(model, "--prompt", "the river city light")
     assert code == 1 and not result["identical"] and f"from token {result['first_difference']} on" in err
+
+
+def test_models_check_runs_a_multimodal_model_whole_where_transformers_has_no_text_class(tmp_path, capsys):
+    # transformers' AutoModelForCausalLM takes no Aya Vision checkpoint: the check runs it whole.
+    import json
+
+    from pdserve.cli import main
+    from pdserve.engine.families import config_of
+    from tests.engine.test_multimodal import SIGLIP, save_multimodal
+
+    d = save_multimodal(tmp_path / "aya", "AyaVision", config_of("cohere2", 512), SIGLIP, random_text=True,
+                        image_token_index=5)
+    assert main(["models", "check", str(d), "--tokens", "6"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["model_type"] == "cohere2" and result["identical"] and len(result["transformers"]) == 6
