@@ -103,6 +103,8 @@ def write_checkpoint(
         for name, p in model.named_parameters():
             if name.endswith((".bias", "_proj_bias")) or (random_norms and name.endswith("norm.weight")):
                 p.normal_(0.0, 0.3)
+            elif family == "starcoder2" and name.endswith("norm.weight"):  # about 1: its norms' biases are random too
+                p.normal_(1.0, 0.3)
             elif name.endswith(".sinks"):  # GPT-OSS's: as large as a score, to take a share of each softmax
                 p.normal_(0.0, 1.0)
             elif ".act_fn.alpha_" in name:  # xIELU's, alike in every layer at first

@@ -127,6 +127,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     # Cohere's layers, an 8-token window on its first, no rope on its second (full) one
     "cohere2": ("Cohere2Config", dict(logit_scale=0.5, sliding_window=8, tie_word_embeddings=True,
                                       layer_types=["sliding_attention", "full_attention"])),
+    # LayerNorms with biases, an MLP without a gate (GeLU), biases everywhere; 8-token windows
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=8, use_bias=True, norm_epsilon=1e-5)),
 }
 FAMILIES = tuple(CONFIGS)
 # Written by tests of their own, not each family's: Granite MoE's ungated shared expert.
@@ -148,6 +150,6 @@ def config_of(family: str, vocab_size: int, **overrides):
                   dtype="float32")
     if family == "solar_open":  # a config field it refuses
         del common["intermediate_size"]
-    if family.startswith("cohere"):  # LayerNorms: layer_norm_eps alone, as its configs have
+    if family.startswith(("cohere", "starcoder2")):  # LayerNorms: their own epsilon alone, as their configs have
         del common["rms_norm_eps"]
     return getattr(transformers, name)(**{**common, **fields, **overrides})

@@ -21,7 +21,8 @@ def xielu(up: torch.Tensor, layer) -> torch.Tensor:
                        (torch.expm1(torch.min(up, eps)) - up) * alpha_n + beta * up)
 
 
-UNGATED_ACTIVATIONS = {"relu2": relu2, "xielu": xielu}
+UNGATED_ACTIVATIONS = {"relu2": relu2, "xielu": xielu,
+                       "gelu_pytorch_tanh": lambda up, _layer: F.gelu(up, approximate="tanh")}  # StarCoder2's
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:

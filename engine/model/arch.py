@@ -2,7 +2,7 @@
 
 Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS is Llama's
 with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's and
-Apertus's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
+Apertus's and StarCoder2's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
 adjacent dimensions, and GLM's rotate part of each head: reordered at load, `rope_order`);
 HunYuan's q and k are normed after their rotation; GPT-OSS's and GraniteSWA's attention has
 sinks; Cohere's (Command R's) attention and MLP run side by side off one LayerNorm; in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE
@@ -35,11 +35,12 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
                "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "solar_open", "granite_swa",
                "granitemoe_swa", "llama4_text", "cohere", "cohere2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
-               "qwen3_vl_moe_text",
+               "qwen3_vl_moe_text", "starcoder2",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
 PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe", "phi3")  # families that may rotate part of each head (partial_rotary_factor < 1)
-UNGATED = {"arcee": ("relu2",), "apertus": ("xielu",)}  # families whose MLP is up, activation, down
+# families whose MLP is up, activation, down
+UNGATED = {"arcee": ("relu2",), "apertus": ("xielu",), "starcoder2": ("gelu_pytorch_tanh",)}
 
 
 class UnsupportedModel(ValueError):
@@ -59,7 +60,10 @@ class Architecture:
     whole_qk_norm: bool = False  # q and k normed over all their heads at once, not head by head (OLMo 2, OLMoE)
     qk_norm_after_rope: bool = False  # q and k normed by head after their rotation, not before (HunYuan)
     residual_multiplier: float = 1.0  # each block's output's scale before the residual add (Granite)
-    layer_norm: bool = False  # norms subtract the mean first: LayerNorm without a bias (Cohere's)
+    # Norms that subtract the mean first (LayerNorms): "cohere", without a bias, as Cohere
+    # computes it; "biased", torch's with a bias (StarCoder2); "": RMS norms.
+    layer_norm: str = ""
+    eps: str = "rms_norm_eps"  # the config's name of the norms' epsilon
     parallel: bool = False  # attention and the MLP side by side off one norm, both added to the residual (Cohere)
     logit_scale: float = 1.0  # the logits' multiplier (Cohere)
     attention_scale: float | None = None  # None: head_dim ** -0.5
@@ -232,9 +236,11 @@ def _family(c, kind: str, act: str) -> Architecture:
         # Cohere 2's full layers have no rope; its sliding ones (with a window) do.
         kinds = tuple("" if t == "sliding_attention" and c.sliding_window else "none"
                       for t in c.layer_types) if kind == "cohere2" else ()
-        return Architecture(activation=act, interleaved_rope=True, layer_norm=True, parallel=True,
+        return Architecture(activation=act, interleaved_rope=True, layer_norm="cohere", eps="layer_norm_eps", parallel=True,
                             logit_scale=c.logit_scale, layer_norms=("input_layernorm", None, None, None),
                             rope_kinds=kinds)
+    if kind == "starcoder2":  # LayerNorms with biases, an MLP without a gate, biases everywhere
+        return Architecture(activation=act, gated=False, layer_norm="biased", eps="norm_epsilon")
     if kind == "smollm3":
         return Architecture(rope_kinds=tuple("" if rope else "none" for rope in c.no_rope_layers))
     if kind.startswith("granite"):  # GraniteSWA's: sinks, and a rope base by layer (0: none)

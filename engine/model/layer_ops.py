@@ -66,8 +66,11 @@ class TorchOps:
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """A LayerNorm without a bias (Cohere's) as transformers computes it: in float32, the mean
-    subtracted, then the dtype. Plain torch: no kernel here fuses it."""
+    """A LayerNorm as transformers computes it. `weight` [hidden]: Cohere's, without a bias:
+    in float32, the mean subtracted, then the dtype; [2, hidden]: torch's, weight and bias
+    (StarCoder2's). Plain torch: no kernel here fuses it."""
+    if weight.dim() == 2:
+        return F.layer_norm(x, (x.shape[-1],), weight[0], weight[1], eps)
     h = x.float()
     centered = h - h.mean(-1, keepdim=True)
     return (weight.float() * (centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)

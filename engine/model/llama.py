@@ -95,7 +95,7 @@ class LlamaModel:
             self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.num_layers = c.num_hidden_layers
         arch = architecture(c)
-        self.eps = c.layer_norm_eps if arch.layer_norm else c.rms_norm_eps
+        self.eps = getattr(c, arch.eps)
         self.scale = arch.attention_scale or self.head_dim**-0.5
         self.embedding_multiplier, self.residual_multiplier = arch.embedding_multiplier, arch.residual_multiplier
         if arch.multiplier_in_dtype:
@@ -125,6 +125,8 @@ class LlamaModel:
 
         def norm(name):  # Gemma's norms scale by 1 + weight: the sum, once, in float32
             t = maybe(name)
+            if t is not None and arch.layer_norm == "biased":  # weight and bias stacked [2, hidden] (layer_ops.layer_norm)
+                return torch.stack([t, take(name.removesuffix("weight") + "bias")])
             return t if t is None or not arch.norm_offset else (t.float() + arch.norm_offset).to(dtype)
 
         def fused(prefix: str, names: tuple[str, ...]) -> Linear:
@@ -210,7 +212,7 @@ class LlamaModel:
                 add_deltas(y, x, i, name, lora)
             return y
 
-        def add_norm(x, residual, weight):  # ops.add_rms_norm (Cohere: a LayerNorm); without a weight, (the sum, the sum)
+        def add_norm(x, residual, weight):  # ops.add_rms_norm (or a LayerNorm); without a weight, (the sum, the sum)
             if weight is not None and not self.layer_norm:
                 return ops.add_rms_norm(x, residual, weight)
             total = x if residual is None else residual + x

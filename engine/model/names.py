@@ -45,6 +45,9 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
         _llama4(state, hf_config)
     if hf_config.model_type == "qwen3_vl_moe_text":
         split_stacked_experts(state, hf_config.hidden_size, transposed=None)
+    if hf_config.model_type == "starcoder2":  # its ungated MLP's names
+        for key in [k for k in state if ".mlp.c_fc." in k or ".mlp.c_proj." in k]:
+            state[key.replace(".mlp.c_fc.", ".mlp.up_proj.").replace(".mlp.c_proj.", ".mlp.down_proj.")] = state.pop(key)
     if hf_config.model_type == "mixtral":
         for key in [k for k in state if ".block_sparse_moe." in k]:
             new = key

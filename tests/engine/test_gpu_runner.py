@@ -201,10 +201,10 @@ def test_a_node_with_a_layer_hook_still_decodes_through_the_graphs(checkpoint_di
     assert engine.release("sent") and engine.num_free_pages() == engine.num_total_pages()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma2", "exaone4", "cohere2"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "exaone4", "cohere2", "starcoder2"])
 def test_the_gpu_path_runs_sliding_windows_and_capped_scores_past_the_window(checkpoint_dirs, hf_greedy, family):
     # 8-token windows; Gemma 2's scores capped; EXAONE 4's full layer rotating nothing (Cohere 2's
-    # too, beside its LayerNorms). The graphs run the sliding layers' window too.
+    # too, beside its LayerNorms; StarCoder2's with biases). The graphs run the sliding layers' window too.
     llm = gpu_path_llm(checkpoint_dirs(family), max_num_seqs=4, page_size=3, max_num_batched_tokens=16)
     assert llm.engine.max_model_len == 2048
     prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12]]
