@@ -103,7 +103,7 @@ def write_checkpoint(
         for name, p in model.named_parameters():
             if name.endswith((".bias", "_proj_bias")) or (random_norms and name.endswith("norm.weight")):
                 p.normal_(0.0, 0.3)
-            elif family == "starcoder2" and name.endswith("norm.weight"):  # about 1: its norms' biases are random too
+            elif family in ("starcoder2", "stablelm") and name.endswith("norm.weight"):  # about 1: their biases are random too
                 p.normal_(1.0, 0.3)
             elif name.endswith(".sinks"):  # GPT-OSS's: as large as a score, to take a share of each softmax
                 p.normal_(0.0, 1.0)

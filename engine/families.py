@@ -129,6 +129,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                       layer_types=["sliding_attention", "full_attention"])),
     # LayerNorms with biases, an MLP without a gate (GeLU), biases everywhere; 8-token windows
     "starcoder2": ("Starcoder2Config", dict(sliding_window=8, use_bias=True, norm_epsilon=1e-5)),
+    # LayerNorms with biases, a quarter of each head rotated, q, k and v biases
+    "stablelm": ("StableLmConfig", dict(partial_rotary_factor=0.25, use_qkv_bias=True)),
 }
 FAMILIES = tuple(CONFIGS)
 # Written by tests of their own, not each family's: Granite MoE's ungated shared expert.
@@ -150,6 +152,6 @@ def config_of(family: str, vocab_size: int, **overrides):
                   dtype="float32")
     if family == "solar_open":  # a config field it refuses
         del common["intermediate_size"]
-    if family.startswith(("cohere", "starcoder2")):  # LayerNorms: their own epsilon alone, as their configs have
+    if family.startswith(("cohere", "starcoder2", "stablelm")):  # LayerNorms: their own epsilon alone, as their configs have
         del common["rms_norm_eps"]
     return getattr(transformers, name)(**{**common, **fields, **overrides})

@@ -35,10 +35,10 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
                "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "solar_open", "granite_swa",
                "granitemoe_swa", "llama4_text", "cohere", "cohere2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
-               "qwen3_vl_moe_text", "starcoder2",
+               "qwen3_vl_moe_text", "starcoder2", "stablelm",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
-PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe", "phi3")  # families that may rotate part of each head (partial_rotary_factor < 1)
+PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe", "phi3", "stablelm")  # families that may rotate part of each head (partial_rotary_factor < 1)
 # families whose MLP is up, activation, down
 UNGATED = {"arcee": ("relu2",), "apertus": ("xielu",), "starcoder2": ("gelu_pytorch_tanh",)}
 
@@ -241,6 +241,13 @@ def _family(c, kind: str, act: str) -> Architecture:
                             rope_kinds=kinds)
     if kind == "starcoder2":  # LayerNorms with biases, an MLP without a gate, biases everywhere
         return Architecture(activation=act, gated=False, layer_norm="biased", eps="norm_epsilon")
+    if kind == "stablelm":  # torch's LayerNorms with biases; part of each head rotated
+        if c.qk_layernorm:
+            raise UnsupportedModel("qk_layernorm is not supported (StableLM 2 12B's LayerNorms of q and k, one for "
+                                   "each head)")
+        parallel = bool(c.use_parallel_residual)  # attention and the MLP side by side off one norm
+        return Architecture(activation=act, layer_norm="biased", eps="layer_norm_eps", parallel=parallel,
+                            layer_norms=("input_layernorm", None, None if parallel else "post_attention_layernorm", None))
     if kind == "smollm3":
         return Architecture(rope_kinds=tuple("" if rope else "none" for rope in c.no_rope_layers))
     if kind.startswith("granite"):  # GraniteSWA's: sinks, and a rope base by layer (0: none)

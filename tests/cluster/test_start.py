@@ -17,7 +17,7 @@ import torch
 import pdserve.engine
 from pdserve.procs import NodeProcess, free_port
 from tests.cluster.nodes import WORKER_FLAGS, sample, scrape
-from tests.engine.test_architectures import stablelm_checkpoint
+from tests.engine.test_architectures import olmo_checkpoint
 
 ENGINE = Path(pdserve.engine.__file__).parent  # its kernels: every .c file beneath
 MODEL_LOADED = "KV cache:"  # the worker's log line once its model and KV pool are loaded
@@ -99,10 +99,10 @@ def test_an_empty_model_directory_is_one_line_naming_what_is_missing(tmp_path):
 
 @pytest.mark.parametrize("command", ["serve", "up"])
 def test_a_model_pdserve_cannot_run_is_one_line_naming_its_kind(tmp_path, command):
-    out = pdserve(command, "--model", str(stablelm_checkpoint(tmp_path)), "--port", "0")
+    out = pdserve(command, "--model", str(olmo_checkpoint(tmp_path)), "--port", "0")
     assert out.returncode == 1
     line = one_line(out.stderr)
-    assert line.startswith(f"pdserve {command}: {tmp_path}: model_type 'stablelm' (StableLmForCausalLM) is not "
+    assert line.startswith(f"pdserve {command}: {tmp_path}: model_type 'olmo' (OlmoForCausalLM) is not "
                            f"supported"), line
     assert MODEL_LOADED not in out.stderr + out.stdout and "listening" not in out.stdout
 

@@ -30,14 +30,14 @@ def greedy_pair(model_dir, prompt, n):
     return ref[0, len(prompt):].tolist(), ours.token_ids, llm
 
 
-def stablelm_checkpoint(path):
-    """A tiny StableLM: Llama's weight names, but LayerNorms with biases and a quarter of each
-    head rotated, which a Llama's loader would drop without a word."""
-    from transformers import AutoModelForCausalLM, StableLmConfig
+def olmo_checkpoint(path):
+    """A tiny OLMo (the first): Llama's weight names, but LayerNorms with neither weight nor
+    bias, which a Llama's loader, finding no norm weights, would leave out without a word."""
+    from transformers import AutoModelForCausalLM, OlmoConfig
 
     write_tokenizer(path)
-    config = StableLmConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                            num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = OlmoConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
     return path
 
@@ -48,8 +48,8 @@ def edit_config(model_dir, **fields):
 
 
 def test_a_model_of_another_kind_is_refused_naming_it(tmp_path):
-    with pytest.raises(UnsupportedModel, match=r"model_type 'stablelm' \(StableLmForCausalLM\) is not supported"):
-        LLM(str(stablelm_checkpoint(tmp_path)), num_pages=8)
+    with pytest.raises(UnsupportedModel, match=r"model_type 'olmo' \(OlmoForCausalLM\) is not supported"):
+        LLM(str(olmo_checkpoint(tmp_path)), num_pages=8)
 
 
 @pytest.mark.parametrize("fields, says", [
@@ -64,11 +64,20 @@ def test_a_supported_kind_run_otherwise_is_refused(tmp_path, fields, says):
         LLM(str(d), num_pages=8)
 
 
-def test_command_r_plus_qk_norms_are_refused_naming_them(tmp_path):
-    d = write_checkpoint(tmp_path / "m", family="cohere")
-    edit_config(d, use_qk_norm=True)
-    with pytest.raises(UnsupportedModel, match=r"use_qk_norm is not supported \(Command R\+'s layer norms"):
+@pytest.mark.parametrize("family, field, says", [
+    ("cohere", "use_qk_norm", r"use_qk_norm is not supported \(Command R\+'s layer norms"),
+    ("stablelm", "qk_layernorm", r"qk_layernorm is not supported \(StableLM 2 12B's LayerNorms")])
+def test_per_head_layer_norms_of_q_and_k_are_refused_naming_them(tmp_path, family, field, says):
+    d = write_checkpoint(tmp_path / "m", family=family)
+    edit_config(d, **{field: True})
+    with pytest.raises(UnsupportedModel, match=says):
         LLM(str(d), num_pages=8)
+
+
+def test_stablelm_with_a_parallel_residual_runs_attention_and_the_mlp_side_by_side(tmp_path):
+    d = write_checkpoint(tmp_path / "slm", family="stablelm", use_parallel_residual=True)  # StableLM 2 12B's
+    ref, ours, _ = greedy_pair(d, list(range(3, 30)), 8)
+    assert ours == ref
 
 
 def test_a_top_k_by_layer_is_refused_naming_it(tmp_path):

@@ -53,7 +53,7 @@ def test_models_check_says_whether_a_directory_is_served_as_transformers_runs_it
     from pdserve.cli import main
     from pdserve.engine.checkpoint import write_checkpoint
     from pdserve.engine.model import arch
-    from tests.engine.test_architectures import stablelm_checkpoint
+    from tests.engine.test_architectures import olmo_checkpoint
 
     model = str(write_checkpoint(tmp_path / "gpt_oss", "gpt_oss"))
 
@@ -64,8 +64,8 @@ def test_models_check_says_whether_a_directory_is_served_as_transformers_runs_it
 
     code, result, _ = check(model, "--prompt", "the river city light")
     assert code == 0 and result["served"] and result["identical"] and len(result["pdserve"]) == 8
-    code, result, err = check(str(stablelm_checkpoint(tmp_path / "stablelm")))
-    assert code == 1 and not result["served"] and "model_type 'stablelm'" in err
+    code, result, err = check(str(olmo_checkpoint(tmp_path / "olmo")))
+    assert code == 1 and not result["served"] and "model_type 'olmo'" in err
     family = arch._family
     monkeypatch.setattr(arch, "_family", lambda c, kind, act: dataclasses.replace(family(c, kind, act), sinks=False))
     code, result, err = check(model, "--prompt", "the river city light")
