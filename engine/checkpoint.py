@@ -98,7 +98,7 @@ def write_checkpoint(
     # Biases start at 0, and norms' weights at 0 (Gemma: 1 + weight) or 1: random ones show
     # a loader that drops them.
     random_norms = family in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe",
-                              "cohere", "cohere2")
+                              "cohere", "cohere2", "nemotron")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith((".bias", "_proj_bias")) or (random_norms and name.endswith("norm.weight")):

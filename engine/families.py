@@ -131,6 +131,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "starcoder2": ("Starcoder2Config", dict(sliding_window=8, use_bias=True, norm_epsilon=1e-5)),
     # LayerNorms with biases, a quarter of each head rotated, q, k and v biases
     "stablelm": ("StableLmConfig", dict(partial_rotary_factor=0.25, use_qkv_bias=True)),
+    # LayerNorms of 1 + weight with biases, an ungated ReLU² MLP, half of each head rotated, biases
+    "nemotron": ("NemotronConfig", dict(partial_rotary_factor=0.5, attention_bias=True, mlp_bias=True)),
 }
 FAMILIES = tuple(CONFIGS)
 # Written by tests of their own, not each family's: Granite MoE's ungated shared expert.
@@ -152,6 +154,6 @@ def config_of(family: str, vocab_size: int, **overrides):
                   dtype="float32")
     if family == "solar_open":  # a config field it refuses
         del common["intermediate_size"]
-    if family.startswith(("cohere", "starcoder2", "stablelm")):  # LayerNorms: their own epsilon alone, as their configs have
+    if family.startswith(("cohere", "starcoder2", "stablelm", "nemotron")):  # LayerNorms: their own epsilon alone, as their configs have
         del common["rms_norm_eps"]
     return getattr(transformers, name)(**{**common, **fields, **overrides})

@@ -2,7 +2,7 @@
 
 Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS is Llama's
 with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's and
-Apertus's and StarCoder2's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
+Apertus's, StarCoder2's and Nemotron's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
 adjacent dimensions, and GLM's rotate part of each head: reordered at load, `rope_order`);
 HunYuan's q and k are normed after their rotation; GPT-OSS's and GraniteSWA's attention has
 sinks; Cohere's (Command R's) attention and MLP run side by side off one LayerNorm; in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE
@@ -35,12 +35,12 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3
                "olmo2", "olmo3", "exaone4", "seed_oss", "ministral", "ministral3", "arcee", "apertus", "ernie4_5", "helium",
                "glm", "glm4", "cwm", "mixtral", "gpt_oss", "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "solar_open", "granite_swa",
                "granitemoe_swa", "llama4_text", "cohere", "cohere2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
-               "qwen3_vl_moe_text", "starcoder2", "stablelm",
+               "qwen3_vl_moe_text", "starcoder2", "stablelm", "nemotron",
                "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # a gated MLP's, as transformers names them
-PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe", "phi3", "stablelm")  # families that may rotate part of each head (partial_rotary_factor < 1)
+PARTIAL_ROTARY = ("glm", "glm4", "glm4_moe", "phi3", "stablelm", "nemotron")  # families that may rotate part of each head (partial_rotary_factor < 1)
 # families whose MLP is up, activation, down
-UNGATED = {"arcee": ("relu2",), "apertus": ("xielu",), "starcoder2": ("gelu_pytorch_tanh",)}
+UNGATED = {"arcee": ("relu2",), "apertus": ("xielu",), "starcoder2": ("gelu_pytorch_tanh",), "nemotron": ("relu2",)}
 
 
 class UnsupportedModel(ValueError):
@@ -248,6 +248,8 @@ def _family(c, kind: str, act: str) -> Architecture:
         parallel = bool(c.use_parallel_residual)  # attention and the MLP side by side off one norm
         return Architecture(activation=act, layer_norm="biased", eps="layer_norm_eps", parallel=parallel,
                             layer_norms=("input_layernorm", None, None if parallel else "post_attention_layernorm", None))
+    if kind == "nemotron":  # LayerNorms of 1 + weight, with biases; an ungated ReLU² MLP; half of each head rotated
+        return Architecture(activation=act, gated=False, layer_norm="biased", eps="norm_eps", norm_offset=1.0)
     if kind == "smollm3":
         return Architecture(rope_kinds=tuple("" if rope else "none" for rope in c.no_rope_layers))
     if kind.startswith("granite"):  # GraniteSWA's: sinks, and a rope base by layer (0: none)

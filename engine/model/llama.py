@@ -123,11 +123,12 @@ class LlamaModel:
             t = state.pop(name, None)
             return t.contiguous() if t is not None else None
 
-        def norm(name):  # Gemma's norms scale by 1 + weight: the sum, once, in float32
+        def norm(name):  # Gemma's (Nemotron's) norms scale by 1 + weight: the sum, once, in float32
             t = maybe(name)
+            t = t if t is None or not arch.norm_offset else (t.float() + arch.norm_offset).to(dtype)
             if t is not None and arch.layer_norm == "biased":  # weight and bias stacked [2, hidden] (layer_ops.layer_norm)
                 return torch.stack([t, take(name.removesuffix("weight") + "bias")])
-            return t if t is None or not arch.norm_offset else (t.float() + arch.norm_offset).to(dtype)
+            return t
 
         def fused(prefix: str, names: tuple[str, ...]) -> Linear:
             """One matmul of several: their weights stacked, and their biases (zeros for
