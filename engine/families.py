@@ -133,6 +133,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "stablelm": ("StableLmConfig", dict(partial_rotary_factor=0.25, use_qkv_bias=True)),
     # LayerNorms of 1 + weight with biases, an ungated ReLU² MLP, half of each head rotated, biases
     "nemotron": ("NemotronConfig", dict(partial_rotary_factor=0.5, attention_bias=True, mlp_bias=True)),
+    # Llama's layers; its released checkpoints' names are GPT-2's (tests/engine/test_architectures.py)
+    "exaone": ("ExaoneConfig", dict(rope_parameters={**_LLAMA3_ROPE, "rope_theta": 1000000.0})),
 }
 FAMILIES = tuple(CONFIGS)
 # Written by tests of their own, not each family's: Granite MoE's ungated shared expert.

@@ -9,6 +9,11 @@ import torch
 from .arch import geometry, reorder_heads, rope_order
 from .gpt_oss import split_experts
 
+# EXAONE 3 and 3.5's released checkpoints' names (transformers runs them as Llama's)
+_EXAONE = (("transformer.wte.", "model.embed_tokens."), ("transformer.h.", "model.layers."), ("transformer.ln_f.", "model.norm."),
+           (".attn.attention.", ".self_attn."), (".self_attn.out_proj.", ".self_attn.o_proj."),
+           (".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."), (".mlp.c_fc_0.", ".mlp.gate_proj."),
+           (".mlp.c_fc_1.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj."))
 _MIXTRAL = (("block_sparse_moe.gate.", "mlp.gate."), ("block_sparse_moe.experts.", "mlp.experts."),
             (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 
@@ -17,6 +22,7 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
     """`state` in place as the engine loads it:
     - Phi-3's fused qkv_proj and gate_up_proj split into Llama's q/k/v and gate/up names
       (the model fuses them again; tensor parallelism cuts them apart first);
+    - EXAONE 3's released names as Llama's, as transformers renames them;
     - Mixtral's experts renamed as Qwen's (`mlp.experts.N.gate_proj`, ..., `mlp.gate`), and
       Granite MoE's and GPT-OSS's, stacked [experts, ...], split into them (GPT-OSS's MXFP4
       experts dequantized to the model's dtype first);
@@ -48,10 +54,11 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
     if hf_config.model_type == "starcoder2":  # its ungated MLP's names
         for key in [k for k in state if ".mlp.c_fc." in k or ".mlp.c_proj." in k]:
             state[key.replace(".mlp.c_fc.", ".mlp.up_proj.").replace(".mlp.c_proj.", ".mlp.down_proj.")] = state.pop(key)
-    if hf_config.model_type == "mixtral":
-        for key in [k for k in state if ".block_sparse_moe." in k]:
+    if hf_config.model_type in ("mixtral", "exaone"):
+        renames = _MIXTRAL if hf_config.model_type == "mixtral" else _EXAONE
+        for key in [k for k in state if ".block_sparse_moe." in k or k.startswith("transformer.")]:
             new = key
-            for old, name in _MIXTRAL:
+            for old, name in renames:
                 new = new.replace(old, name)
             state[new] = state.pop(key)
     heads, kv_heads, head_dim = geometry(hf_config)

@@ -196,3 +196,24 @@ def test_llama4_runs_within_its_first_attention_chunk(tmp_path, caplog):
     del config["layer_types"]  # as the released checkpoints' configs: transformers fills it in
     (d / "config.json").write_text(json.dumps(config))
     assert LLM(str(d), num_pages=8).engine.max_model_len == PromptTokenizer(str(d)).card.max_model_len == 40
+
+
+def test_exaone_3_loads_its_released_names_as_transformers_renames_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = write_checkpoint(tmp_path / "ex", family="exaone")
+    hub = [("model.embed_tokens.", "transformer.wte."), ("model.layers.", "transformer.h."), ("model.norm.", "transformer.ln_f."),
+           (".self_attn.o_proj.", ".attn.attention.out_proj."), (".self_attn.", ".attn.attention."),
+           (".input_layernorm.", ".ln_1."), (".post_attention_layernorm.", ".ln_2."), (".mlp.gate_proj.", ".mlp.c_fc_0."),
+           (".mlp.up_proj.", ".mlp.c_fc_1."), (".mlp.down_proj.", ".mlp.c_proj.")]
+
+    def released(name):
+        for ours, theirs in hub:
+            name = name.replace(ours, theirs)
+        return name
+
+    weights = load_file(str(d / "model.safetensors"))
+    save_file({released(k): v for k, v in weights.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    assert "transformer.h.0.attn.attention.out_proj.weight" in load_file(str(d / "model.safetensors"))
+    ref, ours, _ = greedy_pair(d, list(range(3, 30)), 8)
+    assert ours == ref
