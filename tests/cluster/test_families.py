@@ -1,12 +1,15 @@
-"""A model of the newer families through a real cluster (router, prefill and decode
-processes): a multimodal Gemma 3 checkpoint, whose language model the prefill and decode
-nodes load alone and whose router reads its text config, serves greedy tokens equal to
-transformers' past its sliding window, each prompt's KV window prefilled remotely and sent
-to the decode node, every pool full again afterwards."""
+"""Models of the newer families through a real cluster (router, prefill and decode
+processes): a multimodal Gemma 3 checkpoint and a multimodal Llama 4 one (NoPE layers,
+experts), whose language models the prefill and decode nodes load alone and whose routers
+read their text configs, serve greedy tokens equal to transformers' (past Gemma 3's
+sliding window), each prompt's KV window prefilled remotely and sent to the decode node,
+every pool full again afterwards."""
 
 from __future__ import annotations
 
 import random
+
+import pytest
 
 from pdserve.client import AsyncClient
 from tests.cluster.nodes import Cluster, run, wait_pools_full
@@ -16,8 +19,18 @@ from tests.engine.test_architectures import gemma3_multimodal_checkpoint
 NEW = 8
 
 
-def test_a_sliding_window_model_prefilled_remotely_decodes_as_transformers(tmp_path):
-    model = str(gemma3_multimodal_checkpoint(tmp_path / "gemma3"))  # 8-token windows on its first layer
+def llama4_multimodal_checkpoint(path):
+    from pdserve.engine.families import config_of
+    from tests.engine.test_multimodal import save_multimodal
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64)
+    return save_multimodal(path, "Llama4", config_of("llama4", 512), vision, image_token_index=5)
+
+
+@pytest.mark.parametrize("build", [gemma3_multimodal_checkpoint, llama4_multimodal_checkpoint])
+def test_a_newer_family_prefilled_remotely_decodes_as_transformers(tmp_path, build):
+    model = str(build(tmp_path / "model"))  # Gemma 3: 8-token windows on its first layer
     rng = random.Random(5)
     prompts = [[rng.randrange(6, 512) for _ in range(n)] for n in (40, 27)]
     nodes = Cluster(tmp_path, model)
