@@ -75,7 +75,7 @@ def test_per_head_layer_norms_of_q_and_k_are_refused_naming_them(tmp_path, famil
 
 
 def test_stablelm_with_a_parallel_residual_runs_attention_and_the_mlp_side_by_side(tmp_path):
-    d = write_checkpoint(tmp_path / "slm", family="stablelm", use_parallel_residual=True)  # StableLM 2 12B's
+    d = write_checkpoint(tmp_path / "slm", family="stablelm", use_parallel_residual=True)  # (as StableLM 2 12B)
     ref, ours, _ = greedy_pair(d, list(range(3, 30)), 8)
     assert ours == ref
 
