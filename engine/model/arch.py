@@ -2,18 +2,21 @@
 
 Every family here is Llama's decoder with data changed (`Architecture`; Seed-OSS is Llama's
 with biases, Ministral Mistral's and CWM Llama's with windows by layer; Arcee's and
-Apertus's, StarCoder2's and Nemotron's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's and GLM's rotary pairs are
-adjacent dimensions, and GLM's rotate part of each head: reordered at load, `rope_order`);
-HunYuan's q and k are normed after their rotation; GPT-OSS's and GraniteSWA's attention has
-sinks; Cohere's (Command R's) attention and MLP run side by side off one LayerNorm; in the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE
-and MoE SWA, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, Solar Open, HunYuan MoE, Llama 4) a layer's MLP is a set
-of experts, a few of which each token runs (`moe.Experts`). Their checkpoints' own names and
-layouts become the engine's at load (`names.to_llama_names`). A checkpoint of any other
-kind is refused before its weights load, naming what it is. Weights of a family and a Llama would load
-alike, so serving one as the other gives wrong text with no error (Command R runs
-attention and the MLP side by side off one LayerNorm, Granite scales its residuals): the
-refusal, or the family's own `Architecture`, is the only guard. A sliding window (Mistral 7B v0.1's, Phi-3's, Qwen2's with use_sliding_window,
-Gemma 2's and 3's, OLMo 3's, EXAONE 4's) is run as such, a query seeing its last W keys.
+Apertus's, StarCoder2's and Nemotron's MLPs have no gate, `UNGATED`; ERNIE 4.5's, Helium's
+and GLM's rotary pairs are adjacent dimensions, and GLM's rotate part of each head:
+reordered at load, `rope_order`); HunYuan's q and k are normed after their rotation;
+GPT-OSS's and GraniteSWA's attention has sinks; Cohere's (Command R's) attention and MLP run
+side by side off one LayerNorm; in the mixture-of-experts families (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE, Granite MoE and MoE SWA, GPT-OSS, GLM-4.5, dots.llm1, ERNIE 4.5 MoE, Solar
+Open, HunYuan MoE, Llama 4) a layer's MLP is a set of experts, a few of which each token
+runs (`moe.Experts`). Their checkpoints' own names and layouts become the engine's at load
+(`names.to_llama_names`). A checkpoint of any other kind is refused before its weights load,
+naming what it is. Weights of a family and a Llama would load alike, so serving one as the
+other gives wrong text with no error (Command R runs attention and the MLP side by side off
+one LayerNorm, Granite scales its residuals): the refusal, or the family's own
+`Architecture`, is the only guard. A sliding window (Mistral 7B v0.1's, Phi-3's, Qwen2's
+with use_sliding_window, Gemma 2's and 3's, OLMo 3's, EXAONE 4's) is run as such, a query
+seeing its last W keys.
 Where transformers changes how a model attends past some length (LongRoPE's second set of
 frequencies, Llama 4's chunks: pdserve/context.py), the engine runs contexts up to that
 length only, where its output is still the model's; Ministral 3's and Llama 4's queries,
