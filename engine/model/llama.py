@@ -269,7 +269,9 @@ class LlamaModel:
                         if step.layer_hook is not None:
                             step.layer_hook(i)
                     return h[:0]
-                q, residual, h = (t.index_select(0, step.keep) for t in (q, residual, h))  # (h: a parallel MLP's)
+                q, residual = q.index_select(0, step.keep), residual.index_select(0, step.keep)
+                if self.parallel:  # the MLP reads the attention's input
+                    h = h.index_select(0, step.keep)
                 attend, lora = (layer.window and step.attend_kept_window) or step.attend_kept, step.lora_kept
             attn = attend(q, k_cache, v_cache, self.scale, layer.sinks)
             out = project(layer.o, attn.view(-1, q_size), i, "o")
