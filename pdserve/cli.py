@@ -31,15 +31,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve import process_gc
 from pdserve.envflags import apply_env_defaults
 
-BENCHMARKS = {"engine": "pdserve.benchmarks.engine", "transfer": "pdserve.benchmarks.transfer",
-              "serve": "pdserve.benchmarks.serve", "router": "pdserve.benchmarks.router", "step": "pdserve.benchmarks.step",
-              "chaos": "pdserve.benchmarks.chaos", "trust": "pdserve.benchmarks.trust", "ttft": "pdserve.benchmarks.ttft",
-              "gpu": "pdserve.benchmarks.gpu", "host": "pdserve.benchmarks.host_step",
-              "score": "pdserve.benchmarks.score", "constrained": "pdserve.benchmarks.constrained",
-              "priority": "pdserve.benchmarks.priority", "cache-key": "pdserve.benchmarks.cache_key",
-              "lora": "pdserve.benchmarks.lora", "window": "pdserve.benchmarks.window"}
+BENCHMARKS = {name: "pdserve.benchmarks." + {"host": "host_step", "cache-key": "cache_key"}.get(name, name)
+              for name in ("engine", "transfer", "serve", "router", "step", "chaos", "trust", "ttft", "gpu",
+                           "host", "score", "constrained", "priority", "cache-key", "lora", "window")}
 WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 
@@ -328,8 +325,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "--kv-cache-memory-fraction of the memory free)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, program: bool = False) -> int:
+    """`program`: this process is the `pdserve` program (`run`), not a caller's."""
     args = build_parser().parse_args(argv)
+    if program:
+        process_gc.own_process(server=args.func in (cmd_router, cmd_worker))
     try:
         return args.func(args) or 0
     except ModuleNotFoundError as err:
@@ -341,5 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                  "installed): pip install 'pdserve[server]'")
 
 
+def run() -> int:  # the `pdserve` program
+    return main(program=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve import process_gc
 from pdserve.runtime import auth, tls
 from pdserve.runtime.options import option
 
@@ -126,6 +127,7 @@ async def serve(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if on_start is not None:
         await on_start(bound)
+    process_gc.serving()
     print(f"pdserve {role} listening on {host}:{bound}" + (f" ({note})" if note else ""), flush=True)
 
     stop = stop or asyncio.Event()

@@ -16,6 +16,8 @@ import signal
 import sys
 from types import SimpleNamespace
 
+from pdserve import process_gc
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -53,6 +55,7 @@ class _StepSequence:
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     _die_with_parent(spec["parent"])
+    process_gc.own_process(server=True)
     import torch
 
     from ..config import EngineConfig
@@ -82,6 +85,7 @@ def main(argv: list[str]) -> int:
     kv_cache = mapped_pool(config.kv_layout, tuple(spec["pool_shape"]), spec["pool_fd"], dtype)
     os.close(spec["pool_fd"])
     runner = ModelRunner(model, kv_cache, config.page_size, config.resolved_attention_backend, config.device)
+    process_gc.serving()
     collectives.barrier()  # ready: rank 0 returns from its start
     while True:
         step = collectives.broadcast_object()
