@@ -25,6 +25,7 @@ import json
 import random
 import time
 
+from pdserve import process_gc
 from pdserve.benchmarks.engine import FIRST_PROMPT_TOKEN, random_prompts
 from pdserve.benchmarks.model_choice import add_transformers_comparison_flags
 
@@ -173,4 +174,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     raise SystemExit(main())

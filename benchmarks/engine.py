@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from pdserve import process_gc
 from pdserve.benchmarks import peer as peers
 from pdserve.benchmarks.engine_table import print_table
 
@@ -339,4 +340,5 @@ class _NoProgress:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     sys.exit(main(sys.argv[1:]))

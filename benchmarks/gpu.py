@@ -41,7 +41,7 @@ import time
 import traceback
 from pathlib import Path
 
-from pdserve import launch
+from pdserve import launch, process_gc
 from pdserve.benchmarks import gpu_engine, stage_progress
 from pdserve.benchmarks.gpu_models import FIRST_ID, ONE_B, SMOLLM2_GEOMETRY, TINY, checkpoint, transformers_greedy
 
@@ -285,4 +285,5 @@ def summary(report: dict) -> dict:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     sys.exit(main())

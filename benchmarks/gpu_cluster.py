@@ -73,6 +73,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve import process_gc
 from pdserve.benchmarks.gpu_cluster_stages import GATED, exact, faults, random_ids, ttft
 from pdserve.benchmarks.gpu_models import ONE_B, checkpoint, transformers_greedy
 from pdserve.benchmarks.local_cluster import Cluster, stop
@@ -268,4 +269,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     sys.exit(main())

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+from pdserve import process_gc
 from pdserve.benchmarks.timers import Timers
 
 TEXT = ("The prefill node computes the prompt's KV cache and the decode node streams the answer: "
@@ -166,4 +167,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     sys.exit(main(sys.argv[1:]))

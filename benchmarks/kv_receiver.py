@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pdserve import process_gc
 from pdserve.kvtransfer.layout import PAGE_MAJOR, KVLayout, pool_shape
 from pdserve.kvtransfer.shards import KVShard, KVShards, head_ranges
 
@@ -131,6 +132,7 @@ def make_shards(spec: PoolSpec, ranks: int, fill_seed: int | None = None,
 def _serve(conn: Any, name: str, spec: PoolSpec, fill_seed: int | None, huge_pages: bool,
            agent_kwargs: dict[str, Any], netns: str | None = None, env: dict[str, str] | None = None,
            ranks: int = 1) -> None:
+    process_gc.own_process()
     os.environ.update(env or {})  # before NIXL loads: UCX reads its settings once
     if netns is not None:  # before the agent exists: its sockets and devices are this host's
         from pdserve.netns import enter

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdserve import process_gc
 from pdserve.benchmarks.model_choice import add_model_flag, resolve_or_exit
 
 MODES = ("base", "one", "mixed")
@@ -124,4 +125,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     sys.exit(main())

@@ -29,6 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve import process_gc
 from pdserve.benchmarks import served_bench
 from pdserve.benchmarks.model_choice import resolve_or_exit
 from pdserve.client import AsyncClient
@@ -159,4 +160,5 @@ def _readable(r: dict) -> str:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     sys.exit(main())

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 
+from pdserve import process_gc
 from pdserve.kvtransfer.window import resolve_kv_window_end
 from pdserve.procs import NodeProcess, stop_all
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
@@ -247,4 +248,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     sys.exit(main())

@@ -22,6 +22,7 @@ import random
 import sys
 import time
 
+from pdserve import process_gc
 from pdserve.arith import ceil_div
 from pdserve.benchmarks.timers import Timers
 
@@ -134,4 +135,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     sys.exit(main(sys.argv[1:]))

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve import process_gc
 from pdserve.benchmarks import transfer_tp as tp
 from pdserve.kvtransfer.agent import PROGRESS_DELAY_US
 from pdserve.kvtransfer.layout import LAYOUT_KINDS, PAGE_MAJOR
@@ -342,4 +343,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     raise SystemExit(main())

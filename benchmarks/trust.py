@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from pdserve import process_gc
 from pdserve.arith import ceil_div
 from pdserve.benchmarks.model_choice import add_model_flag, resolve_or_exit
 from pdserve.benchmarks.transfer import fragmented_pages
@@ -218,4 +219,5 @@ def attacks(args) -> int:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     sys.exit(main())

@@ -40,6 +40,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from pdserve import process_gc
 from pdserve.benchmarks.link import Link, parse_link, rate_bits
 from pdserve.client import AsyncClient
 from pdserve.procs import NodeProcess, stop_all
@@ -212,4 +213,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     sys.exit(main())

@@ -9,6 +9,8 @@ import sys
 # Nothing here needs gRPC across a fork, so they are off; read when gRPC starts.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
+from pdserve import process_gc  # noqa: E402
 from pdserve.benchmarks.chaos.cli import main  # noqa: E402  (after the environment is set)
 
+process_gc.own_process()
 sys.exit(main())

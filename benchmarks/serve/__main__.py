@@ -2,6 +2,8 @@
 
 import sys
 
+from pdserve import process_gc
 from pdserve.benchmarks.serve.cli import main
 
+process_gc.own_process()
 sys.exit(main())

@@ -16,6 +16,7 @@ import math
 import sys
 from dataclasses import asdict
 
+from pdserve import process_gc
 from pdserve.benchmarks.model_choice import KNOWN, add_model_flag
 from pdserve.benchmarks.serve import workload as wl
 from pdserve.benchmarks.serve.runs import (emit, fixed_objectives, make_backend, make_workload,
@@ -225,4 +226,5 @@ def _bench_and_report(args) -> int:
 
 
 if __name__ == "__main__":
+    process_gc.own_process()
     sys.exit(main())
