@@ -2,13 +2,14 @@
 tensor-parallel ranks and the benchmarks run as scripts. A program that imports pdserve as
 a library keeps its collector as it is: these calls do nothing there.
 
-Why: a node imports torch and transformers, some 300,000 objects the collector tracks that
-never become garbage. It scans them again each time the heap grows by a quarter (a fifth of
-an import's time), every full collection while serving scans them once more, and at exit
-Python collects them one by one (most of a second). So a server starts with the collector
-off; once it serves, one collection frees start-up's garbage, what is left is frozen (left
-out of every later scan) and the collector turns on; and every program freezes all it holds at exit, where Python does not
-promise to run the finalizers of objects still alive anyway.
+Why: a node imports torch and transformers, hundreds of thousands of objects the collector
+tracks that never become garbage. It scans them again each time the heap grows by a
+quarter, every full collection while serving scans them once more, and at exit Python
+collects them one by one. So a server starts with the collector off; once it serves, one
+collection frees start-up's garbage, what is left is frozen (left out of every later scan)
+and the collector turns on; and every program freezes all it holds at exit, where Python
+does not promise to run the finalizers of objects still alive anyway. (docs/operations.md,
+"Start-up", has what it saves.)
 """
 
 from __future__ import annotations
