@@ -15,7 +15,7 @@ blocks and pastes as one turn, one line a turn from a pipe. Invariants:
   at --max-tokens was answered, and stays.
 - Ctrl-C during an answer cancels its call, which aborts the request on the server (the
   router's or node's cleanup of a cancelled call), and the chat goes on. At the prompt it
-  drops the line; a second one in a row ends the chat, as do `/exit` and end of input
+  drops the line (a key there, never lost: chat_input); a second one in a row ends the chat, as do `/exit` and end of input
   (Ctrl-D), with status 0.
 - A server that cannot be reached (the first call, GetModelInfo, fails) ends the chat at
   once with one line on stderr and status 1.
@@ -169,8 +169,9 @@ def converse(chat: Chat, reader) -> None:
             if reader.interactive:  # the shell's prompt starts on a line of its own
                 print()
             return
-        except KeyboardInterrupt:  # at the prompt (an answer's own is caught in ask)
-            print()
+        except KeyboardInterrupt as err:  # at the prompt (an answer's own is caught in ask)
+            if not getattr(err, "line_ended", False):  # a signal: the cursor is after the prompt
+                print()
             if interrupted:
                 return
             say("(Ctrl-C again, Ctrl-D or /exit ends the chat)")

@@ -10,20 +10,33 @@ by line from a pipe.
   pastes (readline's bracketed paste, which Python turns off and this turns back on) or not
   (then the lines already waiting on stdin when the first one ends join the same turn).
 - From a pipe every line is a turn, so a script can pipe turns in, and no prompt shows.
+- At the prompt Ctrl-C is a key readline reads (`CtrlC`), not the terminal's SIGINT: a
+  signal that lands after Python last looked for one and before readline waits on the
+  terminal is only seen at the next key, so a Ctrl-C pressed as an answer ends was lost.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import select
 import sys
+import termios
 from dataclasses import dataclass
 from pathlib import Path
 
 PROMPT = "> "
 MORE = "... "  # inside a \"\"\" block
 BLOCK = '"""'
+CTRL_C_LINE = "\x03"  # the line readline gives back for Ctrl-C (see _readline)
 PASTE_GAP_S = 0.05  # lines waiting on stdin within this are the rest of a paste, not typing
 HISTORY_LINES = 1000
+
+
+class CtrlC(KeyboardInterrupt):
+    """Ctrl-C read as a key at the prompt."""
+
+    line_ended = True  # readline ended the line: the terminal is on a new one
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class TurnReader:
         self.interactive = interactive
         self.readline = _readline() if interactive else None
         self.history = self._load(history) if self.readline else None
+        self.ctrl_c_key = self.readline is not None and _gnu(self.readline)
 
     def read(self) -> Turn:
         """The next turn. Raises EOFError at the end of input (Ctrl-D) and
@@ -60,7 +74,13 @@ class TurnReader:
         return turn
 
     def _line(self, prompt: str) -> str:
-        return input(prompt if self.interactive else "")
+        if not self.ctrl_c_key:
+            return input(prompt if self.interactive else "")
+        with _intr_char_off():
+            line = input(prompt)
+        if line == CTRL_C_LINE:
+            raise CtrlC
+        return line
 
     def _block(self, opening: str) -> str:
         lines = [opening]
@@ -115,6 +135,28 @@ def _readline():
     except ImportError:
         return None
     readline.set_auto_history(False)  # a turn goes into the history whole, by _remember
-    if "libedit" not in (readline.__doc__ or ""):
+    if _gnu(readline):
         readline.parse_and_bind("set enable-bracketed-paste on")
+        # Ctrl-C empties the line (into the kill ring: Ctrl-Y brings it back), and ends it
+        # with a literal ^C: the line CTRL_C_LINE.
+        readline.parse_and_bind(r'"\C-c": "\C-e\C-u\C-v\C-c\C-j"')
     return readline
+
+
+def _gnu(readline) -> bool:
+    return "libedit" not in (readline.__doc__ or "")
+
+
+@contextlib.contextmanager
+def _intr_char_off():
+    """The terminal's interrupt character (Ctrl-C) off, so it reaches readline as a key;
+    Ctrl-Z and Ctrl-\\ keep their signals."""
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    quiet = [*saved[:6], list(saved[6])]
+    quiet[6][termios.VINTR] = bytes([os.fpathconf(fd, "PC_VDISABLE")])
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
