@@ -20,14 +20,19 @@ TIMEOUT = timedelta(minutes=5)
 
 
 def join(store_port: int, rank: int, world: int, store=None) -> None:
-    """Join the node's group: rank 0's TCPStore on 127.0.0.1 (every rank is on its host;
-    rank 0 passes the store itself)."""
+    """Join the node's group: rank 0's TCPStore on 127.0.0.1 (every rank is on its host),
+    or `store`, a connection to it made already."""
     # gloo would otherwise pick the interface the host name resolves to, which a node in a
     # network namespace may not have; the ranks talk over loopback.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if store is None:
-        store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=TIMEOUT)
+        store = client_store(store_port, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+
+
+def client_store(store_port: int, world: int) -> dist.TCPStore:
+    """A connection to rank 0's TCPStore."""
+    return dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=TIMEOUT)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -47,11 +47,11 @@ from .prefix_cache import PrefixCache, extend_page_keys
 from .prompt_logprobs import score_prompts
 from .sampler import sample
 from .scheduler import Scheduler
-from .sequence import Request, Sequence, Status
+from .sequence import Request, Sequence, Status, step_layer_hook
 from .step_budget import StepBudget
 from .structured import Grammars
 from .tp.group import TPGroup, TPRunner
-from .tp.shard import load_model
+from .tp.shard import load_rank, split_for
 
 
 class UnknownRequest(ValueError):
@@ -68,16 +68,28 @@ class Engine(SingleThreaded):
         if device.type == "cpu":
             keep_step_buffers()
         self.config = config
-        self.model_config = load_config(config.model_dir)
-        self.tokenizer = load_tokenizer(config.model_dir)
-        dtype = getattr(torch, config.dtype)
-        c = self.model_config
+        # Ranks 1.. start first: they start up while this rank does, and load their shares
+        # of the weights while it loads its own.
+        self.tp = TPGroup(config) if config.tensor_parallel_size > 1 else None
+        try:
+            self._build(config, getattr(torch, config.dtype))
+        except BaseException:
+            self.close()  # the other ranks: starting, or waiting for their pools
+            raise
+
+    def _build(self, config: EngineConfig, dtype: torch.dtype) -> None:
+        self.model_config = c = load_config(config.model_dir)
         self.max_model_len = served_context(c, config.max_model_len)  # refuses a model it cannot run
         self.vocab_size = c.vocab_size
-        self.model, shards = load_model(config, c, dtype, self.max_model_len)  # rank 0's share
-        self.adapters = load_adapters(config.lora_modules, self.model, c, dtype, config.device, shards[0])
+        shards = split_for(config, c)  # refuses a split that cannot be
+        if self.tp is not None:
+            self.tp.assign(shards, self.max_model_len)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.model = m = load_rank(config, c, dtype, self.max_model_len, shards[0])
+        if self.tp is not None:
+            self.tp.join()  # the pools are sized below with every rank's weights loaded
+        self.adapters = load_adapters(config.lora_modules, m, c, dtype, config.device, shards[0])
         self.page_size = config.page_size
-        m = self.model
         pool_heads = sum(s.num_kv_heads for s in shards)  # the ranks share this host's memory
         bytes_per_page = m.num_layers * 2 * self.page_size * pool_heads * m.head_dim * dtype.itemsize
         self.num_pages, self.kv_cache_sizing = kv_cache_pages(config, bytes_per_page)
@@ -90,8 +102,8 @@ class Engine(SingleThreaded):
         self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_batched_tokens, config.max_num_seqs, self.step_budget)
         self.runner = ModelRunner(m, self.kv_cache, self.page_size, config.resolved_attention_backend, config.device,
                                   config.max_num_seqs, self.max_model_len, config.cuda_graphs)
-        self.tp = TPGroup(config, shards, self.kv_cache, self.max_model_len) if len(shards) > 1 else None
         if self.tp is not None:  # tensor-parallel: every step goes to every rank
+            self.tp.attach(self.kv_cache)
             self.runner = TPRunner(self.runner, self.tp, self.page_size)
         self.kv_pools = [self.kv_cache, *(self.tp.pools if self.tp else [])]  # every rank's
         self.kv_head_begins = [s.kv_begin for s in shards]  # the first KV head of each pool
@@ -235,7 +247,7 @@ class Engine(SingleThreaded):
             # A prompt's logprobs want its chunk's every row; only prompt chunks score.
             scored = [s.index == 0 and s.request.scores_prompt for s in seqs] if batch.num_prefill_tokens else []
             wants = [n if sc else int(smp) for n, sc, smp in zip(num_new, scored, samples)] if any(scored) else samples
-            logits = self.runner.run(seqs, num_new, wants, self._layer_hook_for(seqs, num_new))
+            logits = self.runner.run(seqs, num_new, wants, step_layer_hook(self.layer_hook, seqs, num_new, self.page_size))
             if any(scored):
                 logits = score_prompts(seqs, wants, scored, samples, logits)
             for seq, n in zip(seqs, num_new):
@@ -302,17 +314,6 @@ class Engine(SingleThreaded):
                 self._finish(seq, seq.finish_reason)
             touched[request.request_id] = request
         return [self.output_of(r) for r in touched.values()]
-
-    def _layer_hook_for(self, seqs, num_new):
-        """The hook of a step that computes prefill-only positions, given theirs alone: the
-        layer-wise sends it serves are of prefill-only requests, and a step with a hook runs
-        eagerly, not as a CUDA graph (a node serving both roles decodes through graphs)."""
-        if (hook := self.layer_hook) is None:
-            return None
-        ranges = [(s.request.request_id, s.num_computed, s.num_computed + n,
-                   s.slot_array(s.num_computed, s.num_computed + n, self.page_size))
-                  for s, n in zip(seqs, num_new) if s.request.prefill_only]
-        return (lambda layer_idx: hook(layer_idx, ranges)) if ranges else None
 
     def _publish(self, seq: Sequence) -> None:
         """Full pages whose KV is computed become findable in the prefix cache."""

@@ -116,3 +116,15 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+def step_layer_hook(hook, seqs, num_new, page_size: int):
+    """The hook of a step that computes prefill-only positions, given theirs alone: the
+    layer-wise sends it serves are of prefill-only requests, and a step with a hook runs
+    eagerly, not as a CUDA graph (a node serving both roles decodes through graphs)."""
+    if hook is None:
+        return None
+    ranges = [(s.request.request_id, s.num_computed, s.num_computed + n,
+               s.slot_array(s.num_computed, s.num_computed + n, page_size))
+              for s, n in zip(seqs, num_new) if s.request.prefill_only]
+    return (lambda layer_idx: hook(layer_idx, ranges)) if ranges else None

@@ -1,7 +1,9 @@
 """`python -m pdserve.engine.tp.follower CONFIG_JSON`: a tensor-parallel rank other than 0.
 
-It loads its share of the weights, maps its KV pool (shared memory rank 0 made and
-registers with NIXL), then runs every step rank 0 broadcasts until told to stop. It
+It starts with rank 0 and reads the model's config while rank 0 does, then loads the share
+rank 0 assigns it (while rank 0 loads its own), joins the ranks' group,
+maps the KV pool rank 0 sizes then (shared memory rank 0 made and registers with NIXL),
+and runs every step rank 0 broadcasts until told to stop. It
 never outlives rank 0: it gets SIGKILL when its parent dies, and exits at once if the
 parent is already gone. A step that fails (rank 0 died mid-collective) ends it too. It
 ignores SIGTERM and SIGINT, which rank 0 answers by draining, then stopping it.
@@ -61,28 +63,31 @@ def main(argv: list[str]) -> int:
     from ..config import EngineConfig
     from ..kv_pool import mapped_pool
     from ..lora import load_adapters
-    from ..model import LlamaModel, ModelRunner
-    from ..model.arch import architecture
-    from ..model.names import to_llama_names
-    from ..model.weights import load_config, load_state_dict
+    from ..model import ModelRunner
+    from ..model.weights import load_config
     from ..native import keep_step_buffers
     from .. import collectives
-    from .shard import TPShard, shard_state
+    from .group import PLAN_KEY, loaded_key
+    from .shard import TPShard, load_rank
 
     config = EngineConfig(**spec["config"])
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     keep_step_buffers()
-    shard = TPShard(**spec["shard"])
-    collectives.join(spec["store_port"], shard.rank, shard.world)
-    dtype = getattr(torch, config.dtype)
+    rank, world, dtype = spec["rank"], config.tensor_parallel_size, getattr(torch, config.dtype)
     hf = load_config(config.model_dir)
-    state = load_state_dict(config.model_dir, dtype, config.device)
-    to_llama_names(state, hf)
-    shard_state(state, shard, spec["head_dim"], architecture(hf).whole_qk_norm)
-    model = LlamaModel(hf, state, dtype, spec["max_model_len"], config.device, shard=shard)
+    store = collectives.client_store(spec["store_port"], world)
+    plan = json.loads(store.get(PLAN_KEY))  # once rank 0 has read the config too
+    shard = TPShard(**plan["shards"][rank])
+    model = load_rank(config, hf, dtype, plan["max_model_len"], shard)
     load_adapters(config.lora_modules, model, hf, dtype, config.device, shard)
-    kv_cache = mapped_pool(config.kv_layout, tuple(spec["pool_shape"]), spec["pool_fd"], dtype)
+    store.set(loaded_key(rank), "loaded")  # rank 0 waits for every rank's weights
+    collectives.join(spec["store_port"], rank, world, store)
+    shapes = collectives.broadcast_object()  # once rank 0 has sized the pools
+    if shapes is None:  # rank 0 failed to start
+        collectives.leave()
+        return 0
+    kv_cache = mapped_pool(config.kv_layout, tuple(shapes[rank - 1]), spec["pool_fd"], dtype)
     os.close(spec["pool_fd"])
     runner = ModelRunner(model, kv_cache, config.page_size, config.resolved_attention_backend, config.device)
     process_gc.serving()

@@ -99,19 +99,25 @@ def shard_state(state: dict[str, torch.Tensor], shard: TPShard, head_dim: int, w
         state.pop("lm_head.weight", None)
 
 
-def load_model(config, hf_config, dtype: torch.dtype, max_model_len: int):
-    """(rank 0's model, every rank's TPShard): the whole model when one rank."""
+def split_for(config, hf_config) -> list[TPShard]:
+    """Every rank's share of the model (one rank: the whole), from its config alone."""
+    from ..model.arch import geometry
+
+    c = hf_config
+    heads, kv_heads, _ = geometry(c)
+    widths = (getattr(c, "intermediate_size", 0), getattr(c, "moe_intermediate_size", 0), getattr(c, "shared_expert_intermediate_size", 0),
+              getattr(c, "shared_intermediate_size", 0), getattr(c, "intermediate_size_mlp", 0))
+    return split_model(heads, kv_heads, min(w for w in widths if w), config.tensor_parallel_size)
+
+
+def load_rank(config, hf_config, dtype: torch.dtype, max_model_len: int, shard: TPShard):
+    """`shard`'s model: the checkpoint's weights cut down to its rows and columns."""
     from ..model import LlamaModel
     from ..model.arch import architecture, geometry
     from ..model.names import to_llama_names
     from ..model.weights import load_state_dict
 
-    c = hf_config
-    heads, kv_heads, head_dim = geometry(c)
-    widths = (getattr(c, "intermediate_size", 0), getattr(c, "moe_intermediate_size", 0), getattr(c, "shared_expert_intermediate_size", 0),
-              getattr(c, "shared_intermediate_size", 0), getattr(c, "intermediate_size_mlp", 0))
-    shards = split_model(heads, kv_heads, min(w for w in widths if w), config.tensor_parallel_size)
     state = load_state_dict(config.model_dir, dtype, config.device)
-    to_llama_names(state, c)
-    shard_state(state, shards[0], head_dim, architecture(c).whole_qk_norm)
-    return LlamaModel(c, state, dtype, max_model_len, config.device, shard=shards[0]), shards
+    to_llama_names(state, hf_config)
+    shard_state(state, shard, geometry(hf_config)[2], architecture(hf_config).whole_qk_norm)
+    return LlamaModel(hf_config, state, dtype, max_model_len, config.device, shard=shard)

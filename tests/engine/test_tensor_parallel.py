@@ -2,9 +2,13 @@
 greedy output of transformers for every family, with KV heads split unevenly (3 heads on
 2 ranks) or replicated (1 head on 2 ranks), and q and k normed over heads on several
 ranks; each rank's pool holds only its heads; heads that cannot split are refused naming
-the numbers; and closing leaves no rank behind."""
+the numbers; the ranks start before rank 0 loads its weights; a start that fails (rank 0's
+check, or a rank that exits) says why; and neither a start nor a close leaves a rank behind."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -92,6 +96,49 @@ def test_heads_that_cannot_split_are_refused_naming_them():
 def test_a_gpu_device_is_refused_with_the_way_out(checkpoint_dirs):
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1 on device 'cuda'"):
         LLM(checkpoint_dirs("llama"), tensor_parallel_size=2, device="cuda")
+
+
+def followers() -> list[int]:
+    """This process's children that run a rank."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == os.getpid() and b"pdserve.engine.tp.follower" in (stat.parent / "cmdline").read_bytes():
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile
+    return found
+
+
+def test_the_ranks_start_before_rank_0_loads_its_weights(checkpoint_dirs, monkeypatch):
+    import pdserve.engine.engine as engine_module
+
+    running_then, load_rank = [], engine_module.load_rank
+
+    def loading(*args):
+        running_then.append(followers())  # already reading the config, or loading their shares
+        return load_rank(*args)
+
+    monkeypatch.setattr(engine_module, "load_rank", loading)
+    tp_llm(checkpoint_dirs("llama")).close()
+    assert [len(pids) for pids in running_then] == [1]
+
+
+def test_a_split_refused_once_the_ranks_started_leaves_none_behind(checkpoint_dirs):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 cannot split 2 KV heads"):
+        tp_llm(checkpoint_dirs("llama"), tp=3)
+    assert followers() == []
+
+
+def test_a_rank_that_exits_while_starting_fails_the_start_naming_it(checkpoint_dirs, tmp_path, monkeypatch):
+    # Rank 1 exits as its interpreter starts (rank 0's environment is the ranks'): rank 0
+    # raises, where it would wait for it to join, and no rank is left.
+    (tmp_path / "sitecustomize.py").write_text("import os\nos._exit(7)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 exited \(code 7\) while loading its weights"):
+        tp_llm(checkpoint_dirs("llama"))
+    assert followers() == []
 
 
 def test_close_stops_every_rank(checkpoint_dirs):
