@@ -15,8 +15,8 @@ blocks and pastes as one turn, one line a turn from a pipe. Invariants:
   at --max-tokens was answered, and stays.
 - Ctrl-C during an answer cancels its call, which aborts the request on the server (the
   router's or node's cleanup of a cancelled call), and the chat goes on. At the prompt it
-  drops the line (a key there, never lost: chat_input); a second one in a row ends the chat, as do `/exit` and end of input
-  (Ctrl-D), with status 0.
+  drops the line (a key there, never lost: chat_input); a second one in a row ends the
+  chat, as do `/exit` and end of input (Ctrl-D), with status 0.
 - A server that cannot be reached (the first call, GetModelInfo, fails) ends the chat at
   once with one line on stderr and status 1.
 """
