@@ -3,9 +3,10 @@
 It starts with rank 0 and reads the model's config while rank 0 does, then loads the share
 rank 0 assigns it (while rank 0 loads its own), joins the ranks' group, maps the KV pool
 rank 0 sizes then (shared memory rank 0 made and registers with NIXL), and runs every step
-rank 0 broadcasts until told to stop. It never outlives rank 0: it gets SIGKILL when its parent dies, and exits at once if the
-parent is already gone. A step that fails (rank 0 died mid-collective) ends it too. It
-ignores SIGTERM and SIGINT, which rank 0 answers by draining, then stopping it.
+rank 0 broadcasts until told to stop. It never outlives rank 0: it gets SIGKILL when its
+parent dies, and exits at once if the parent is already gone. A step that fails (rank 0
+died mid-collective) ends it too. It ignores SIGTERM and SIGINT, which rank 0 answers by
+draining, then stopping it.
 """
 
 from __future__ import annotations
