@@ -15,6 +15,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from tests.cluster.nodes import wait_until
+
 CHILD = textwrap.dedent("""
     import os, sys
     from pdserve.chat_input import TurnReader
@@ -55,10 +57,7 @@ def test_a_ctrl_c_while_readline_writes_the_prompt_interrupts_the_prompt():
     os.close(said_w)
     try:
         assert os.read(said_r, 100) == b"full;"
-        deadline = time.monotonic() + 60
-        while not _in_readline(child.pid):  # a state of the child's, not a time
-            assert time.monotonic() < deadline, "the child never waited on its terminal"
-            time.sleep(0.01)
+        wait_until(lambda: _in_readline(child.pid), "the child waiting on its terminal", timeout_s=60)
         os.write(master, b"\x03")
         said, printed = b"", b""
         deadline = time.monotonic() + 60  # only a failure waits this long
