@@ -109,7 +109,10 @@ def load_adapter(name: str, path: str, hf_config, sizes: dict[str, list[int]], d
             if m is None or m.group(2) not in _TARGETS or int(m.group(1)) >= hf_config.num_hidden_layers:
                 raise LoraError(f"LoRA adapter {name!r}: weight {key!r} is not a LoRA of an attention or "
                                 f"MLP projection of this model's layers")
-            pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(key).to(device=device, dtype=dtype)
+            # A copy, not a view of the file's memory map, which an adapter saved again in place
+            # would change (or, truncated, make fault) under the node serving it.
+            pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(key).to(
+                device=device, dtype=dtype, copy=True)
     # A power of two scales every product and partial sum exactly, so it can go into B once
     # (a step saves a multiply per target); any other scaling is applied after, as PEFT does.
     folded = math.frexp(scale)[0] == 0.5

@@ -18,8 +18,9 @@ _MIXTRAL = (("block_sparse_moe.gate.", "mlp.gate."), ("block_sparse_moe.experts.
             (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 
 
-def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
-    """`state` in place as the engine loads it:
+def to_llama_names(state: dict[str, torch.Tensor], hf_config, dtype: torch.dtype) -> None:
+    """`state` (the whole checkpoint or any of its layers, `weights.read_groups`) in place as
+    the engine loads it, what it makes in `dtype`:
     - Phi-3's fused qkv_proj and gate_up_proj split into Llama's q/k/v and gate/up names
       (the model fuses them again; tensor parallelism cuts them apart first);
     - EXAONE 3's released names as Llama's, as transformers renames them;
@@ -33,7 +34,7 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
       multi-token prediction) dropped;
     - q's and k's rows reordered where the model rotates them otherwise (arch.rope_order)."""
     if hf_config.model_type == "gpt_oss":
-        split_experts(state, state["model.embed_tokens.weight"].dtype)
+        split_experts(state, dtype)
     for key in [k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= hf_config.num_hidden_layers]:
         del state[key]
     for key in [k for k in state if ".self_attn.query_layernorm." in k or ".self_attn.key_layernorm." in k]:
@@ -48,7 +49,7 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config) -> None:
     if hf_config.model_type in ("granitemoe", "granitemoeshared", "granitemoe_swa"):
         _granite_experts(state)
     if hf_config.model_type == "llama4_text":
-        _llama4(state, hf_config)
+        _llama4(state, hf_config, dtype)
     if hf_config.model_type == "qwen3_vl_moe_text":
         split_stacked_experts(state, hf_config.hidden_size, transposed=None)
     if hf_config.model_type == "starcoder2":  # its ungated MLP's names
@@ -110,7 +111,7 @@ def split_stacked_experts(state: dict[str, torch.Tensor], hidden: int, transpose
                 state[f"{prefix}{e}.{name}.weight"] = part.contiguous()
 
 
-def _llama4(state: dict[str, torch.Tensor], c) -> None:
+def _llama4(state: dict[str, torch.Tensor], c, dtype: torch.dtype) -> None:
     """Llama 4's `feed_forward` as Qwen's `mlp` (its router `gate`); its stacked experts,
     gate_up_proj [E, hidden, 2I] (gate | up) and down_proj [E, I, hidden], split into them;
     on its rope layers, q and k normed without a weight (use_qk_norm): by weights of ones."""
@@ -118,8 +119,8 @@ def _llama4(state: dict[str, torch.Tensor], c) -> None:
         state[key.replace(".feed_forward.router.", ".mlp.gate.").replace(".feed_forward.", ".mlp.")] = state.pop(key)
     split_stacked_experts(state, c.hidden_size, transposed=True)
     if c.use_qk_norm:
-        embed = state["model.embed_tokens.weight"]
-        ones = torch.ones(geometry(c)[2], dtype=embed.dtype, device=embed.device)
-        for i in (i for i, rope in enumerate(c.no_rope_layers) if rope):
+        ones = torch.ones(geometry(c)[2], dtype=dtype)
+        layers = {int(k.split(".")[2]) for k in state if k.startswith("model.layers.")}
+        for i in (i for i in sorted(layers) if c.no_rope_layers[i]):
             for name in ("q_norm", "k_norm"):
                 state[f"model.layers.{i}.self_attn.{name}.weight"] = ones

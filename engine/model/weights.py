@@ -11,12 +11,18 @@ and its weights, renamed as the text model's own; the vision tower is never read
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from pdserve.process_gc import trim_heap
+
+TRIM_EVERY = 256 << 20  # bytes that Weights.pop hands out between two trims of the heap
 
 # multimodal model types whose language model is served
 TEXT_PARTS = ("gemma3", "mistral3", "llama4", "aya_vision", "cohere2_vision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
@@ -68,23 +74,89 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, by its Hugging Face name: floating ones cast to `dtype`."""
-    state = {}
-    # A progress bar on an interactive stderr only (tqdm's disable=None): logs stay clean.
+# a decoder layer's served name (EXAONE 3's released ones are GPT-2's)
+_LAYER = re.compile(r"^(?:model\.layers|transformer\.h)\.(\d+)\.")
+
+
+def read_groups(model_dir: str | Path) -> Iterator[dict[str, torch.Tensor]]:
+    """The checkpoint's tensors as stored, by served name, a group at a time: those outside the
+    decoder layers first, then each layer's. They are views of the files' memory maps, read
+    from disk as they are touched: a tensor-parallel rank that converts and cuts one group
+    before the next, and copies only what it keeps (`Weights`), holds its own part of the
+    model, not every rank's."""
     files = safetensors_files(model_dir)
-    with tqdm(desc="Loading weights", unit="tensor", disable=None, leave=False) as bar:
-        for i, path in enumerate(files):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                names = [(name, _served_name(name)) for name in f.keys()]
-                names = [(name, served) for name, served in names if served is not None]
-                bar.set_postfix_str(f"file {i + 1}/{len(files)}")
-                bar.total = (bar.total or 0) + len(names)
-                for name, served in names:
-                    # Quantized codes (GPT-OSS's MXFP4 uint8) keep their type; a router's
-                    # correction bias (GLM-4.5's) stays float32, as transformers keeps it.
-                    t = f.get_tensor(name)
-                    cast = torch.float32 if name.endswith("e_score_correction_bias") else dtype
-                    state[served] = t.to(device=device, dtype=cast if t.is_floating_point() else t.dtype)
-                    bar.update()
-    return state
+    groups: dict[int, list] = {}
+    # A progress bar on an interactive stderr only (tqdm's disable=None): logs stay clean.
+    with ExitStack() as files_open, tqdm(desc="Loading weights", unit="tensor", disable=None, leave=False) as bar:
+        for path in files:
+            f = files_open.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            for name in f.keys():
+                if (served := _served_name(name)) is not None:
+                    layer = _LAYER.match(served)
+                    groups.setdefault(int(layer[1]) if layer else -1, []).append((f, name, served))
+        bar.total = sum(map(len, groups.values()))
+        for layer in sorted(groups):
+            group = {}
+            for f, name, served in groups[layer]:
+                group[served] = f.get_tensor(name)
+                bar.update()
+            yield group
+
+
+def mapped_storages(group: dict[str, torch.Tensor]) -> set[int]:
+    """Where `read_groups`' tensors lie: what `Weights.add` tells the files' views by."""
+    return {t.untyped_storage().data_ptr() for t in group.values()}
+
+
+def _kept(name: str, t: torch.Tensor, dtype: torch.dtype, device: str, copy: bool) -> torch.Tensor:
+    """`t` as the engine keeps it: a contiguous tensor on `device`, floating in `dtype`.
+    Quantized codes (GPT-OSS's MXFP4 uint8) keep their type; a router's correction bias
+    (GLM-4.5's) stays float32, as transformers keeps it."""
+    if t.is_floating_point():
+        dtype = torch.float32 if name.endswith("e_score_correction_bias") else dtype
+    else:
+        dtype = t.dtype
+    return t.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=copy)
+
+
+class Weights(dict):
+    """A model's weights by name as LlamaModel takes them (`pop`), each made what the engine
+    keeps (`_kept`) as it is taken: one still mapped from the checkpoint's files is copied
+    then, so a model that packs or fuses its weights holds one of them twice at most, never
+    the whole model; and none stays a view of a file, which a checkpoint rewritten in place
+    would change under the node or, truncated, make fault. A part cut from a tensor made at
+    load (a dequantized or transposed expert) is copied as it is added, freeing the whole."""
+
+    def __init__(self, dtype: torch.dtype, device: str = "cpu"):
+        super().__init__()
+        self.dtype, self.device, self._mapped, self._copied = dtype, device, set(), 0
+
+    def add(self, group: dict[str, torch.Tensor], mapped: set[int]) -> None:
+        """`group`'s tensors; `mapped`: `mapped_storages` of the group as read."""
+        for name, t in group.items():
+            if t.untyped_storage().data_ptr() in mapped:
+                self._mapped.add(name)
+            elif t.untyped_storage().nbytes() > t.nbytes:
+                t = _kept(name, t, self.dtype, self.device, copy=True)
+            self[name] = t
+
+    def pop(self, name: str, *default):
+        if name not in self:
+            return super().pop(name, *default)
+        t = _kept(name, super().pop(name), self.dtype, self.device, copy=name in self._mapped)
+        # Each copy is freed once packed or fused, in blocks glibc keeps in its heap and
+        # reuses only in part: handed back as they pile up, they leave the peak near what
+        # the model holds.
+        self._copied += t.nbytes
+        if self._copied > TRIM_EVERY:
+            trim_heap()
+            self._copied = 0
+        return t
+
+
+def load_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, by its served Hugging Face name, as `Weights` keeps it."""
+    state = Weights(dtype, device)
+    for group in read_groups(model_dir):
+        state.add(group, mapped_storages(group))
+    return {name: state.pop(name) for name in list(state)}

@@ -72,7 +72,7 @@ def split_model(num_heads: int, num_kv_heads: int, intermediate: int, world: int
 
 
 def shard_state(state: dict[str, torch.Tensor], shard: TPShard, head_dim: int, whole_qk_norm: bool = False) -> None:
-    """Cut `state` (Hugging Face names) in place down to `shard`'s rows and columns.
+    """Cut `state` (Hugging Face names) in place down to `shard`'s rows and columns, as views.
     `whole_qk_norm`: the q and k norms' weights span every head (arch.whole_qk_norm), so
     each rank keeps its heads' part; a head-by-head norm's weight is every rank's whole."""
     D = head_dim
@@ -86,13 +86,13 @@ def shard_state(state: dict[str, torch.Tensor], shard: TPShard, head_dim: int, w
     for key in [k for k in state if k.startswith("model.layers.")]:
         *_, name, kind = key.rsplit(".", 2)
         if kind == "sinks":  # one per query head (GPT-OSS)
-            state[key] = state[key][shard.q_begin:shard.q_end].contiguous()
+            state[key] = state[key][shard.q_begin:shard.q_end]
         elif name in rows and kind in ("weight", "bias"):
             cut = rows[name] or shard.share(state[key].shape[0])
-            state[key] = state[key][cut].contiguous()
+            state[key] = state[key][cut]
         elif name in cols and kind == "weight":
             cut = cols[name] or shard.share(state[key].shape[1])
-            state[key] = state[key][:, cut].contiguous()
+            state[key] = state[key][:, cut]
         elif name in cols and shard.rank:
             del state[key]  # the bias: added once, by rank 0
     if shard.rank:
@@ -111,13 +111,18 @@ def split_for(config, hf_config) -> list[TPShard]:
 
 
 def load_rank(config, hf_config, dtype: torch.dtype, max_model_len: int, shard: TPShard):
-    """`shard`'s model: the checkpoint's weights cut down to its rows and columns."""
+    """`shard`'s model: the checkpoint's weights cut down to its rows and columns, a layer at
+    a time, before any is cast or copied (`weights.Weights`): a rank holds its own part of
+    the model, not every rank's."""
     from ..model import LlamaModel
     from ..model.arch import architecture, geometry
     from ..model.names import to_llama_names
-    from ..model.weights import load_state_dict
+    from ..model.weights import Weights, mapped_storages, read_groups
 
-    state = load_state_dict(config.model_dir, dtype, config.device)
-    to_llama_names(state, hf_config)
-    shard_state(state, shard, geometry(hf_config)[2], architecture(hf_config).whole_qk_norm)
+    state = Weights(dtype, config.device)
+    for group in read_groups(config.model_dir):
+        mapped = mapped_storages(group)
+        to_llama_names(group, hf_config, dtype)
+        shard_state(group, shard, geometry(hf_config)[2], architecture(hf_config).whole_qk_norm)
+        state.add(group, mapped)
     return LlamaModel(hf_config, state, dtype, max_model_len, config.device, shard=shard)

@@ -1,12 +1,14 @@
 """The garbage collector in pdserve's own programs (pdserve/process_gc.py): a server starts
-with it off and, once it serves, freezes what start-up made and turns it on; every program
-freezes all at exit; a program that only imports pdserve keeps its collector as it was."""
+with it off and, once it serves, freezes what start-up made and turns it on, and hands the
+memory that start-up freed back to the system; every program freezes all at exit; a
+program that only imports pdserve keeps its collector as it was."""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
 import gc
+import json
 import subprocess
 import sys
 import weakref
@@ -61,6 +63,36 @@ def test_a_node_turns_the_collector_on_once_it_serves_before_its_ready_line(coll
     assert during_start == [False]
     assert gc.isenabled() and gc.get_freeze_count() > 0
     assert "pdserve test listening on 127.0.0.1:" in capsys.readouterr().out
+
+
+# In a fresh process, whose heap holds nothing else: 256 blocks of 1 MiB freed between small
+# ones still held, so glibc's heap cannot shrink from its top.
+FREE_AMID_HELD = """
+import json
+import torch
+from pdserve import process_gc
+process_gc.own_process(server=True)
+
+def anon():
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+
+torch.ones(8 << 20, dtype=torch.uint8)  # mapped and unmapped at once: glibc takes smaller blocks from its heap since
+blocks, held = [], []
+for _ in range(256):
+    blocks.append(torch.ones(1 << 20, dtype=torch.uint8))
+    held.append(torch.ones(64, dtype=torch.uint8))
+del blocks
+freed = anon()
+process_gc.serving()
+print(json.dumps({"handed_back": freed - anon()}))
+"""
+
+
+def test_a_server_hands_back_the_memory_start_up_freed_once_serving():
+    out = subprocess.run([sys.executable, "-c", FREE_AMID_HELD], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    handed_back = json.loads(out.stdout)["handed_back"]
+    assert handed_back > 200 << 20, f"handed back {handed_back >> 20} MiB of the 256 MiB freed"
 
 
 def test_a_program_that_only_imports_pdserve_keeps_its_collector(collector):
