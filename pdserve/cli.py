@@ -7,7 +7,7 @@
     pdserve up       [--port P] [--dtype T] [-- FLAGS]  router + one prefill + one decode on localhost
     pdserve generate --server HOST:PORT --prompt TEXT [--n N]       stream an answer (pdserve.generate_cli)
     pdserve chat     --server HOST:PORT [--system TEXT]             chat in the terminal
-    pdserve bench engine|step|transfer|ttft|serve|router|score|constrained|priority|cache-key ...  benchmarks
+    pdserve bench engine|step|transfer|ttft|serve|router|score|constrained|priority|cache-key|load ...  benchmarks
     pdserve health   [--server HOST:PORT]                           exit 0 if the node is SERVING
     pdserve models   list|fetch|path [NAME]                         the known models
 
@@ -36,7 +36,7 @@ from pdserve.envflags import apply_env_defaults
 
 BENCHMARKS = {name: "pdserve.benchmarks." + {"host": "host_step", "cache-key": "cache_key"}.get(name, name)
               for name in ("engine", "transfer", "serve", "router", "step", "chaos", "trust", "ttft", "gpu",
-                           "host", "score", "constrained", "priority", "cache-key", "lora", "window")}
+                           "host", "score", "constrained", "priority", "cache-key", "lora", "window", "load")}
 WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 
