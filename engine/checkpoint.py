@@ -103,7 +103,8 @@ def write_checkpoint(
         for name, p in model.named_parameters():
             if name.endswith((".bias", "_proj_bias")) or (random_norms and name.endswith("norm.weight")):
                 p.normal_(0.0, 0.3)
-            elif family in ("starcoder2", "stablelm") and name.endswith("norm.weight"):  # about 1: their biases are random too
+            elif family in ("starcoder2", "stablelm") and (name.endswith("norm.weight") or "_layernorm.norms." in name):
+                # about 1 (their biases are random too), StableLM 2 12B's norms of each head of q and k too
                 p.normal_(1.0, 0.3)
             elif name.endswith(".sinks"):  # GPT-OSS's: as large as a score, to take a share of each softmax
                 p.normal_(0.0, 1.0)

@@ -62,6 +62,8 @@ class Architecture:
     layer_norms: tuple = ("input_layernorm", None, "post_attention_layernorm", None)
     whole_qk_norm: bool = False  # q and k normed over all their heads at once, not head by head (OLMo 2, OLMoE)
     qk_norm_after_rope: bool = False  # q and k normed by head after their rotation, not before (HunYuan)
+    # q and k LayerNormed head by head before rope, each head's weight its own (Command R+, StableLM 2 12B)
+    qk_layer_norm: bool = False
     residual_multiplier: float = 1.0  # each block's output's scale before the residual add (Granite)
     # Norms that subtract the mean first (LayerNorms): "cohere", without a bias, as Cohere
     # computes it; "biased", torch's with a bias (StarCoder2); "": RMS norms.
@@ -232,25 +234,20 @@ def _family(c, kind: str, act: str) -> Architecture:
         return Architecture(activation=act, interleaved_rope=True, qk_norm_after_rope=True, moe=_moe(c, kind),
                             rope_kinds=tuple("" if r else "none" for r in rope),
                             query_scaling=scaling if c.attn_temperature_tuning else None)
-    if kind in ("cohere", "cohere2"):  # Command R, R7B, A; Aya: adjacent rotary pairs
-        if getattr(c, "use_qk_norm", False):
-            raise UnsupportedModel("use_qk_norm is not supported (Command R+'s layer norms of q and k, a weight "
-                                   "for each head)")
+    if kind in ("cohere", "cohere2"):  # Command R, R+, R7B, A; Aya: adjacent rotary pairs
         # Cohere 2's full layers have no rope; its sliding ones (with a window) do.
         kinds = tuple("" if t == "sliding_attention" and c.sliding_window else "none"
                       for t in c.layer_types) if kind == "cohere2" else ()
         return Architecture(activation=act, interleaved_rope=True, layer_norm="cohere", eps="layer_norm_eps", parallel=True,
                             logit_scale=c.logit_scale, layer_norms=("input_layernorm", None, None, None),
-                            rope_kinds=kinds)
+                            rope_kinds=kinds, qk_layer_norm=bool(getattr(c, "use_qk_norm", False)))
     if kind == "starcoder2":  # LayerNorms with biases, an MLP without a gate, biases everywhere
         return Architecture(activation=act, gated=False, layer_norm="biased", eps="norm_epsilon")
     if kind == "stablelm":  # torch's LayerNorms with biases; part of each head rotated
-        if c.qk_layernorm:
-            raise UnsupportedModel("qk_layernorm is not supported (StableLM 2 12B's LayerNorms of q and k, one for "
-                                   "each head)")
         parallel = bool(c.use_parallel_residual)  # attention and the MLP side by side off one norm
         return Architecture(activation=act, layer_norm="biased", eps="layer_norm_eps", parallel=parallel,
-                            layer_norms=("input_layernorm", None, None if parallel else "post_attention_layernorm", None))
+                            layer_norms=("input_layernorm", None, None if parallel else "post_attention_layernorm", None),
+                            qk_layer_norm=bool(c.qk_layernorm))
     if kind == "nemotron":  # LayerNorms of 1 + weight, with biases; an ungated ReLU² MLP; half of each head rotated
         return Architecture(activation=act, gated=False, layer_norm="biased", eps="norm_eps", norm_offset=1.0)
     if kind == "smollm3":

@@ -71,6 +71,27 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     (StarCoder2's). Plain torch: no kernel here fuses it."""
     if weight.dim() == 2:
         return F.layer_norm(x, (x.shape[-1],), weight[0], weight[1], eps)
+    return _cohere_layer_norm(x, weight, eps)
+
+
+def _cohere_layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     centered = h - h.mean(-1, keepdim=True)
     return (weight.float() * (centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def head_layer_norms(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, heads: int, kv_heads: int,
+                     eps: float, cohere: bool) -> torch.Tensor:
+    """`qkv` [T, (H + 2 Hkv) * D] with q and k LayerNormed head by head, without a bias,
+    `q_norm` [H, D] and `k_norm` [Hkv, D] each head's weight: Cohere's norm (Command R+) or
+    torch's in the dtype (StableLM 2 12B's, one nn.LayerNorm a head)."""
+    T, D = qkv.shape[0], q_norm.shape[-1]
+    q, k, v = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=1)
+
+    def normed(x, weight):
+        x = x.reshape(T, -1, D)
+        if cohere:
+            return _cohere_layer_norm(x, weight, eps).flatten(1)
+        return (F.layer_norm(x, (D,), None, None, eps) * weight).flatten(1)
+
+    return torch.cat([normed(q, q_norm), normed(k, k_norm), v], dim=1)

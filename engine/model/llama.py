@@ -29,7 +29,7 @@ from ..lora import add_deltas
 from .arch import UnsupportedModel, architecture, geometry, reorder_heads, rope_order
 from .fused import FusedOps
 from .activations import UNGATED_ACTIVATIONS, clamped_swiglu, gelu_tanh_mul
-from .layer_ops import layer_norm
+from .layer_ops import head_layer_norms, layer_norm
 from .linear import Linear
 from .moe import Experts
 from .rope import RotaryTables, apply_rope
@@ -39,7 +39,8 @@ from .rope import RotaryTables, apply_rope
 class Layer:
     input_norm: torch.Tensor | None  # before attention; None: it reads the residual stream as is
     qkv: Linear  # q | k | v
-    q_norm: torch.Tensor | None  # [D]: each head's; [H * D]: all heads' at once (arch.whole_qk_norm)
+    # [D]: every head's; [H * D]: all heads' at once (arch.whole_qk_norm); [H, D]: each head's own (arch.qk_layer_norm)
+    q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o: Linear
     post_norm: torch.Tensor | None  # before the MLP; None as input_norm
@@ -141,6 +142,7 @@ class LlamaModel:
                       for w, b in zip(weights, biases)]
             return Linear(torch.cat(weights, dim=0).contiguous(), torch.cat(biases, dim=0).contiguous())
 
+        qk_norm = maybe if arch.qk_layer_norm else norm  # a weight for each head: no offset, no bias
         self.embed = take("model.embed_tokens.weight")
         self.layers = []
         moe = arch.moe
@@ -153,8 +155,8 @@ class LlamaModel:
                 Layer(
                     input_norm=before_attn and norm(before_attn),
                     qkv=fused(a, ("q_proj", "k_proj", "v_proj")),
-                    q_norm=norm(a + "q_norm.weight"),
-                    k_norm=norm(a + "k_norm.weight"),
+                    q_norm=qk_norm(a + "q_norm.weight"),
+                    k_norm=qk_norm(a + "k_norm.weight"),
                     o=Linear(take(a + "o_proj.weight"), maybe(a + "o_proj.bias")),
                     post_norm=before_mlp and norm(before_mlp),
                     gate_up=None if sparse else fused(m, ("gate_proj", "up_proj") if arch.gated else ("up_proj",)),
@@ -182,6 +184,7 @@ class LlamaModel:
         self.lm_head = None if shard is not None and shard.rank else Linear(self.embed if tied else lm_head, head_bias)
         self.moe = moe
         self.activation, self.gated, self.whole_qk_norm = arch.activation, arch.gated, arch.whole_qk_norm
+        self.qk_layer_norm = arch.qk_layer_norm
         self.attn_softcap, self.logit_softcap = arch.attn_softcap, arch.logit_softcap
         self.query_scaling = arch.query_scaling
         self.clamped_swiglu = arch.clamped_swiglu
@@ -249,6 +252,10 @@ class LlamaModel:
             qkv, q_norm, k_norm = project(layer.qkv, h, i, "qkv"), layer.q_norm, layer.k_norm
             if self.whole_qk_norm:  # over all heads at once (OLMo 2, OLMoE)
                 qkv = whole_qk_norm(qkv, q_norm, k_norm)
+                q_norm = k_norm = None
+            elif self.qk_layer_norm:  # LayerNorms head by head (Command R+, StableLM 2 12B)
+                qkv = head_layer_norms(qkv, q_norm, k_norm, self.num_heads, self.num_kv_heads, self.eps,
+                                       cohere=self.layer_norm == "cohere")
                 q_norm = k_norm = None
             if self.qk_norm_after_rope and q_norm is not None:  # (Llama 4's NoPE layers have none)
                 q = self._rope_then_norm(qkv, positions, layer, k_cache, v_cache, step)

@@ -29,6 +29,7 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config, dtype: torch.dtype
       experts dequantized to the model's dtype first);
     - Llama 4's `feed_forward` as `mlp`, its stacked experts split (Qwen3-VL-MoE's too), its
       weightless q and k norms as norms of ones;
+    - StableLM 2 12B's LayerNorms of each head of q and k stacked, as Command R+'s are;
     - GLM-4.5's and ERNIE's `shared_experts`, ERNIE's correction bias, HunYuan's q and k
       norms, shared MLP and router under the names the others use; layers past the last (GLM-4.5's
       multi-token prediction) dropped;
@@ -52,6 +53,11 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config, dtype: torch.dtype
         _llama4(state, hf_config, dtype)
     if hf_config.model_type == "qwen3_vl_moe_text":
         split_stacked_experts(state, hf_config.hidden_size, transposed=None)
+    if hf_config.model_type == "stablelm":  # StableLM 2 12B's LayerNorm of each head, one weight [H, D]
+        for prefix in {k.split(".norms.")[0] for k in state if "_layernorm.norms." in k}:
+            heads = sorted((k for k in state if k.startswith(prefix + ".norms.") and k.endswith(".weight")),
+                           key=lambda k: int(k.split(".")[-2]))
+            state[prefix.replace("_layernorm", "_norm") + ".weight"] = torch.stack([state.pop(k) for k in heads])
     if hf_config.model_type == "starcoder2":  # its ungated MLP's names
         for key in [k for k in state if ".mlp.c_fc." in k or ".mlp.c_proj." in k]:
             state[key.replace(".mlp.c_fc.", ".mlp.up_proj.").replace(".mlp.c_proj.", ".mlp.down_proj.")] = state.pop(key)
@@ -73,7 +79,8 @@ def to_llama_names(state: dict[str, torch.Tensor], hf_config, dtype: torch.dtype
     order = rope_order(hf_config)  # after the split: Phi-4-mini's fused q|k|v rotates part of each head too
     if order is not None:
         for key in [k for k in state if k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "q_norm", "k_norm")]:
-            state[key] = reorder_heads(state[key], order)
+            per_head = state[key].dim() == 2 and key.endswith("_norm.weight")  # [H, D]: each head's own weight
+            state[key] = state[key][:, order].contiguous() if per_head else reorder_heads(state[key], order)
 
 
 def _granite_experts(state: dict[str, torch.Tensor]) -> None:

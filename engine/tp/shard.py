@@ -74,7 +74,8 @@ def split_model(num_heads: int, num_kv_heads: int, intermediate: int, world: int
 def shard_state(state: dict[str, torch.Tensor], shard: TPShard, head_dim: int, whole_qk_norm: bool = False) -> None:
     """Cut `state` (Hugging Face names) in place down to `shard`'s rows and columns, as views.
     `whole_qk_norm`: the q and k norms' weights span every head (arch.whole_qk_norm), so
-    each rank keeps its heads' part; a head-by-head norm's weight is every rank's whole."""
+    each rank keeps its heads' part, as it does of a weight for each head [H, D]
+    (arch.qk_layer_norm); a weight that every head shares is every rank's whole."""
     D = head_dim
     q, kv = slice(shard.q_begin * D, shard.q_end * D), slice(shard.kv_begin * D, shard.kv_end * D)
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": None, "up_proj": None}
@@ -87,6 +88,9 @@ def shard_state(state: dict[str, torch.Tensor], shard: TPShard, head_dim: int, w
         *_, name, kind = key.rsplit(".", 2)
         if kind == "sinks":  # one per query head (GPT-OSS)
             state[key] = state[key][shard.q_begin:shard.q_end]
+        elif name in ("q_norm", "k_norm") and state[key].dim() == 2:  # [H, D]: a weight for each head
+            heads = slice(shard.q_begin, shard.q_end) if name == "q_norm" else slice(shard.kv_begin, shard.kv_end)
+            state[key] = state[key][heads]
         elif name in rows and kind in ("weight", "bias"):
             cut = rows[name] or shard.share(state[key].shape[0])
             state[key] = state[key][cut]

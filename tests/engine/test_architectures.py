@@ -16,7 +16,7 @@ from pdserve.engine.model.arch import UnsupportedModel
 from pdserve.router.tokenizer import PromptTokenizer
 
 
-def greedy_pair(model_dir, prompt, n):
+def greedy_pair(model_dir, prompt, n, **engine_args):
     """(transformers' greedy continuation, the engine's) of `prompt`."""
     from transformers import AutoModelForCausalLM
 
@@ -24,7 +24,7 @@ def greedy_pair(model_dir, prompt, n):
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    llm = LLM(str(model_dir), page_size=4, num_pages=64)
+    llm = LLM(str(model_dir), page_size=4, num_pages=64, **engine_args)
     ours = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0))[0]
     assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
     return ref[0, len(prompt):].tolist(), ours.token_ids, llm
@@ -64,14 +64,17 @@ def test_a_supported_kind_run_otherwise_is_refused(tmp_path, fields, says):
         LLM(str(d), num_pages=8)
 
 
-@pytest.mark.parametrize("family, field, says", [
-    ("cohere", "use_qk_norm", r"use_qk_norm is not supported \(Command R\+'s layer norms"),
-    ("stablelm", "qk_layernorm", r"qk_layernorm is not supported \(StableLM 2 12B's LayerNorms")])
-def test_per_head_layer_norms_of_q_and_k_are_refused_naming_them(tmp_path, family, field, says):
-    d = write_checkpoint(tmp_path / "m", family=family)
-    edit_config(d, **{field: True})
-    with pytest.raises(UnsupportedModel, match=says):
-        LLM(str(d), num_pages=8)
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("family, fields", [("cohere", {"use_qk_norm": True}),  # as Command R+
+                                            ("stablelm", {"qk_layernorm": True, "use_parallel_residual": True})])  # 2 12B
+def test_layer_norms_of_each_head_of_q_and_k_match_transformers(tmp_path, family, fields, ranks):
+    # Each head's weights are random, so a rank holding another head's, or none, gives other
+    # tokens; Cohere's rotary pairs are adjacent and StableLM's cover a quarter of each head,
+    # so both norms' weights are reordered as q's and k's dimensions are.
+    d = write_checkpoint(tmp_path / "m", family=family, **fields)
+    ref, ours, llm = greedy_pair(d, list(range(3, 30)), 8, tensor_parallel_size=ranks)
+    llm.close()
+    assert ours == ref
 
 
 def test_stablelm_with_a_parallel_residual_runs_attention_and_the_mlp_side_by_side(tmp_path):

@@ -20,14 +20,14 @@ from pdserve.engine.checkpoint import write_checkpoint
 SERVE_THEN_CHANGE_A_FILE = """
 import json, os, sys
 from pdserve.engine import LLM, SamplingParams
-model_dir, adapter_dir, tp, changed, change = sys.argv[1:]
-llm = LLM(model_dir, lora_modules=[f"a={adapter_dir}"], tensor_parallel_size=int(tp), page_size=4, num_pages=32,
-          num_threads=1)
+model_dir, tp, change, adapter_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3], (sys.argv[4:] or [None])[0]
+llm = LLM(model_dir, lora_modules=[f"a={adapter_dir}"] if adapter_dir else [], tensor_parallel_size=tp, page_size=4,
+          num_pages=32, num_threads=1)
 
 def answer():
     engine = llm.engine
     engine.add_request("r", [5, 17, 42, 9], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-                       lora="a" if changed == "adapter" else "")
+                       lora="a" if adapter_dir else "")
     done = []
     while engine.has_unfinished():
         done += [o.outputs[0].token_ids for o in engine.step() if o.finished]
@@ -35,7 +35,7 @@ def answer():
     return done[0]
 
 before = answer()
-path = os.path.join(*((adapter_dir, "adapter_model.safetensors") if changed == "adapter" else (model_dir, "model.safetensors")))
+path = os.path.join(adapter_dir, "adapter_model.safetensors") if adapter_dir else os.path.join(model_dir, "model.safetensors")
 if change == "truncated":
     os.truncate(path, 0)
 else:  # zeros over every byte, header included
@@ -90,8 +90,8 @@ def test_a_file_changed_in_place_while_serving_changes_no_answer(tp, changed, ch
     from pdserve.engine.checkpoint import write_lora_adapter
 
     model_dir = shutil.copytree(checkpoint_dirs("llama"), tmp_path / "m")
-    adapter_dir = write_lora_adapter(model_dir, tmp_path / "a", seed=1)
-    answers = run_child(SERVE_THEN_CHANGE_A_FILE, str(model_dir), str(adapter_dir), str(tp), changed, change)
+    adapter = [str(write_lora_adapter(model_dir, tmp_path / "a", seed=1))] if changed == "adapter" else []
+    answers = run_child(SERVE_THEN_CHANGE_A_FILE, str(model_dir), str(tp), change, *adapter)
     assert answers["after"] == answers["before"] and len(answers["before"]) == 8
 
 
