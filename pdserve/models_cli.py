@@ -99,15 +99,20 @@ def resolve_model(model: str, source: str | None = None) -> str:
 
 def model_or_exit(model: str, weights: bool = True) -> str:
     """`resolve_model` for a command line: a clear message and exit status 2 on failure; a
-    directory that lacks a file to serve it (its weights too, with `weights`) is one line
-    naming what is missing and exit status 1, before transformers reads it."""
+    directory that lacks a file to serve it (its weights too, with `weights`), or whose weight
+    files cannot be read, is one line naming what is missing or damaged and exit status 1,
+    before transformers reads it."""
     from pdserve.models.catalogue import UnknownModel
     from pdserve.models.convert import ModelUnavailable
-    from pdserve.models.directory import missing_files
+    from pdserve.models.directory import damaged_weights, missing_files
 
     if os.path.isdir(model) and (missing := missing_files(model, weights)):
         print(f"pdserve: error: --model {model} is not a checkpoint directory: it has no "
               f"{'; no '.join(missing)}", file=sys.stderr)
+        raise SystemExit(1)
+    if os.path.isdir(model) and weights and (damaged := damaged_weights(model)):
+        print(f"pdserve: error: --model {model} has weights that cannot be served: {'; '.join(damaged)}; "
+              f"download or save them again (an interrupted download leaves a file cut short)", file=sys.stderr)
         raise SystemExit(1)
     try:
         return resolve_model(model)

@@ -1,6 +1,6 @@
 """What a user meets when a server starts, as real processes: a taken port, a directory
-that is no checkpoint or a model of a kind pdserve does not run ends the command with one
-line and exit status 1 before any model loads; a node's C kernels are built before its ready line, and a node on the torch path
+that is no checkpoint, weights cut short or missing, or a model of a kind pdserve does not
+run ends the command with one line and exit status 1 before any model loads; a node's C kernels are built before its ready line, and a node on the torch path
 says so in that line and in `pdserve_c_kernels`."""
 
 from __future__ import annotations
@@ -95,6 +95,22 @@ def test_an_empty_model_directory_is_one_line_naming_what_is_missing(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # now only the weights and tokenizer are named
     line = one_line(pdserve("serve", "--model", str(tmp_path), "--port", "0").stderr)
     assert "config.json" not in line and "weights" in line and "tokenizer" in line, line
+
+
+def test_weights_cut_short_or_a_missing_shard_are_one_line_naming_each_file(tmp_path):
+    from pdserve.engine.checkpoint import write_checkpoint
+
+    model_dir = write_checkpoint(tmp_path / "m", max_shard_size="50KB")  # several files and their index
+    shards = sorted(model_dir.glob("*.safetensors"))
+    os.truncate(shards[0], shards[0].stat().st_size // 2)  # as an interrupted download leaves it
+    shards[-1].unlink()
+    out = pdserve("serve", "--model", str(model_dir), "--port", "0")
+    assert out.returncode == 1
+    line = one_line(out.stderr)
+    assert f"{shards[0].name} cannot be read (" in line and "download or save them again" in line, line
+    assert f"{shards[-1].name} (listed in model.safetensors.index.json) is missing" in line, line
+    assert len(shards) > 2 and shards[1].name not in line, line
+    assert MODEL_LOADED not in out.stderr + out.stdout
 
 
 @pytest.mark.parametrize("command", ["serve", "up"])
