@@ -1,9 +1,10 @@
 """How a node holds the weights it loads: as its own memory, so a checkpoint or LoRA adapter
 file truncated or rewritten in place while it serves (a model updated where it lies, an
-adapter saved again) changes nothing it answers and crashes nothing; a tensor-parallel rank casts only its share of a checkpoint
-stored in another dtype, never the whole model before cutting it.
+adapter saved again) changes nothing it answers and crashes nothing; and a tensor-parallel
+rank casts only its share of a checkpoint stored in another dtype, never the whole model
+before cutting it.
 
-Both run the engine in a child process: a weight still mapped from a truncated file
+Each test runs the engine in a child process: a weight still mapped from a truncated file
 raises SIGBUS, which would end the test run rather than fail the test."""
 
 from __future__ import annotations
