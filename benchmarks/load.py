@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from pdserve.procs import descendants
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench load", description=__doc__.split("\n\n")[0])
@@ -30,20 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _anon_bytes(pid: int) -> tuple[int, list[int]]:
-    """RssAnon of `pid` and the pids of its children."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            anon = next((int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:")), 0)
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return anon, [int(c) for c in f.read().split()]
-    except OSError:  # gone meanwhile
-        return 0, []
-
-
 def tree_anon_bytes(pid: int) -> int:
-    anon, children = _anon_bytes(pid)
-    return anon + sum(tree_anon_bytes(c) for c in children)
+    """RssAnon of `pid` and its descendants (0 for any gone meanwhile)."""
+    total = 0
+    for p in descendants(pid):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:")), 0)
+        except OSError:
+            pass
+    return total
 
 
 def one_start(model: str, ranks: int, dtype: str) -> dict:

@@ -193,16 +193,7 @@ class NodeProcess:
 
     def pids(self) -> list[int]:
         """This process and all its descendants."""
-        out, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            out.append(pid)
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                try:
-                    todo += [int(c) for c in (task / "children").read_text().split()]
-                except OSError:
-                    pass
-        return out
+        return descendants(self.proc.pid)
 
     def stop(self, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
         """Signal the node and wait; SIGKILL if it has not exited within `grace_s`."""
@@ -236,3 +227,17 @@ def stop_all(nodes: list[NodeProcess], grace_s: float = 10.0) -> None:
     deadline = time.monotonic() + grace_s
     for node in nodes:
         node.stop(max(0.0, deadline - time.monotonic()))
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (the children of each of its threads), as /proc has them."""
+    out, todo = [], [pid]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return out
