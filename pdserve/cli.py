@@ -36,7 +36,8 @@ from pdserve.envflags import apply_env_defaults
 
 BENCHMARKS = {name: "pdserve.benchmarks." + {"host": "host_step", "cache-key": "cache_key"}.get(name, name)
               for name in ("engine", "transfer", "serve", "router", "step", "chaos", "trust", "ttft", "gpu",
-                           "host", "score", "constrained", "priority", "cache-key", "lora", "window", "load")}
+                           "host", "score", "constrained", "priority", "cache-key", "lora", "window", "load",
+                           "start")}
 WORKER_COMMANDS = {"prefill": "prefill", "decode": "decode", "serve": "both"}
 
 
@@ -205,7 +206,6 @@ def cmd_up(args) -> int:
     _chat_template(args)  # a bad one stops `up` before any node starts
     model = _model(args)
     try:
-        check_servable(model, args.lora_modules)
         HTTPConfig(allowed_origins=args.allowed_origins, responses_store_mb=args.responses_store_mb,
                    sse_keepalive_s=args.sse_keepalive_s).validate()
     except ValueError as err:
@@ -214,8 +214,8 @@ def cmd_up(args) -> int:
                        served_model_name=args.served_model_name, chat_template=args.chat_template,
                        tool_call_parser=args.tool_call_parser,
                        api=from_args(APIKeyConfig, args))
-    try:
-        return up(config)
+    try:  # the model's check (seconds of imports) runs while the nodes start
+        return up(config, check=lambda: check_servable(model, args.lora_modules))
     except ValueError as err:
         raise SystemExit(f"pdserve up: {err}") from None
 

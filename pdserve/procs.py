@@ -89,6 +89,31 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+class HeldLines:
+    """Where nodes' stderr lines wait until `release()`, which writes them to our stderr and
+    lets the later ones straight through; never released, they are dropped. `pdserve up`
+    holds its nodes' lines while it checks the model beside their start, so a model it
+    refuses is its one line, not theirs too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[str] | None = []  # None once released
+
+    def write(self, line: str) -> None:
+        with self._lock:
+            if self._held is None:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            else:
+                self._held.append(line)
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held or [], None
+            sys.stderr.writelines(held)
+            sys.stderr.flush()
+
+
 class NodeProcess:
     """`python -m pdserve.cli ARGS` (or another module) as a child process.
 
@@ -99,13 +124,14 @@ class NodeProcess:
     `program`: run this command instead of `python -m MODULE` (etcd in the tests).
     `env`: its whole environment (default: ours). `netns`: a network namespace (`ip netns`)
     it is moved into before it execs, with that namespace's /sys (as `ip netns exec`).
+    `held`: without `log`, its stderr lines go there (HeldLines) rather than to ours.
     """
 
     def __init__(self, args: list[str], *, log: Path | None = None, cores: set[int] | None = None,
                  threads: int | None = None, module: str = "pdserve.cli", session: bool = True,
                  death_signal: int = signal.SIGKILL, echo: bool = False,
                  program: list[str] | None = None, env: dict[str, str] | None = None,
-                 netns: str | None = None) -> None:
+                 netns: str | None = None, held: HeldLines | None = None) -> None:
         self.args = list(args)
         self.name = " ".join(self.args[:1]) or module
         self.log_path = Path(log) if log is not None else None
@@ -125,8 +151,12 @@ class NodeProcess:
         command = program or [sys.executable, "-m", module]  # `program`: another binary
         # Set up by pdserve.launch in the child, not by a preexec_fn: see there why.
         argv = launch.command([*command, *self.args], parent_death=death_signal, netns=netns, cores=cores)
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True,
+        stderr = subprocess.PIPE if held is not None and self._log is None else self._log
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                      errors="replace", bufsize=1, start_new_session=session)
+        if stderr is subprocess.PIPE:
+            threading.Thread(target=self._relay_stderr, args=(held,), name=f"stderr-{self.name}",
+                             daemon=True).start()
 
     def wait_ready(self, timeout_s: float = 120.0) -> str:
         """The node's `HOST:PORT` once it listens (see `dial_address`); raises RuntimeError
@@ -158,6 +188,11 @@ class NodeProcess:
         tail = f"; {self.log_path}:\n{self.log_path.read_text()[-3000:]}" if self.log_path else ""
         self._start_error = f"pdserve {self.name} did not start (exit code {code}){tail}"
         raise RuntimeError(self._start_error)
+
+    def _relay_stderr(self, held: HeldLines) -> None:
+        with self.proc.stderr:  # until the node and its children have exited
+            for line in self.proc.stderr:
+                held.write(line)
 
     def _copy_stdout(self) -> None:
         """Past the ready line nothing else reads the node's stdout, and a library writing

@@ -3,6 +3,8 @@
 All three start at once, so their start-up (mostly imports) overlaps: worker ports are
 picked up front (a free port each unless given), and the router connects lazily, so it may
 come up before the workers. Each node reports the port it bound on its first stdout line.
+Whether the engine can serve the model is checked here (from its config) while they start,
+their stderr held meanwhile: a model refused is `up`'s one line, the nodes' dropped unread.
 Ctrl-C or SIGTERM stops all three (SIGTERM, then SIGKILL after a grace period), and if any
 child dies the others are stopped too: `up` never leaves a process behind.
 
@@ -41,10 +43,11 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_FRACTION, DTYPES
-from pdserve.procs import NodeProcess, free_port, stop_all
+from pdserve.procs import HeldLines, NodeProcess, free_port, stop_all
 from pdserve.runtime.auth import APIKeyConfig
 from pdserve.runtime.devices import default_device
 from pdserve.runtime.logs import LOG_FORMATS
@@ -150,7 +153,9 @@ def _secret_file(value: str, keys: list[str]) -> str:
     return path
 
 
-def up(config: UpConfig) -> int:
+def up(config: UpConfig, check: Callable[[], None] = lambda: None) -> int:
+    """Serve until Ctrl-C, SIGTERM or a child's death; `check()` runs as the nodes start and
+    may refuse the model with a ValueError (its text is then our one line)."""
     keys: list[str] = []
     api_keys = config.api.tenants()  # a bad key file fails here, before anything starts
     cluster = ["--cluster-key-file", _secret_file(secrets.token_hex(32), keys)]
@@ -170,7 +175,16 @@ def up(config: UpConfig) -> int:
         decode_port = config.decode_port or free_port()
         http_port = config.http_port or free_port()
         args = node_args(config, prefill_port, decode_port, http_port, cluster, api)
-        procs += [_start(args[role]) for role in ("prefill", "decode", "router")]
+        held = HeldLines()
+        procs += [_start(args[role], held) for role in ("prefill", "decode", "router")]
+        try:
+            check()
+        except ValueError as err:
+            print(f"pdserve up: {err}", file=sys.stderr)
+            return 1
+        if stopping:  # Ctrl-C while checking: the nodes' lines (they got it too) stay dropped
+            return 0
+        held.release()
         for proc in procs:
             proc.wait_ready(config.start_timeout_s)
         # Both front doors on one line; its start is what procs.LISTENING reads.
@@ -261,9 +275,9 @@ def gpu_dtype(device: list[str], extra: list[str]) -> list[str]:
     return []
 
 
-def _start(args: list[str]) -> NodeProcess:
-    # Logs (stderr) go straight to the terminal; stdout is read only for the port. The
-    # nodes share our process group, so a terminal's Ctrl-C reaches them too.
+def _start(args: list[str], held: HeldLines) -> NodeProcess:
+    # Logs (stderr) go to the terminal, once `held` is released; stdout is read only for the
+    # port. The nodes share our process group, so a terminal's Ctrl-C reaches them too.
     env = {k: v for k, v in os.environ.items() if k not in KEY_VARIABLES}
-    return NodeProcess(args, session=False, death_signal=signal.SIGTERM, echo=True, env=env)
+    return NodeProcess(args, session=False, death_signal=signal.SIGTERM, echo=True, env=env, held=held)
 

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -296,3 +297,49 @@ def test_make_serve_passes_args_to_up():
     plan = subprocess.run(["make", "--no-print-directory", "-n", "serve", "ARGS=--dtype bfloat16 --http-port 0"],
                           cwd=root, capture_output=True, text=True, check=True).stdout
     assert plan.splitlines()[-1] == ".venv/bin/pdserve up --dtype bfloat16 --http-port 0"
+
+
+# `up` with a check that sees which nodes run while it checks and waits until the prefill
+# node listens (it has logged its KV cache by then), then stops `up` as Ctrl-C would.
+CHECK_BESIDE_THE_NODES = """
+import os, signal, socket, sys
+from pdserve.procs import descendants, free_port
+from pdserve.up import UpConfig, up
+from tests.cluster.nodes import wait_until
+
+def roles():
+    found = set()
+    for pid in descendants(os.getpid())[1:]:
+        try:
+            argv = open(f"/proc/{pid}/cmdline").read().split(chr(0))
+        except OSError:
+            continue
+        if "pdserve.cli" in argv:
+            found.add(argv[argv.index("pdserve.cli") + 1])
+    return found
+
+def listening():
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+def check():
+    wait_until(lambda: roles() == {"decode", "prefill", "router"}, roles, 60)
+    print("running while checked:", " ".join(sorted(roles())), flush=True)
+    wait_until(listening, "the prefill node", 120)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+port = free_port()
+sys.exit(up(UpConfig(model=sys.argv[1], device="cpu", http_port=0, prefill_port=port), check=check))
+"""
+
+
+def test_up_checks_the_model_while_its_nodes_start_and_keeps_their_lines_until_it_is_done(tiny_model):
+    """The check's seconds of imports are not added to the start (a check that waited for
+    the nodes before they started would time out), and stopped while checking, `up` lets
+    none of its nodes' lines through."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", CHECK_BESIDE_THE_NODES, tiny_model], cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "running while checked: decode prefill router" in out.stdout, out.stdout
+    assert out.stderr == "", out.stderr
