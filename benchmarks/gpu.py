@@ -81,7 +81,8 @@ def stage_parity(device: str, workdir: Path, quick: bool) -> dict:
 # One random checkpoint of each mechanism the GPU step path runs beyond Llama's: capped
 # scores and windows (gemma2), rope tables by layer kind (gemma3), NoPE layers (smollm3,
 # exaone4), experts (qwen2_moe), norms over all heads (olmo2), scaled queries (ministral3),
-# reordered partial rope (glm4), an ungated MLP (apertus), fused projections (phi3),
+# reordered partial rope (glm4), an ungated MLP (apertus), fused projections and LongRoPE past
+# its original 32 positions, a prompt long from the start and one growing past them (phi3),
 # attention sinks and clamped experts (gpt_oss), grouped sigmoid routing (glm4_moe), q and k
 # normed after rope (hunyuan_v1_dense).
 GPU_FAMILIES = ("gemma2", "gemma3", "smollm3", "exaone4", "qwen2_moe", "olmo2", "ministral3", "glm4", "apertus", "phi3",
@@ -96,7 +97,7 @@ def stage_families(device: str, workdir: Path, quick: bool) -> dict:
     from pdserve.engine.checkpoint import write_checkpoint
 
     backend = "torch" if device == "cpu" else "triton"  # the interpreter: tests/engine covers it
-    prompts = [[FIRST_ID + (i * 37 + j * 11) % 400 for j in range(n)] for i, n in enumerate((5, 40))]
+    prompts = [[FIRST_ID + (i * 37 + j * 11) % 400 for j in range(n)] for i, n in enumerate((5, 28, 40))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     out = {}
     for family in GPU_FAMILIES[:2] if quick else GPU_FAMILIES:

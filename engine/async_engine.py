@@ -97,13 +97,15 @@ class AsyncEngine:
         self._submit(_logged(fn), args, None, None)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       prefill_only: bool = False, cache_salt: str = "", priority: int = 0, lora: str = ""):
+                       prefill_only: bool = False, cache_salt: str = "", priority: int = 0, lora: str = "",
+                       full_prompt_len: int = 0):
         """Deltas of a new request, ending with its finished output; `cache_salt`: whose
         cached pages it may share (engine/prefix_cache.py); `priority`: lower is served
-        first among the waiting; `lora`: its LoRA adapter (engine/lora.py), "" for none."""
+        first among the waiting; `lora`: its LoRA adapter (engine/lora.py), "" for none;
+        `full_prompt_len`: as `Engine.add_request`'s."""
         def add(engine):
-            engine.add_request(request_id, prompt_ids, params, prefill_only=prefill_only,
-                               cache_salt=cache_salt, priority=priority, lora=lora)
+            engine.add_request(request_id, prompt_ids, params, prefill_only=prefill_only, cache_salt=cache_salt,
+                               priority=priority, lora=lora, full_prompt_len=full_prompt_len)
 
         async for out in self._stream(request_id, add):
             yield out

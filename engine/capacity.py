@@ -19,6 +19,7 @@ class KVCapacity:
     page_size: int
     num_pages: int
     max_model_len: int
+    long_rope_from: int = 0  # LongRoPE's original context where the model's reaches past it (pdserve/context.py)
 
     def check_fits(self, prompt_len: int, params: SamplingParams, prefill_only: bool = False) -> None:
         """ValueError naming the numbers if a request could never fit the KV cache, even

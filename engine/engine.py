@@ -6,6 +6,7 @@ servers; engine/owner_thread.py). Ways a request enters, each with its checks in
 - `add_request(prefill_only=True)` (prefill node): computes the prompt's KV, never samples,
   finishes with "prefilled" and keeps its pages pinned until `release`; that output names
   each position's slot (`slots`) and, on a GPU, the event to wait for before reading them.
+  `full_prompt_len`: the whole prompt's, where it computes the start (LongRoPE's follows it).
 - `prepare_receive` then `start_generation` (decode node): reserve slots for KV computed
   elsewhere, park the request, then generate once the KV has arrived.
 Invariants: `abort` and `release` return every page a request holds; an idle engine has
@@ -68,8 +69,7 @@ class Engine(SingleThreaded):
         if device.type == "cpu":
             keep_step_buffers()
         self.config = config
-        # Ranks 1.. start first: they start up while this rank does, and load their shares
-        # of the weights while it loads its own.
+        # Ranks 1.. start first: they start, and load their shares of the weights, while this rank loads its own.
         self.tp = TPGroup(config) if config.tensor_parallel_size > 1 else None
         try:
             self._build(config, getattr(torch, config.dtype))
@@ -93,13 +93,14 @@ class Engine(SingleThreaded):
         pool_heads = sum(s.num_kv_heads for s in shards)  # the ranks share this host's memory
         bytes_per_page = m.num_layers * 2 * self.page_size * pool_heads * m.head_dim * dtype.itemsize
         self.num_pages, self.kv_cache_sizing = kv_cache_pages(config, bytes_per_page)
-        self.capacity = KVCapacity(self.page_size, self.num_pages, self.max_model_len)  # any thread reads it
+        self.capacity = KVCapacity(self.page_size, self.num_pages, self.max_model_len, m.long_rope_from)  # any thread reads it
         self.kv_cache = kv_pool(config.kv_layout, self.num_pages, m.num_layers, self.page_size, m.num_kv_heads,
                                 m.head_dim, lambda shape: lazy_zeros(shape, dtype, config.device))
         self.pool = PagePool(self.num_pages, self.page_size)
         self.prefix_cache = PrefixCache(self.pool, config.enable_prefix_cache)
         self.step_budget = StepBudget.for_target_ms(config.decode_itl_target_ms)
-        self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_batched_tokens, config.max_num_seqs, self.step_budget)
+        self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self.step_budget, m.long_rope_from)
         self.runner = ModelRunner(m, self.kv_cache, self.page_size, config.resolved_attention_backend, config.device,
                                   config.max_num_seqs, self.max_model_len, config.cuda_graphs)
         if self.tp is not None:  # tensor-parallel: every step goes to every rank
@@ -141,9 +142,9 @@ class Engine(SingleThreaded):
 
     # ---- entering requests (`lora`: a LoRA adapter's name, "" for the base model) ------
     @entry_point
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prefill_only: bool = False, cache_salt: str = "", priority: int = 0, lora: str = "") -> None:
-        request = self._new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt, lora)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False,
+                    cache_salt: str = "", priority: int = 0, lora: str = "", full_prompt_len: int = 0) -> None:
+        request = self._new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt, lora, full_prompt_len)
         request.priority, self.requests[request_id] = priority, request
         # Samples after the first wait for its prefill, then find the prompt's full pages
         # in the prefix cache instead of computing them again.
@@ -166,7 +167,7 @@ class Engine(SingleThreaded):
         seq = request.seqs[0]
         ps = self.page_size
         max_pages = max(0, kv_window_end - 1) // ps
-        extend_page_keys(seq.page_keys, seq.token_ids, ps, max_pages, request.cache_salt)
+        extend_page_keys(seq.page_keys, seq.token_ids, ps, max_pages, seq.cache_salt)
         seq.pages = self.prefix_cache.match(seq.page_keys[:max_pages])
         matched = len(seq.pages) * ps
         self.scheduler.make_room(need := ceil_div(kv_window_end, ps) - len(seq.pages), priority)
@@ -220,13 +221,12 @@ class Engine(SingleThreaded):
         seq = request.seqs[0]
         return seq.slots(0, seq.num_tokens, self.page_size)
 
-    def _new_request(self, request_id, prompt_token_ids, params, prefill_only, cache_salt="", lora="") -> Request:
+    def _new_request(self, request_id, prompt_token_ids, params, prefill_only, cache_salt="", lora="", full_prompt_len=0):
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._arrivals += 1
-        return new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt, self.capacity,
-                           self.vocab_size, self.new_detokenizer, self._arrivals, self.grammars, self.bans,
-                           self.adapters, lora)
+        return new_request(request_id, prompt_token_ids, params, prefill_only, cache_salt, self.capacity, self.vocab_size,
+                           self.new_detokenizer, self._arrivals, self.grammars, self.bans, self.adapters, lora, full_prompt_len)
 
     # ---- one step ----------------------------------------------------------------------
     @entry_point
@@ -320,7 +320,7 @@ class Engine(SingleThreaded):
         full = min(seq.num_computed // self.page_size, len(seq.pages))
         if full <= seq.num_published:
             return
-        extend_page_keys(seq.page_keys, seq.token_ids, self.page_size, full, seq.request.cache_salt)
+        extend_page_keys(seq.page_keys, seq.token_ids, self.page_size, full, seq.cache_salt)
         for p in range(seq.num_published, full):
             self.prefix_cache.publish(seq.pages[p], seq.page_keys[p])
         seq.num_published = full

@@ -26,8 +26,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
-    # q|k|v and gate|up stored fused
-    "phi3": ("Phi3Config", dict(sliding_window=None, original_max_position_embeddings=2048)),
+    # q|k|v and gate|up stored fused; Phi-3.5's LongRoPE, its context past the original 32 positions
+    "phi3": ("Phi3Config", dict(sliding_window=None, original_max_position_embeddings=32, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 10 for i in range(8)],
+        "long_factor": [4.0 + i for i in range(8)]})),
     # Granite 3's multipliers, every one away from 1
     "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
                                       attention_multiplier=0.0078125, logits_scaling=8.0, tie_word_embeddings=True)),

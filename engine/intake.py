@@ -23,7 +23,8 @@ from .sequence import Request, Sequence
 
 def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefill_only: bool, cache_salt,
                 capacity: KVCapacity, vocab_size: int, new_detokenizer, arrival: int, grammars,
-                bans: BanRules, adapters, lora: str = "") -> Request:
+                bans: BanRules, adapters, lora: str = "", full_prompt_len: int = 0) -> Request:
+    """`full_prompt_len`: the whole prompt's, where a prefill node computes only its start."""
     prompt = list(prompt_token_ids or [])
     if not prompt:
         raise ValueError("prompt must not be empty, got 0 tokens")
@@ -47,10 +48,11 @@ def new_request(request_id: str, prompt_token_ids, params: SamplingParams, prefi
     # An adapter's KV is its own: its pages are cached under a salt of its own.
     salt = f"{cache_salt}\0lora:{lora}" if adapter >= 0 else cache_salt
     request = Request(request_id, prompt, params, prefill_only, arrival, cache_salt=salt, lora=adapter)
+    long_rope = bool(capacity.long_rope_from) and max(len(prompt), full_prompt_len) > capacity.long_rope_from
     if params.prompt_logprobs is not None and not prefill_only:
         request.prompt_logprobs = []
     for i in range(1 if prefill_only else params.n):
-        seq = Sequence(request, i, list(prompt), len(prompt))
+        seq = Sequence(request, i, list(prompt), len(prompt), long_rope=long_rope)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed + i)
         seq.sampling = SamplingRow(params.temperature, params.top_k, params.top_p, params.min_p, seq.generator,

@@ -23,7 +23,9 @@ Before both, a decode node's started sequences (their prompt's KV received, `add
 take the free sequence slots, in order of priority, then of starting; one of a strictly
 better priority than the last-ranked running sequence displaces it. They hold their
 pages while they wait, so `max_num_seqs` bounds the decode batch as it does a prefill's.
-A sequence that cannot fit in the whole pool even alone finishes with "length".
+A sequence that cannot fit in the whole pool even alone finishes with "length". One that
+grows past LongRoPE's original context is computed again from its start, by the long
+factors (`_recompute_long`).
 Invariants: every scheduled sequence holds pages for all positions it computes this step;
 the tokens scheduled in one step never exceed `max_num_batched_tokens`.
 """
@@ -60,8 +62,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pool: PagePool, cache: PrefixCache, max_num_batched_tokens: int, max_num_seqs: int,
-                 step_budget: StepBudget | None = None):
+                 step_budget: StepBudget | None = None, long_rope_from: int = 0):
         self.step_budget = step_budget or StepBudget(0)
+        self.long_rope_from = long_rope_from  # LongRoPE's original context (engine/model/rope.py), 0: none
         self.pool = pool
         self.cache = cache
         self.page_size = pool.page_size
@@ -124,6 +127,9 @@ class Scheduler:
         return len(self.waiting) + len(self.started)
 
     def schedule(self) -> ScheduledBatch:
+        if self.long_rope_from:
+            for seq in [s for s in self.running if not s.long_rope and s.num_tokens > self.long_rope_from]:
+                self._recompute_long(seq)
         self._admit_started()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
@@ -259,7 +265,7 @@ class Scheduler:
         # At least one token is always computed: its logits give the next token. A prompt
         # whose logprobs are asked for needs the logits of every position: nothing cached.
         max_pages = 0 if seq.request.scores_prompt else (seq.num_tokens - 1) // self.page_size
-        extend_page_keys(seq.page_keys, seq.token_ids, self.page_size, max_pages, seq.request.cache_salt)
+        extend_page_keys(seq.page_keys, seq.token_ids, self.page_size, max_pages, seq.cache_salt)
         seq.pages = self.cache.match(seq.page_keys[:max_pages])
         seq.num_computed = len(seq.pages) * self.page_size
         seq.num_published = len(seq.pages)
@@ -270,6 +276,17 @@ class Scheduler:
         """Free seq's pages and queue it to recompute its KV first among the waiting of its
         priority (behind those of a better one)."""
         self.num_preemptions += 1
+        self._requeue(seq)
+
+    def _recompute_long(self, seq: Sequence) -> None:
+        """A running sequence grown past LongRoPE's original context is computed again from
+        its first position, every one by the long factors, as transformers' generate does
+        then (engine/model/rope.py); its pages so far stay cached for the short ones."""
+        self.running.remove(seq)
+        seq.long_rope, seq.page_keys = True, []
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
         self.free(seq)
         seq.status = Status.WAITING
         place, priority = 0, seq.request.priority

@@ -42,6 +42,9 @@ class Sequence:
     num_computed: int = 0
     num_published: int = 0
     page_keys: list[int] = field(default_factory=list)  # chained keys of full pages
+    # LongRoPE's long factors rotate its every position: it is longer than the original
+    # context (engine/model/rope.py; its prompt, or the whole prompt a prefill node starts).
+    long_rope: bool = False
     generator: torch.Generator | None = None
     sampling: object = None  # its sampler.SamplingRow, made once (the sampler reads it every step)
     detokenizer: object = None
@@ -57,6 +60,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def cache_salt(self) -> str:
+        """Its request's, and its own where the long factors rotate it: pages of both kinds never mix."""
+        return self.request.cache_salt + ("\0longrope" if self.long_rope else "")
 
     @property
     def output_token_ids(self) -> list[int]:

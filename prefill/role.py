@@ -173,7 +173,7 @@ class PrefillRole:
             if stream is not None:  # layers flow to the window from the moment it is known
                 destination = asyncio.ensure_future(self._send_layers_to_window(
                     request_id, len(prompt), end, sending, stream, deadline, dst_slots))
-            last = await self._prefill(request_id, prompt[:end], sending)
+            last = await self._prefill(request_id, prompt[:end], sending, len(prompt))
             if destination is not None:
                 dst_slots = await destination
             elif sending.delivered is None:
@@ -286,14 +286,14 @@ class PrefillRole:
         await asyncio.wait([sending.write])  # ends by the write's own deadline
         return True, sending.write.exception() is None
 
-    async def _prefill(self, request_id: str, prompt: list[int], sending: Sending):
+    async def _prefill(self, request_id: str, prompt: list[int], sending: Sending, full_prompt_len: int):
         if self.gates is not None:
             await self.gates.passage("prefill", request_id)
         if sending.aborted:
             raise RequestAborted(f"RemoteSend of {request_id!r} aborted before prefill")
         last, params = None, SamplingParams(max_tokens=1, temperature=0.0)
         async for out in self.engine.generate(request_id, prompt, params, prefill_only=True, cache_salt=sending.cache_salt,
-                                              priority=sending.priority, lora=sending.lora):
+                                              priority=sending.priority, lora=sending.lora, full_prompt_len=full_prompt_len):
             last = out
         if last is None or last.finish_reason != "prefilled":
             if sending.aborted:

@@ -17,10 +17,11 @@ one LayerNorm, Granite scales its residuals): the refusal, or the family's own
 `Architecture`, is the only guard. A sliding window (Mistral 7B v0.1's, Phi-3's, Qwen2's
 with use_sliding_window, Gemma 2's and 3's, OLMo 3's, EXAONE 4's) is run as such, a query
 seeing its last W keys.
-Where transformers changes how a model attends past some length (LongRoPE's second set of
-frequencies, Llama 4's chunks: pdserve/context.py), the engine runs contexts up to that
-length only, where its output is still the model's; Ministral 3's and Llama 4's queries,
-scaled up past a length, are scaled so here too.
+Where transformers changes how a model attends past some length (Llama 4's chunks:
+pdserve/context.py), the engine runs contexts up to that length only, where its output is
+still the model's; LongRoPE's long frequencies past its original context are run as
+transformers runs them (`long_rope_from`: engine/model/rope.py); Ministral 3's and Llama
+4's queries, scaled up past a length, are scaled so here too.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdserve.context import context_limit
+from pdserve.context import context_limit, long_rope_from
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Architecture:
     logits_divisor: float = 1.0  # Granite's logits_scaling
     context_limit: int = 0  # the longest context served
     why_limited: str = ""  # what sets context_limit below max_position_embeddings, if anything
+    long_rope_from: int = 0  # LongRoPE's original context, where it is below the model's (pdserve/context.py); else 0
     # Each layer's rotary tables: "" the model's, "none" none (SmolLM3's NoPE layers), else
     # the rope parameters of that layer kind (Gemma 3's "sliding_attention"); (): all "".
     rope_kinds: tuple[str, ...] = ()
@@ -188,8 +190,13 @@ def architecture(hf_config) -> Architecture:
     if factor != 1 and kind not in PARTIAL_ROTARY:  # transformers' own model would not rotate part of a head
         raise UnsupportedModel(f"partial rotary embeddings (partial_rotary_factor {factor}) are not supported for "
                                f"{kind} (only {', '.join(PARTIAL_ROTARY)} rotate part of each head)")
-    limit, why = context_limit(lambda name, default: getattr(c, name, default))
-    return replace(_family(c, kind, act), context_limit=limit, why_limited=why, windows=_windows(c))
+
+    def get(name, default):
+        return getattr(c, name, default)
+
+    limit, why = context_limit(get)
+    return replace(_family(c, kind, act), context_limit=limit, why_limited=why, long_rope_from=long_rope_from(get),
+                   windows=_windows(c))
 
 
 def _family(c, kind: str, act: str) -> Architecture:

@@ -7,9 +7,9 @@ one replay (as vLLM and nano-vllm do).
 How: every graph reads its inputs from one device buffer at fixed addresses and writes its
 logits into the first rows of one shared buffer (one tensor per graph would hold
 sum(buckets) x vocab floats: 16 GiB at 1024 sequences and a 128k vocabulary). A step
-fills a pinned host buffer with the batch's token ids, positions, slots, context lengths
-and block tables, copies it to the device in one transfer and replays the graph of the
-smallest bucket that holds the batch. Rows past the batch are padding: slot -1 (the KV
+fills a pinned host buffer with the batch's token ids, positions, rotary table rows, slots,
+context lengths and block tables, copies it to the device in one transfer and replays the
+graph of the smallest bucket that holds the batch. Rows past the batch are padding: slot -1 (the KV
 store skips it), context length 1, page 0.
 
 Invariants:
@@ -25,18 +25,21 @@ Invariants:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pdserve.arith import ceil_div
 
 from ..attention import triton_ops
 from .llama import LlamaModel, StepAttention
+from .rope import rope_index
 
 # Batch sizes with a graph: small ones exactly, then every 16 (a batch of 17 runs the
 # graph of 32, so at most 15 padding rows).
 _SMALL = (1, 2, 4, 8)
 _STRIDE = 16
-_FIELDS = 4  # token id, position, slot, context length; then the block table row
+# token id, position, rotary table row (rope.rope_index), slot, context length; then the block table row
+_FIELDS = 5
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -69,13 +72,13 @@ class DecodeGraphs:
             self._capture()
 
     def _views(self, b: int):
-        """(ids, positions, slots, seq_lens, block_tables) of the bucket of size b."""
+        """(ids, positions, rotary rows, slots, seq_lens, block_tables) of the bucket of size b."""
         x = self.inputs
-        ids, pos, slots, lens = (x[i * b:(i + 1) * b] for i in range(_FIELDS))
-        return ids, pos, slots, lens, x[_FIELDS * b:(_FIELDS + self.width) * b].view(b, self.width)
+        ids, pos, rope, slots, lens = (x[i * b:(i + 1) * b] for i in range(_FIELDS))
+        return ids, pos, rope, slots, lens, x[_FIELDS * b:(_FIELDS + self.width) * b].view(b, self.width)
 
     def _forward(self, b: int) -> torch.Tensor:
-        ids, pos, slots, lens, tables = self._views(b)
+        ids, pos, rope, slots, lens, tables = self._views(b)
         ps, qsl = self.page_size, self.query_start[:b + 1]
         softcap, window = self.model.attn_softcap, self.model.window  # the model's: constants of the graph
 
@@ -83,7 +86,7 @@ class DecodeGraphs:
             return triton_ops.paged_attention(q, k_cache, v_cache, tables, qsl, lens, ps, scale, max_query_len=1,
                                               window=window, softcap=softcap, sinks=sinks)
 
-        step = StepAttention(slots, triton_ops.store_kv, attend)
+        step = StepAttention(slots, triton_ops.store_kv, attend, rope_positions=rope)
         if window:  # the sliding layers'
             step.attend_window = lambda q, k_cache, v_cache, scale, sinks=None: attend(q, k_cache, v_cache, scale,
                                                                                        sinks, window)
@@ -117,9 +120,10 @@ class DecodeGraphs:
         h = self.host_np
         h[start:b] = 0  # token id
         h[b + start:2 * b] = 0  # position
-        h[2 * b + start:3 * b] = -1  # slot: nothing stored
-        h[3 * b + start:4 * b] = 1  # context: one position, page 0 offset 0
-        h[4 * b + start * self.width:4 * b + b * self.width:self.width] = 0
+        h[2 * b + start:3 * b] = 0  # rotary row
+        h[3 * b + start:4 * b] = -1  # slot: nothing stored
+        h[4 * b + start:5 * b] = 1  # context: one position, page 0 offset 0
+        h[5 * b + start * self.width:5 * b + b * self.width:self.width] = 0
 
     def _copy(self, b: int) -> None:
         n = b * (_FIELDS + self.width)
@@ -151,9 +155,12 @@ class DecodeGraphs:
                 rows[i] = (pages, used)
         h[0:n] = ids
         h[b:b + n] = positions
-        h[2 * b:2 * b + n] = slots
-        h[3 * b:3 * b + n] = positions
-        h[3 * b:3 * b + n] += 1  # context length: the position's own token included
+        m = self.model
+        h[2 * b:2 * b + n] = positions if not m.long_rope_from else rope_index(
+            h[b:b + n], m.max_positions, np.array([seq.long_rope for seq in seqs]))
+        h[3 * b:3 * b + n] = slots
+        h[4 * b:4 * b + n] = positions
+        h[4 * b:4 * b + n] += 1  # context length: the position's own token included
         if n < b:
             self._fill_padding(n, b)
             rows[n:b] = [None] * (b - n)

@@ -2,18 +2,16 @@
 Gemma 2, Gemma 3, OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS; the list
 is arch.MODEL_TYPES) as plain tensor code over the paged KV cache.
 
-Tokens of all sequences in a step are one flat batch [T]: every linear layer is one
-matmul for the whole step, whatever mix of prefill chunks and decodes it holds. Per
-architecture differences are data, not classes: QKV biases (Qwen2, `attention_bias`),
-q/k RMS norm (Qwen3), tied embeddings, rope scaling, Granite's multipliers, SmolLM3's
-layers without rope, Gemma's norms (1 + weight, added at load), GeLU and scaled embeddings,
-norms of the attention's and the MLP's outputs (OLMo 2, Gemma 2 and 3), sliding-window layers
-(Gemma 3's with rotary tables of their own), Gemma 2's capped scores and logits, experts in
-place of the MLP (`arch`, `moe`), GPT-OSS's attention sinks (`Layer.sinks`), Cohere's LayerNorms
-and its attention and MLP side by side. Weights are fused at load time
-(q|k|v and gate|up) so each layer runs four matmuls; between them run four fused
-operations (`fused`: add + norm, rotary + KV store, SiLU-and-multiply, add + norm), so a
-layer is about nine calls.
+Tokens of all sequences in a step are one flat batch [T]: every linear layer is one matmul for the
+whole step, whatever mix of prefill chunks and decodes it holds. Per architecture differences are
+data, not classes: QKV biases (Qwen2, `attention_bias`), q/k RMS norm (Qwen3), tied embeddings, rope
+scaling, Granite's multipliers, SmolLM3's layers without rope, Gemma's norms (1 + weight, added at
+load), GeLU and scaled embeddings, norms of the attention's and the MLP's outputs (OLMo 2, Gemma 2
+and 3), sliding-window layers (Gemma 3's with rotary tables of their own), Gemma 2's capped scores
+and logits, experts in place of the MLP (`arch`, `moe`), GPT-OSS's attention sinks (`Layer.sinks`),
+Cohere's LayerNorms and its attention and MLP side by side. Weights are fused at load time (q|k|v
+and gate|up) so each layer runs four matmuls; between them run four fused operations (`fused`: add +
+norm, rotary + KV store, SiLU-and-multiply, add + norm), so a layer is about nine calls.
 """
 
 from __future__ import annotations
@@ -75,6 +73,8 @@ class StepAttention:
     # None: no row has an adapter.
     lora: list | None = None
     lora_kept: list | None = None
+    # int64 [T]: each position's rotary tables' row (rope.rope_index); None: the positions.
+    rope_positions: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -107,9 +107,12 @@ class LlamaModel:
         self.vocab_size = c.vocab_size
         self.dtype = dtype
         # Rotary tables by layer kind ("": the model's; "none": a NoPE layer's, rotating nothing).
-        tables = {kind: RotaryTables.of_kind(c, kind, self.head_dim, max_positions, dtype, device)
+        # LongRoPE's long half of the tables, where a context reaches past its original one.
+        self.long_rope_from = arch.long_rope_from if max_positions > arch.long_rope_from else 0
+        self.max_positions = max_positions
+        tables = {kind: RotaryTables.of_kind(c, kind, self.head_dim, max_positions, dtype, device, self.long_rope_from)
                   for kind in dict.fromkeys(rope_kinds) if kind != "none"} or {
-                  "": RotaryTables(c, self.head_dim, max_positions, dtype, device)}
+                  "": RotaryTables(c, self.head_dim, max_positions, dtype, device, long_from=self.long_rope_from)}
         self.rope = next(iter(tables.values()))
         if "none" in rope_kinds:  # as large as a real table: only for a model with NoPE layers
             tables["none"] = self.rope.identity()
@@ -239,6 +242,7 @@ class LlamaModel:
 
         scaling = self.query_scaling
         query_scale = None if scaling is None else scaling.scales(positions, self.dtype)
+        rope_positions = positions if step.rope_positions is None else step.rope_positions
 
         residual = F.embedding(input_ids, self.embed)
         if self.embedding_multiplier != 1:
@@ -258,10 +262,10 @@ class LlamaModel:
                                        cohere=self.layer_norm == "cohere")
                 q_norm = k_norm = None
             if self.qk_norm_after_rope and q_norm is not None:  # (Llama 4's NoPE layers have none)
-                q = self._rope_then_norm(qkv, positions, layer, k_cache, v_cache, step)
+                q = self._rope_then_norm(qkv, rope_positions, layer, k_cache, v_cache, step)
             else:
                 q = rope_ops[layer.rope].rope_store(
-                    qkv, positions, q_norm, k_norm, k_cache, v_cache, step.slot_mapping, step.store_kv)
+                    qkv, rope_positions, q_norm, k_norm, k_cache, v_cache, step.slot_mapping, step.store_kv)
             if query_scale is not None and (not scaling.layers or scaling.layers[i]):
                 q = q * query_scale
             # Tensor-parallel: the layer's KV is in every rank's pool only once the o
@@ -304,14 +308,14 @@ class LlamaModel:
             h, residual = add_norm(out_norm(x, layer.mlp_out_norm), residual, following)
         return h
 
-    def _rope_then_norm(self, qkv, positions, layer: Layer, k_cache, v_cache, step: StepAttention) -> torch.Tensor:
+    def _rope_then_norm(self, qkv, rope_positions, layer: Layer, k_cache, v_cache, step: StepAttention) -> torch.Tensor:
         """q [T, H, D] of HunYuan's order (rotated, then normed by head in float32 and scaled in
         the dtype, as transformers' RMS norm), k so too and stored with v: plain torch, which
         the fused rope-and-store kernels (normed first) are not."""
         T, D = qkv.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * D, self.num_kv_heads * D
         tables = self.rope_tables.get(layer.rope) or self.rope
-        cos, sin = tables.lookup(positions)
+        cos, sin = tables.lookup(rope_positions)
 
         def normed(x, weight):
             return F.rms_norm(apply_rope(x, cos, sin).float(), (D,), eps=self.eps).to(x.dtype) * weight

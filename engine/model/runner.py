@@ -22,6 +22,7 @@ from ..attention import cpu_ops
 from ..lora import row_groups
 from .decode_graphs import DecodeGraphs
 from .llama import LlamaModel, StepAttention
+from .rope import rope_index
 
 
 class ModelRunner:
@@ -78,6 +79,7 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
         step = StepAttention(slot_t, self.ops.store_kv, self._attend_fn(query_lens, seq_lens, page_lists))
+        step.rope_positions = self._rope_rows(seqs, order, num_new, positions)
         # A window no context of the step outgrows masks nothing: the sliding layers attend as the others.
         window = self.model.window if self.model.window and max(seq_lens) > self.model.window else 0
         if window:
@@ -128,9 +130,12 @@ class ModelRunner:
         attention = self._attention_inputs(query_lens, seq_lens, page_lists)
         kept_attention = self._attention_inputs(
             [1] * len(kept), [seq_lens[j] for j in kept], [page_lists[j] for j in kept]) if kept else []
+        rope_rows = self._rope_rows(seqs, range(len(seqs)), num_new, positions)
+        rope = [] if rope_rows is None else [rope_rows]
         ids_t, pos_t, slot_t, rows_t, *dev = pinned_inputs(
-            [ids, positions, slots, rows, *attention, *kept_attention], self.device)
-        step = StepAttention(slot_t, self.ops.store_kv, self._device_attend(dev[:3], max(query_lens)))
+            [ids, positions, slots, rows, *rope, *attention, *kept_attention], self.device)
+        rope_t, dev = (dev[0], dev[1:]) if rope else (None, dev)
+        step = StepAttention(slot_t, self.ops.store_kv, self._device_attend(dev[:3], max(query_lens)), rope_positions=rope_t)
         window = self.model.window  # the kernel masks it: no separate plan to build
         if window:
             step.attend_window = self._device_attend(dev[:3], max(query_lens), window)
@@ -147,6 +152,16 @@ class ModelRunner:
         if not kept:
             return torch.empty(0, self.model.vocab_size, device=self.device)
         return self.model.logits(hidden if step.keep is not None else hidden.index_select(0, rows_t))
+
+    def _rope_rows(self, seqs, order, num_new, positions):
+        """The rotary tables' row of each of the step's positions (`order`: the sequences'
+        order in them): None where the tables have one half (no LongRoPE past its original
+        context); a tensor on the CPU path, an array on the GPU's (it goes with the others)."""
+        if not self.model.long_rope_from:
+            return None
+        long = np.repeat([seqs[j].long_rope for j in order], [num_new[j] for j in order])
+        rows = rope_index(np.asarray(positions, dtype=np.int64), self.model.max_positions, long)
+        return rows if self.on_gpu and self.backend == "triton" else torch.from_numpy(rows).to(self.device)
 
     def _lora(self, step: StepAttention, seqs, num_new, order, kept_rows: np.ndarray) -> None:
         """The step's LoRA rows (`order`: the sequences' order in the rows), if any has one."""

@@ -46,12 +46,13 @@ class _Tokens:
 
 class _StepSequence:
     """What `ModelRunner.run` reads of a sequence (of its request, the LoRA adapter: every
-    rank orders the step's rows alike, by adapter, and adds its share of each delta)."""
+    rank orders the step's rows alike, by adapter, and adds its share of each delta; and
+    whether LongRoPE's long factors rotate its prompt)."""
 
-    def __init__(self, num_computed: int, ids: list[int], pages: list[int], lora: int) -> None:
+    def __init__(self, num_computed: int, ids: list[int], pages: list[int], lora: int, long_rope: bool) -> None:
         self.num_computed, self.pages = num_computed, pages
         self.token_ids = _Tokens(num_computed, ids)
-        self.request = SimpleNamespace(lora=lora)
+        self.request, self.long_rope = SimpleNamespace(lora=lora), long_rope
 
 
 def main(argv: list[str]) -> int:

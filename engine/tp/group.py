@@ -122,7 +122,7 @@ class TPGroup:
     def run_step(self, seqs, num_new: list[int], wants: list[bool], page_size: int) -> None:
         """Tell every other rank to run this step (rank 0 runs it next)."""
         step = {"seqs": [(s.num_computed, s.token_ids[s.num_computed:s.num_computed + n],
-                          s.pages[:ceil_div(s.num_computed + n, page_size)], s.request.lora)
+                          s.pages[:ceil_div(s.num_computed + n, page_size)], s.request.lora, s.long_rope)
                          for s, n in zip(seqs, num_new)],
                 "num_new": num_new, "wants": wants}
         try:

@@ -1,9 +1,14 @@
 """Models of the newer families through a real cluster (router, prefill and decode
 processes): a multimodal Gemma 3 checkpoint and a multimodal Llama 4 one (NoPE layers,
 experts), whose language models the prefill and decode nodes load alone and whose routers
-read their text configs, serve greedy tokens equal to transformers' (past Gemma 3's
-sliding window), each prompt's KV window prefilled remotely and sent to the decode node,
-every pool full again afterwards."""
+read their text configs, and a Phi-3 with LongRoPE served past its original 32 positions,
+serve greedy tokens equal to transformers' (past Gemma 3's sliding window), each prompt's KV
+window prefilled remotely and sent to the decode node, every pool full again afterwards.
+
+The prompts, one after another: 40 tokens; 27, which LongRoPE's decode node computes again
+once it grows past 32; and those 27 and 6 more, long, whose KV window (32 tokens) the
+prefill node rotates by the long factors for the whole prompt, and whose cached beginning
+(the 27's, short) neither node may reuse."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import pytest
 from pdserve.client import AsyncClient
 from tests.cluster.nodes import Cluster, run, wait_pools_full
 from tests.cluster.test_tensor_parallel import transformers_greedy
-from tests.engine.test_architectures import gemma3_multimodal_checkpoint
+from tests.engine.test_architectures import gemma3_multimodal_checkpoint, longrope_checkpoint
 
 NEW = 8
 
@@ -28,11 +33,12 @@ def llama4_multimodal_checkpoint(path):
     return save_multimodal(path, "Llama4", config_of("llama4", 512), vision, image_token_index=5)
 
 
-@pytest.mark.parametrize("build", [gemma3_multimodal_checkpoint, llama4_multimodal_checkpoint])
+@pytest.mark.parametrize("build", [gemma3_multimodal_checkpoint, llama4_multimodal_checkpoint, longrope_checkpoint])
 def test_a_newer_family_prefilled_remotely_decodes_as_transformers(tmp_path, build):
     model = str(build(tmp_path / "model"))  # Gemma 3: 8-token windows on its first layer
     rng = random.Random(5)
-    prompts = [[rng.randrange(6, 512) for _ in range(n)] for n in (40, 27)]
+    first = [rng.randrange(6, 512) for _ in range(33)]
+    prompts = [[rng.randrange(6, 512) for _ in range(40)], first[:27], first]
     nodes = Cluster(tmp_path, model)
     common = ["--model", model, "--host", "127.0.0.1", "--page-size", "8", "--num-pages", "64"]
     try:

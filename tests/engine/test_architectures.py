@@ -1,6 +1,6 @@
 """Which checkpoints the engine serves (engine/model/arch.py): another kind is refused before
 its weights load, naming what it is; where transformers attends otherwise past some length
-(a sliding window, LongRoPE), contexts stop at it and output up to it is transformers'."""
+(a sliding window, LongRoPE), output past it is transformers'."""
 
 from __future__ import annotations
 
@@ -101,16 +101,51 @@ def test_a_sliding_window_is_run_past_its_length_not_cut(tmp_path, family, field
     assert llm.engine.max_model_len == 2048  # the model's own
 
 
-def test_longrope_runs_within_its_original_context(tmp_path):
-    half = 8  # head_dim 16 / 2
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 10 for i in range(half)],
-            "long_factor": [4.0 + i for i in range(half)], "original_max_position_embeddings": 32}
-    d = write_checkpoint(tmp_path / "phi", family="phi3", max_position_embeddings=256,
-                         original_max_position_embeddings=32, rope_parameters=rope)
-    ref, ours, llm = greedy_pair(d, list(range(3, 27)), 8)
-    assert ours == ref
-    assert llm.engine.max_model_len == 32
-    assert PromptTokenizer(str(d)).card.max_model_len == 32  # the router offers what the nodes serve
+def longrope_checkpoint(path):
+    """A tiny Phi-3 of Phi-3.5's kind (engine/families.py): LongRoPE, its context (256) past
+    the original 32 positions."""
+    return write_checkpoint(path, family="phi3", max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_longrope_past_its_original_context_is_transformers_generate(tmp_path, ranks):
+    """Past 32 positions transformers rotates by the long factors: a prompt longer than 32
+    wholly, and a sequence that grows past it is computed again so (Phi-3's generate drops
+    its cache there). Prompts one at a time, sharing a beginning, so the prefix cache holds
+    short-factor pages a long prompt must not take; then all at once, in 16-token chunks."""
+    from transformers import AutoModelForCausalLM
+
+    d = longrope_checkpoint(tmp_path / "phi")
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    rng = random.Random(0)
+    start = [rng.randrange(3, 500) for _ in range(60)]
+    # 27 and 31 cross 32 while decoding, 32 at its first token; 33 and 40 are long prompts.
+    prompts = [start[:27], start[:32], start[:33], start[:40], start[:31]]
+    new = 10
+    want = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+        want.append(out[0, len(prompt):].tolist())
+    llm = LLM(str(d), page_size=4, num_pages=128, max_num_batched_tokens=16, tensor_parallel_size=ranks)
+    try:
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        alone = [llm.generate([p], params)[0] for p in prompts]
+        one_by_one = [o.outputs[0].token_ids for o in alone]
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
+    finally:
+        llm.close()
+    assert one_by_one == want
+    assert together == want
+    # Each prompt takes cached pages of its own kind only: the 32's short ones of the 27's
+    # prompt; the 33's long ones, computed when the 32 grew past 32 positions; the 40's the
+    # 33's; the 31's the 32's short ones. Computing again is no preemption.
+    assert [o.num_cached_tokens for o in alone] == [0, 24, 32, 32, 28]
+    assert llm.engine.scheduler.num_preemptions == 0
+    assert llm.engine.max_model_len == 256
+    assert PromptTokenizer(str(d)).card.max_model_len == 256  # the router offers what the nodes serve
 
 
 def test_granite_moes_shared_expert_runs_beside_its_routed_ones(tmp_path):
