@@ -19,7 +19,7 @@ import pytest
 from pdserve.client import AsyncClient
 from tests.cluster.nodes import Cluster, run, wait_pools_full
 from tests.cluster.test_tensor_parallel import transformers_greedy
-from tests.engine.test_architectures import gemma3_multimodal_checkpoint, longrope_checkpoint
+from tests.engine.test_architectures import gemma3_multimodal_checkpoint
 
 NEW = 8
 
@@ -31,6 +31,13 @@ def llama4_multimodal_checkpoint(path):
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
                   patch_size=8, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64)
     return save_multimodal(path, "Llama4", config_of("llama4", 512), vision, image_token_index=5)
+
+
+def longrope_checkpoint(path):
+    """The phi3 family's: Phi-3.5's kind, LongRoPE past its original 32 positions."""
+    from pdserve.engine.checkpoint import write_checkpoint
+
+    return write_checkpoint(path, family="phi3")
 
 
 @pytest.mark.parametrize("build", [gemma3_multimodal_checkpoint, llama4_multimodal_checkpoint, longrope_checkpoint])

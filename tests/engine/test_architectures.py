@@ -101,33 +101,20 @@ def test_a_sliding_window_is_run_past_its_length_not_cut(tmp_path, family, field
     assert llm.engine.max_model_len == 2048  # the model's own
 
 
-def longrope_checkpoint(path):
-    """A tiny Phi-3 of Phi-3.5's kind (engine/families.py): LongRoPE, its context (256) past
-    the original 32 positions."""
-    return write_checkpoint(path, family="phi3", max_position_embeddings=256)
-
-
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_longrope_past_its_original_context_is_transformers_generate(tmp_path, ranks):
-    """Past 32 positions transformers rotates by the long factors: a prompt longer than 32
-    wholly, and a sequence that grows past it is computed again so (Phi-3's generate drops
-    its cache there). Prompts one at a time, sharing a beginning, so the prefix cache holds
-    short-factor pages a long prompt must not take; then all at once, in 16-token chunks."""
-    from transformers import AutoModelForCausalLM
-
-    d = longrope_checkpoint(tmp_path / "phi")
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+def test_longrope_past_its_original_context_is_transformers_generate(checkpoint_dirs, hf_greedy, ranks):
+    """The phi3 family is Phi-3.5's kind (engine/families.py): past 32 positions transformers
+    rotates by the long factors, a prompt longer than 32 wholly, and a sequence that grows
+    past it is computed again so (Phi-3's generate drops its cache there). Prompts one at a
+    time, sharing a beginning, so the prefix cache holds short-factor pages a long prompt
+    must not take; then all at once, in 16-token chunks."""
+    d = checkpoint_dirs("phi3")
     rng = random.Random(0)
     start = [rng.randrange(3, 500) for _ in range(60)]
     # 27 and 31 cross 32 while decoding, 32 at its first token; 33 and 40 are long prompts.
     prompts = [start[:27], start[:32], start[:33], start[:40], start[:31]]
     new = 10
-    want = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
-        want.append(out[0, len(prompt):].tolist())
+    want = [hf_greedy("phi3", p, new) for p in prompts]
     llm = LLM(str(d), page_size=4, num_pages=128, max_num_batched_tokens=16, tensor_parallel_size=ranks)
     try:
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
@@ -144,8 +131,8 @@ def test_longrope_past_its_original_context_is_transformers_generate(tmp_path, r
     # 33's; the 31's the 32's short ones. Computing again is no preemption.
     assert [o.num_cached_tokens for o in alone] == [0, 24, 32, 32, 28]
     assert llm.engine.scheduler.num_preemptions == 0
-    assert llm.engine.max_model_len == 256
-    assert PromptTokenizer(str(d)).card.max_model_len == 256  # the router offers what the nodes serve
+    assert llm.engine.max_model_len == 2048  # the model's own, not the original 32
+    assert PromptTokenizer(d).card.max_model_len == 2048  # the router offers what the nodes serve
 
 
 def test_granite_moes_shared_expert_runs_beside_its_routed_ones(tmp_path):

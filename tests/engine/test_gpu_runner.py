@@ -213,26 +213,17 @@ def test_the_gpu_path_runs_sliding_windows_and_capped_scores_past_the_window(che
         assert out.outputs[0].token_ids == hf_greedy(family, tuple(prompt), 8), prompt
 
 
-def test_the_gpu_path_runs_longrope_past_its_original_context(tmp_path):
-    """The GPU step path and its graphs look up LongRoPE's long rows (engine/model/rope.py):
-    a long prompt, and sequences that grow past the original 32 positions and are computed
-    again, while the graphs decode the others."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.engine.test_architectures import longrope_checkpoint
-
-    d = longrope_checkpoint(tmp_path / "phi")
-    llm = gpu_path_llm(str(d), max_num_seqs=4, page_size=3, max_num_batched_tokens=16)
+def test_the_gpu_path_runs_longrope_past_its_original_context(checkpoint_dirs, hf_greedy):
+    """The GPU step path and its graphs look up LongRoPE's long rows (engine/model/rope.py;
+    the phi3 family's original context is 32 positions): a long prompt, and sequences that
+    grow past 32 and are computed again, while the graphs decode the others."""
+    llm = gpu_path_llm(checkpoint_dirs("phi3"), max_num_seqs=4, page_size=3, max_num_batched_tokens=16)
     graphs, replays = llm.engine.runner.graphs, []
     run = graphs.run
     graphs.run = lambda seqs: replays.append([s.long_rope for s in seqs]) or run(seqs)
     prompts = [list(range(3, 32)), list(range(40, 75)), list(range(100, 125))]  # 29, 35, 25 tokens
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
-        assert out.outputs[0].token_ids == want[0, len(prompt):].tolist(), len(prompt)
+        assert out.outputs[0].token_ids == hf_greedy("phi3", prompt, 10), len(prompt)
     assert {True, False} <= {long for rows in replays for long in rows}  # graphed steps of both kinds
     assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
